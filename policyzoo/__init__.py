@@ -1,0 +1,29 @@
+"""policyzoo: KV-cache selection policies and activation-sparse projections for faster decoding.
+
+    from policyzoo import Decoder, Quest, TopK
+    dec = Decoder(model, kv=Quest(budget=0.25), proj=TopK(0.5))
+    out = dec.generate(input_ids, max_new_tokens=64)
+"""
+
+from .cache import PagedKVCache
+from .decoder import Decoder
+from .kv import AttentionTopK, Dense, KVSelector, KVState, Quest, Window
+from .proj import ProjectionSparsifier, Threshold, TopK
+from .selection import Selection
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionTopK",
+    "Decoder",
+    "Dense",
+    "KVSelector",
+    "KVState",
+    "PagedKVCache",
+    "ProjectionSparsifier",
+    "Quest",
+    "Selection",
+    "Threshold",
+    "TopK",
+    "Window",
+]

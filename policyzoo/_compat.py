@@ -1,0 +1,59 @@
+"""The one place that knows about Hugging Face model internals and version differences.
+
+policyzoo drives HF models through public extension points only: a registered attention function
+(`AttentionInterface.register`) and forward calls with ``use_cache=False`` (the library keeps its
+own cache, so the ``past_key_values`` → ``cache`` rename between transformers 5.17 and 5.2x never
+reaches it). Projection names map onto the standard Llama-family module names.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# short projection name -> (sub-module of a decoder layer, linear name)
+PROJECTIONS = {
+    "q": ("self_attn", "q_proj"),
+    "k": ("self_attn", "k_proj"),
+    "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"),
+    "up": ("mlp", "up_proj"),
+    "down": ("mlp", "down_proj"),
+}
+
+
+def check_supported(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model: unsupported architecture {model_type!r}; policyzoo supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise ValueError("model must be a *ForCausalLM with .model.layers (got a bare base model?)")
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The model's attention window in tokens, or None when it attends to the whole context."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return window
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn for layer in decoder_layers(model)]
+
+
+def head_dims(model: nn.Module) -> tuple[int, int, int]:
+    """``(num_heads, num_kv_heads, head_dim)``."""
+    c = model.config
+    h = c.num_attention_heads
+    return h, getattr(c, "num_key_value_heads", None) or h, getattr(c, "head_dim", None) or c.hidden_size // h

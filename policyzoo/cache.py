@@ -1,0 +1,130 @@
+"""Static, preallocated, paged KV cache with per-page key summaries.
+
+Layout per layer: keys and values ``[B, H_kv, capacity, D]`` (capacity a multiple of the page size;
+``keys.view(B, H_kv, pages, page_size, D)`` is the page view), and four fp32 summaries
+``[B, H_kv, pages, D]``: per-page key min, max, mean and std over the page's *visible* tokens.
+
+All rows of a batch share slot numbers (left padding): row ``b`` owns slots ``start[b] .. length-1``.
+``length`` is a 0-dim tensor, never a Python int, so a compiled decode step sees the same graph at
+every step. A write never advances ``length``: the Decoder advances it once per step, before the
+forward, so every layer writes its new token at slot ``length - 1`` and attends to ``< length``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity!r}")
+        self.num_layers, self.batch, self.num_kv_heads, self.head_dim = num_layers, batch, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.num_pages = math.ceil(capacity / page_size)
+        self.capacity = self.num_pages * page_size
+        self.dtype, self.device = dtype, torch.device(device)
+        kv_shape = (batch, num_kv_heads, self.capacity, head_dim)
+        page_shape = (batch, num_kv_heads, self.num_pages, head_dim)
+        self.keys = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_min = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.page_max = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.page_mean = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.page_std = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.start = torch.zeros(batch, dtype=torch.long, device=device)
+
+    # ----------------------------------------------------------------- visibility (derived state)
+    def token_valid(self) -> Tensor:
+        """``bool[B, capacity]``: slot ``t`` of row ``b`` holds a real, visible token."""
+        pos = torch.arange(self.capacity, device=self.device)
+        return (pos >= self.start[:, None]) & (pos < self.length)
+
+    def page_counts(self) -> Tensor:
+        """``int64[B, pages]``: visible tokens per page (0 for pages of padding or the future)."""
+        lo = torch.arange(self.num_pages, device=self.device) * self.page_size
+        first = torch.maximum(lo, self.start[:, None])
+        last = torch.minimum(lo + self.page_size, self.length.expand(self.batch)[:, None])
+        return (last - first).clamp(min=0)
+
+    # ---------------------------------------------------------------------------------- writes
+    def reset(self, start: Tensor, length: int) -> None:
+        """Begin a new sequence batch: rows own slots ``start[b] .. length-1`` once prefilled."""
+        if length > self.capacity:
+            raise ValueError(f"prompt of {length} tokens does not fit a cache of {self.capacity}")
+        self.start.copy_(start)
+        self.length.fill_(length)
+
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write a whole prompt ``k, v [B, H_kv, T, D]`` at slots ``0..T-1`` and summarise it."""
+        t = k.shape[2]
+        self.keys[layer][:, :, :t].copy_(k)
+        self.values[layer][:, :, :t].copy_(v)
+        self._summarise(layer, slice(0, math.ceil(t / self.page_size)))
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write one token ``k, v [B, H_kv, 1, D]`` at slot ``length - 1``; refresh its page.
+
+        Only the touched page is re-summarised (``page_size`` keys per head), so the cost per step
+        is constant and the summaries always equal a recomputation over the visible tokens.
+        """
+        slot = (self.length - 1).reshape(1)
+        self.keys[layer].index_copy_(2, slot, k)
+        self.values[layer].index_copy_(2, slot, v)
+        self._summarise(layer, torch.div(slot, self.page_size, rounding_mode="floor"))
+
+    def _summarise(self, layer: int, pages: slice | Tensor) -> None:
+        b, h, d, p = self.batch, self.num_kv_heads, self.head_dim, self.page_size
+        keys = self.keys[layer].view(b, h, self.num_pages, p, d)
+        valid = self.token_valid().view(b, self.num_pages, p)
+        if isinstance(pages, slice):
+            k, m = keys[:, :, pages], valid[:, pages]
+        else:
+            k, m = keys.index_select(2, pages), valid.index_select(1, pages)
+        stats = page_summaries(k, m[:, None, :, :, None].expand_as(k))
+        for name, value in zip(SUMMARIES, stats):
+            dest = getattr(self, name)[layer]
+            if isinstance(pages, slice):
+                dest[:, :, pages] = value
+            else:
+                dest.index_copy_(2, pages, value)
+
+
+def page_summaries(k: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Min, max, mean and std over dim -2 of ``k [..., P, D]`` where ``mask`` is true.
+
+    Pages with no visible token get zeros everywhere (policies mask them out by ``page_counts``);
+    zeros rather than ±inf keep the Quest bound free of ``0·inf`` NaNs.
+    """
+    k = k.float()
+    n = mask.sum(-2)
+    empty = n == 0
+    kmin = torch.where(mask, k, torch.inf).amin(-2)
+    kmax = torch.where(mask, k, -torch.inf).amax(-2)
+    mean = torch.where(mask, k, 0.0).sum(-2) / n.clamp(min=1)
+    var = torch.where(mask, (k - mean.unsqueeze(-2)) ** 2, 0.0).sum(-2) / n.clamp(min=1)
+    zero = torch.zeros_like(mean)
+    return (
+        torch.where(empty, zero, kmin),
+        torch.where(empty, zero, kmax),
+        mean,
+        var.sqrt(),
+    )

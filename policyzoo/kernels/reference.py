@@ -1,0 +1,91 @@
+"""Plain-torch reference implementations: the specification every kernel is tested against.
+
+Shapes use ``B`` batch rows, ``H`` query heads, ``H_kv`` KV heads (``G = H // H_kv`` query heads per
+group), ``N`` cache slots, ``D`` head dim, ``P`` pages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..selection import Selection
+
+
+def decode_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    sel: Selection,
+    token_valid: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention of one query token over the selected cache entries.
+
+    Args:
+        q: ``[B, H, D]`` queries (after RoPE / norms).
+        keys, values: ``[B, H_kv, N, D]`` cache.
+        sel: the selection per (row, KV head); page selections are expanded to tokens.
+        token_valid: ``bool[B, N]``, slots that hold real tokens (padding and the future are false).
+        scale: softmax scale (``1/sqrt(D)`` for most models).
+
+    Returns:
+        ``(out [B, H, D] in q's dtype, lse float32[B, H])``. ``lse`` is the log of the softmax
+        denominator including ``log_weight``; an empty selection gives ``out = 0`` and
+        ``lse = -inf`` (never NaN), which the split-K merge treats as a chunk with no mass.
+    """
+    b, h, d = q.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    g = h // h_kv
+    pos, entry_valid = sel.token_positions()  # [B, H_kv, M]
+    pos_c = pos.clamp(0, n - 1)
+    in_seq = torch.gather(token_valid.unsqueeze(1).expand(-1, h_kv, -1), 2, pos_c)
+    valid = entry_valid & in_seq
+    idx = pos_c.unsqueeze(-1).expand(-1, -1, -1, d)
+    k_sel = torch.gather(keys, 2, idx).float()  # [B, H_kv, M, D]
+    v_sel = torch.gather(values, 2, idx).float()
+    qg = q.float().view(b, h_kv, g, d)
+    logits = torch.einsum("bkgd,bkmd->bkgm", qg, k_sel) * scale
+    if sel.log_weight is not None:
+        lw = sel.log_weight.float()
+        if sel.block > 1:
+            lw = lw.repeat_interleave(sel.block, dim=-1)
+        logits = logits + lw.unsqueeze(2)
+    logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # [B, H_kv, G]
+    probs = torch.exp(logits - lse.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)
+    out = torch.einsum("bkgm,bkmd->bkgd", probs, v_sel)
+    return out.reshape(b, h, d).to(q.dtype), lse.reshape(b, h)
+
+
+def dense_probs(q: Tensor, keys: Tensor, token_valid: Tensor, scale: float) -> Tensor:
+    """``float32[B, H, N]``: dense softmax of one query token over every visible slot."""
+    b, h, d = q.shape
+    h_kv = keys.shape[1]
+    qg = q.float().view(b, h_kv, h // h_kv, d)
+    logits = torch.einsum("bkgd,bknd->bkgn", qg, keys.float()) * scale
+    logits = logits.masked_fill(~token_valid[:, None, None, :], -torch.inf)
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).reshape(b, h, -1)
+
+
+def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float) -> Tensor:
+    """Quest upper bound of ``scale * q·k`` over each page: ``Σ_d max(q_d·min_d, q_d·max_d)``.
+
+    ``q [B, H, D]``, summaries ``[B, H_kv, P, D]`` → ``float32[B, H, P]`` (per query head; the
+    caller aggregates over the GQA group).
+    """
+    b, h, d = q.shape
+    h_kv = page_min.shape[1]
+    qg = q.float().view(b, h_kv, h // h_kv, 1, d)
+    lo = qg * page_min.float().unsqueeze(2)
+    hi = qg * page_max.float().unsqueeze(2)
+    return (torch.maximum(lo, hi).sum(-1) * scale).reshape(b, h, -1)
+
+
+def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) -> Tensor:
+    """``F.linear`` over the kept input features only.
+
+    ``keep`` is a bool mask shaped like ``x`` (features not kept count as zero), so the result is
+    what a sparse GEMV reading only the kept weight columns computes.
+    """
+    return torch.nn.functional.linear(x * keep.to(x.dtype), weight, bias)

@@ -1,0 +1,184 @@
+"""Shared machinery of the KV policies: state, budgets, scorers, GQA aggregation, sinks/window and
+the top-k chooser. A policy is a small dataclass that composes these pieces in `select`.
+
+Everything here works on tensors of static shape (the cache capacity, a fixed ``K_max``) and never
+synchronises with the host, so a compiled decode step does not recompile as the context grows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..cache import PagedKVCache
+from ..selection import Selection
+
+Aggregate = Literal["sum", "max"]
+
+
+@dataclass
+class KVState:
+    """What a policy sees of one layer: the cache, visibility, the softmax scale and a scratch dict."""
+
+    cache: PagedKVCache
+    layer: int
+    scale: float
+    store: dict = field(default_factory=dict)  # per-layer scratch owned by the policy
+
+    @property
+    def keys(self) -> Tensor:
+        return self.cache.keys[self.layer]
+
+    @property
+    def values(self) -> Tensor:
+        return self.cache.values[self.layer]
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    def token_valid(self) -> Tensor:
+        return self.cache.token_valid()
+
+    def page_valid(self) -> Tensor:
+        return self.cache.page_counts() > 0
+
+    def num_valid(self) -> Tensor:
+        """``int64[B]``: visible tokens per row."""
+        return (self.cache.length - self.cache.start).clamp(min=0)
+
+
+class KVSelector:
+    """Base class of KV policies.
+
+    Life cycle per layer: `prefill` once after the dense prefill, `select` every decode step (after
+    the step's token is written), `append` after each write. `page_size` is the cache page size the
+    policy needs (``None``: any).
+    """
+
+    page_size: int | None = None
+
+    def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """Called once per layer after the dense prefill; ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
+
+    def select(self, state: KVState, q: Tensor) -> Selection:
+        """Return the entries the query ``q [B, H, D]`` attends to."""
+        raise NotImplementedError  # abstract
+
+    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
+        """Called after each decode token is written (the cache keeps page summaries itself)."""
+
+
+# ------------------------------------------------------------------------------------ budgets
+@dataclass(frozen=True)
+class Budget:
+    """A number of tokens (``int > 0``) or a keep ratio of the visible context (``float in (0, 1]``)."""
+
+    value: int | float
+
+    def __post_init__(self) -> None:
+        check_budget(self.value, "budget")
+
+    @property
+    def is_ratio(self) -> bool:
+        return isinstance(self.value, float)
+
+    def k_max(self, capacity: int) -> int:
+        """Static selection width for a cache of ``capacity`` entries."""
+        if self.is_ratio:
+            return max(1, min(capacity, math.ceil(self.value * capacity)))
+        return max(1, min(capacity, int(self.value)))
+
+    def count(self, n_valid: Tensor) -> Tensor:
+        """Entries to keep given ``n_valid`` visible entries (a tensor; no host sync)."""
+        if self.is_ratio:
+            return torch.ceil(n_valid.double() * self.value).long()
+        return torch.full_like(n_valid, int(self.value))
+
+
+def check_budget(value: object, name: str) -> None:
+    """Raise a clear error unless ``value`` is a positive token count or a keep ratio in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be an int (tokens) or a float keep ratio, got {type(value).__name__}")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} as a keep ratio must be in (0, 1], got {value}")
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"{name} must be a positive number of tokens, got {value}")
+
+
+def check_count(value: object, name: str, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+# ------------------------------------------------------------------------------------ scorers
+def exact_scores(state: KVState, q: Tensor) -> Tensor:
+    """``float32[B, H, N]``: exact ``scale·q·k`` for every cache slot (reads all keys)."""
+    b, h, d = q.shape
+    h_kv = state.keys.shape[1]
+    qg = q.float().view(b, h_kv, h // h_kv, d)
+    s = torch.einsum("bkgd,bknd->bkgn", qg, state.keys.float()) * state.scale
+    return s.reshape(b, h, -1)
+
+
+def page_bound_scores(state: KVState, q: Tensor) -> Tensor:
+    """``float32[B, H, P]``: the Quest upper bound of ``scale·q·k`` per page, from the summaries."""
+    return kernels.quest_page_bound(q, state.cache.page_min[state.layer], state.cache.page_max[state.layer], state.scale)
+
+
+def aggregate_groups(scores: Tensor, valid: Tensor, num_kv_heads: int, how: Aggregate) -> Tensor:
+    """Fold per-query-head logits ``[B, H, N]`` into one score per KV head ``[B, H_kv, N]``.
+
+    ``"max"`` keeps the largest logit of the group; ``"sum"`` sums the group's softmax
+    probabilities (the selection then maximises the group's kept mass). Invalid entries are -inf.
+    """
+    b, h, n = scores.shape
+    s = scores.view(b, num_kv_heads, h // num_kv_heads, n).masked_fill(~valid[:, None, None, :], -torch.inf)
+    if how == "max":
+        out = s.amax(2)
+    elif how == "sum":
+        out = torch.softmax(s, dim=-1).nan_to_num(0.0).sum(2)
+    else:
+        raise ValueError(f"aggregate must be 'sum' or 'max', got {how!r}")
+    return out.masked_fill(~valid[:, None, :], -torch.inf)
+
+
+# ------------------------------------------------------------------------------ sinks, window
+def forced_tokens(state: KVState, sinks: int, window: int) -> Tensor:
+    """``bool[B, N]``: the first ``sinks`` and the last ``window`` visible tokens of each row."""
+    pos = torch.arange(state.cache.capacity, device=state.keys.device)
+    start, length = state.cache.start[:, None], state.cache.length
+    return state.token_valid() & ((pos < start + sinks) | (pos >= length - window))
+
+
+def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
+    """``bool[B, P]``: pages holding any forced token (the last page is always forced)."""
+    b, p = state.cache.batch, state.page_size
+    return forced_tokens(state, sinks, max(window, 1)).view(b, -1, p).any(-1)
+
+
+# ------------------------------------------------------------------------------------ chooser
+def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1) -> Selection:
+    """Keep the forced entries plus the best-scoring others, at most ``count`` per row.
+
+    Args:
+        scores: ``[B, H_kv, N]``, ``-inf`` where the entry is invalid.
+        forced: ``bool[B, N]`` entries always kept (they outrank every score).
+        k_max: static width of the selection.
+        count: ``int64[B]`` entries wanted per row; raised to the number of forced entries, capped
+            at ``k_max`` and at the number of valid entries.
+    """
+    valid = scores > -torch.inf
+    ranked = torch.where(forced[:, None, :] & valid, torch.inf, scores)
+    top, idx = torch.topk(ranked, k_max, dim=-1, sorted=True)
+    n_forced = (forced[:, None, :] & valid).sum(-1)
+    n_valid = valid.sum(-1)
+    want = torch.maximum(count[:, None], n_forced).clamp(max=k_max)
+    return Selection(indices=idx.int(), count=torch.minimum(want, n_valid).int(), block=block)

@@ -1,0 +1,5 @@
+from .base import ProjectionSparsifier
+from .threshold import Threshold
+from .topk import TopK
+
+__all__ = ["ProjectionSparsifier", "Threshold", "TopK"]

@@ -1,0 +1,104 @@
+"""Projection sparsifiers: keep only the largest input activations of chosen linear layers in decode.
+
+A sparsifier decides *which* input features each decode token keeps (`keep_mask`); `SparseLinear`
+wraps an `nn.Linear` and, in decode, computes the projection over the kept features only through
+`kernels.sparse_linear` (a sparse GEMV that reads only the kept weight columns). Prefill stays dense.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import kernels
+from .._compat import PROJECTIONS, decoder_layers
+
+if TYPE_CHECKING:
+    from ..attention import Runtime
+
+ALL_TARGETS = tuple(PROJECTIONS)
+
+
+def check_keep(keep: object, name: str = "keep") -> float:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+        raise TypeError(f"{name} must be a float keep ratio in (0, 1], got {type(keep).__name__}")
+    if not 0.0 < float(keep) <= 1.0:
+        raise ValueError(f"{name} must be a keep ratio in (0, 1], got {keep}")
+    return float(keep)
+
+
+def check_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    targets = tuple(targets)
+    bad = [t for t in targets if t not in PROJECTIONS]
+    if bad or not targets:
+        raise ValueError(f"targets must be a non-empty subset of {list(PROJECTIONS)}, got {list(targets)}")
+    return targets
+
+
+class ProjectionSparsifier:
+    """Base class: `keep_mask(name, x)` says which input features of projection ``name`` to keep.
+
+    ``name`` is ``"<layer>.<target>"`` (e.g. ``"3.down"``); ``x`` is ``[..., d_in]``.
+    """
+
+    keep: float
+    targets: tuple[str, ...]
+
+    def keep_mask(self, name: str, x: Tensor) -> Tensor:
+        raise NotImplementedError  # abstract
+
+    def install(self, model: nn.Module, runtime: "Runtime") -> None:
+        """Replace the target linears of every decoder layer by `SparseLinear` wrappers."""
+        for i, layer in enumerate(decoder_layers(model)):
+            for target in self.targets:
+                parent_name, linear_name = PROJECTIONS[target]
+                parent = getattr(layer, parent_name)
+                linear = getattr(parent, linear_name)
+                if isinstance(linear, SparseLinear):
+                    linear = linear.linear
+                setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", self, runtime))
+
+
+def uninstall(model: nn.Module) -> None:
+    """Put back the original linears (a no-op where nothing was wrapped)."""
+    for layer in decoder_layers(model):
+        for parent_name, linear_name in PROJECTIONS.values():
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, linear_name)
+            if isinstance(linear, SparseLinear):
+                setattr(parent, linear_name, linear.linear)
+
+
+class SparseLinear(nn.Module):
+    """An `nn.Linear` that reads only the kept input features during decode."""
+
+    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier, runtime: "Runtime") -> None:
+        super().__init__()
+        self.linear = linear
+        self.name = name
+        self.sparsifier = sparsifier
+        self.runtime = runtime
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.runtime.phase != "decode":
+            return self.linear(x)
+        keep = self.sparsifier.keep_mask(self.name, x)
+        if self.runtime.audit is not None:
+            self.runtime.audit.record_projection(self.name, keep)
+        return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep)
+
+
+def kept_features(keep: float, d: int) -> int:
+    """``ceil(keep·d)``, at least 1 (the small epsilon absorbs float error such as 0.3·10)."""
+    return max(1, min(d, math.ceil(keep * d - 1e-9)))
+
+
+def topk_mask(x: Tensor, keep: float) -> Tensor:
+    """``bool`` mask of the ``ceil(keep·d)`` largest-magnitude features of each row of ``x``."""
+    d = x.shape[-1]
+    k = kept_features(keep, d)
+    idx = x.abs().topk(k, dim=-1).indices
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx, True)

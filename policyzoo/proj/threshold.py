@@ -1,0 +1,119 @@
+"""`Threshold`: TEAL-style activation sparsity with per-projection magnitude thresholds.
+
+`calibrate` runs the dense model over real text, collects each target projection's input magnitudes
+and sets its threshold at the ``1 − keep`` quantile of ``|x|`` (equivalently the
+``0.5 + 0.5·(1 − keep)`` quantile of a symmetric ``x``), so that on similar text about ``keep`` of the
+inputs survive. In decode, inputs with ``|x| >= threshold`` are kept; the kept fraction varies per
+token, which is the point (and the reason to audit it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .._compat import PROJECTIONS, check_supported, decoder_layers
+from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets
+
+_SAMPLES_PER_PROJECTION = 1 << 18  # enough for a stable quantile, small enough for any model
+
+
+@dataclass
+class Threshold(ProjectionSparsifier):
+    """Keep inputs whose magnitude reaches the calibrated per-projection threshold."""
+
+    keep: float = 0.5
+    targets: Sequence[str] = ALL_TARGETS
+    thresholds: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.keep = check_keep(self.keep)
+        self.targets = check_targets(self.targets)
+        self._cache: dict[str, Tensor] = {}
+
+    def keep_mask(self, name: str, x: Tensor) -> Tensor:
+        if name not in self.thresholds:
+            raise ValueError(f"Threshold has no threshold for projection {name!r}: call calibrate() or load() first")
+        t = self._cache.get(name)
+        if t is None or t.device != x.device:
+            t = self._cache[name] = torch.tensor(self.thresholds[name], device=x.device, dtype=torch.float32)
+        return x.abs().float() >= t
+
+    @torch.no_grad()
+    def calibrate(
+        self,
+        model: nn.Module,
+        texts: Sequence[str] | Sequence[Tensor],
+        tokenizer=None,
+        max_tokens: int = 1024,
+    ) -> "Threshold":
+        """Set thresholds from the dense model's activations on ``texts`` (strings need ``tokenizer``)."""
+        check_supported(model)
+        if len(texts) == 0:
+            raise ValueError("texts must hold at least one text")
+        samples: dict[str, list[Tensor]] = {}
+        hooks = []
+        for i, layer in enumerate(decoder_layers(model)):
+            for target in self.targets:
+                parent, linear = PROJECTIONS[target]
+                module = getattr(getattr(layer, parent), linear)
+                name = f"{i}.{target}"
+                hooks.append(module.register_forward_pre_hook(_collector(samples.setdefault(name, []))))
+        try:
+            device = next(model.parameters()).device
+            for text in texts:
+                if isinstance(text, str):
+                    if tokenizer is None:
+                        raise ValueError("texts are strings: pass the model's tokenizer")
+                    ids = tokenizer(text, return_tensors="pt").input_ids
+                else:
+                    ids = torch.as_tensor(text).reshape(1, -1)
+                model(input_ids=ids[:, :max_tokens].to(device), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        g = torch.Generator().manual_seed(0)
+        for name, chunks in samples.items():
+            mags = torch.cat(chunks)
+            if mags.numel() > _SAMPLES_PER_PROJECTION:
+                mags = mags[torch.randperm(mags.numel(), generator=g)[:_SAMPLES_PER_PROJECTION]]
+            self.thresholds[name] = float(torch.quantile(mags, 1.0 - self.keep)) if self.keep < 1 else 0.0
+        self._cache.clear()
+        return self
+
+    def save(self, path: str | Path) -> None:
+        """Write the thresholds (one scalar tensor per projection) and ``keep`` to a safetensors file."""
+        if not self.thresholds:
+            raise ValueError("nothing to save: calibrate() first")
+        tensors = {name: torch.tensor([t], dtype=torch.float32) for name, t in self.thresholds.items()}
+        save_file(tensors, str(path), metadata={"keep": repr(self.keep), "targets": ",".join(self.targets)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Threshold":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "keep" not in meta:
+            raise ValueError(f"{path} is not a policyzoo Threshold file (no 'keep' metadata)")
+        tensors = load_file(str(path))
+        return cls(
+            keep=float(meta["keep"]),
+            targets=tuple(meta["targets"].split(",")),
+            thresholds={k: float(v[0]) for k, v in tensors.items()},
+        )
+
+
+def _collector(store: list[Tensor]):
+    def hook(module: nn.Module, args: tuple) -> None:
+        x = args[0].detach().abs().float().flatten()
+        if x.numel() > _SAMPLES_PER_PROJECTION:
+            x = x[:: x.numel() // _SAMPLES_PER_PROJECTION + 1]
+        store.append(x.cpu())
+
+    return hook

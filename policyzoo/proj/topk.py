@@ -1,0 +1,25 @@
+"""`TopK`: keep exactly the ``keep`` fraction of largest-magnitude inputs of each decode token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch import Tensor
+
+from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, topk_mask
+
+
+@dataclass
+class TopK(ProjectionSparsifier):
+    """Exact-ratio activation sparsity: ``ceil(keep·d_in)`` inputs kept per token and projection."""
+
+    keep: float = 0.5
+    targets: Sequence[str] = ALL_TARGETS
+
+    def __post_init__(self) -> None:
+        self.keep = check_keep(self.keep)
+        self.targets = check_targets(self.targets)
+
+    def keep_mask(self, name: str, x: Tensor) -> Tensor:
+        return topk_mask(x, self.keep)
