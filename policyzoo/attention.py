@@ -78,10 +78,9 @@ def policyzoo_attention(
     runtime.policy.append(state, key, value)
     q = query[:, :, 0]
     sel = runtime.policy.select(state, q)
-    token_valid = cache.token_valid()
-    out, _ = kernels.decode_attention(q, state.keys, state.values, sel, token_valid, scale)
+    out, _ = kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, scale)
     if runtime.audit is not None:
-        runtime.audit.record_attention(layer, q, state.keys, state.values, token_valid, sel, out, scale)
+        runtime.audit.record_attention(layer, q, cache, sel, out, scale)
     return out.unsqueeze(1), None
 
 

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from .kernels.reference import visible
+
 SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
 
 
@@ -55,8 +57,7 @@ class PagedKVCache:
     # ----------------------------------------------------------------- visibility (derived state)
     def token_valid(self) -> Tensor:
         """``bool[B, capacity]``: slot ``t`` of row ``b`` holds a real, visible token."""
-        pos = torch.arange(self.capacity, device=self.device)
-        return (pos >= self.start[:, None]) & (pos < self.length)
+        return visible(self.start, self.length, self.capacity)
 
     def page_counts(self) -> Tensor:
         """``int64[B, pages]``: visible tokens per page (0 for pages of padding or the future)."""

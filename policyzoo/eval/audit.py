@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..cache import PagedKVCache
 from ..selection import Selection
 from .metrics import dropped_mass, group_mean, relative_output_error
 
@@ -29,11 +30,10 @@ class Audit:
     logits_kl: list[Tensor] = field(default_factory=list)  # per step, [B]
     top1_agree: list[Tensor] = field(default_factory=list)  # per step, [B]
 
-    def record_attention(
-        self, layer: int, q: Tensor, keys: Tensor, values: Tensor, token_valid: Tensor, sel: Selection, out: Tensor, scale: float
-    ) -> None:
+    def record_attention(self, layer: int, q: Tensor, cache: PagedKVCache, sel: Selection, out: Tensor, scale: float) -> None:
+        keys, values, token_valid = cache.keys[layer], cache.values[layer], cache.token_valid()
         h_kv = keys.shape[1]
-        p = kernels.dense_probs(q, keys, token_valid, scale)
+        p = kernels.dense_probs(q, keys, cache.start, cache.length, scale)
         b, h, n = p.shape
         o_dense = torch.einsum("bkgn,bknd->bkgd", p.view(b, h_kv, h // h_kv, n), values.float()).reshape(b, h, -1)
         self.dropped_mass[layer].append(group_mean(dropped_mass(p, sel, token_valid), h_kv).cpu())

@@ -17,7 +17,8 @@ def decode_attention(
     keys: Tensor,
     values: Tensor,
     sel: Selection,
-    token_valid: Tensor,
+    start: Tensor,
+    length: Tensor,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of one query token over the selected cache entries.
@@ -26,7 +27,8 @@ def decode_attention(
         q: ``[B, H, D]`` queries (after RoPE / norms).
         keys, values: ``[B, H_kv, N, D]`` cache.
         sel: the selection per (row, KV head); page selections are expanded to tokens.
-        token_valid: ``bool[B, N]``, slots that hold real tokens (padding and the future are false).
+        start: ``int64[B]``, first real slot of each row (left padding before it).
+        length: 0-dim ``int64``, slots written so far; slots ``start[b] .. length-1`` are visible.
         scale: softmax scale (``1/sqrt(D)`` for most models).
 
     Returns:
@@ -39,8 +41,7 @@ def decode_attention(
     g = h // h_kv
     pos, entry_valid = sel.token_positions()  # [B, H_kv, M]
     pos_c = pos.clamp(0, n - 1)
-    in_seq = torch.gather(token_valid.unsqueeze(1).expand(-1, h_kv, -1), 2, pos_c)
-    valid = entry_valid & in_seq
+    valid = entry_valid & (pos >= start[:, None, None]) & (pos < length)
     idx = pos_c.unsqueeze(-1).expand(-1, -1, -1, d)
     k_sel = torch.gather(keys, 2, idx).float()  # [B, H_kv, M, D]
     v_sel = torch.gather(values, 2, idx).float()
@@ -58,12 +59,19 @@ def decode_attention(
     return out.reshape(b, h, d).to(q.dtype), lse.reshape(b, h)
 
 
-def dense_probs(q: Tensor, keys: Tensor, token_valid: Tensor, scale: float) -> Tensor:
+def visible(start: Tensor, length: Tensor, n: int) -> Tensor:
+    """``bool[B, n]``: slot ``t`` of row ``b`` is visible iff ``start[b] <= t < length``."""
+    pos = torch.arange(n, device=start.device)
+    return (pos >= start[:, None]) & (pos < length)
+
+
+def dense_probs(q: Tensor, keys: Tensor, start: Tensor, length: Tensor, scale: float) -> Tensor:
     """``float32[B, H, N]``: dense softmax of one query token over every visible slot."""
     b, h, d = q.shape
     h_kv = keys.shape[1]
     qg = q.float().view(b, h_kv, h // h_kv, d)
     logits = torch.einsum("bkgd,bknd->bkgn", qg, keys.float()) * scale
+    token_valid = visible(start, length, keys.shape[2])
     logits = logits.masked_fill(~token_valid[:, None, None, :], -torch.inf)
     return torch.softmax(logits, dim=-1).nan_to_num(0.0).reshape(b, h, -1)
 
