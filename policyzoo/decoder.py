@@ -123,13 +123,16 @@ class Decoder:
         generator: torch.Generator | None = None,
         audit: bool = False,
         progress: bool = False,
-    ) -> Tensor:
+        output_logits: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Decode up to ``max_new_tokens`` per row; returns ``[B, T + new]`` token ids.
 
         ``attention_mask`` marks real tokens (1) of a left-padded batch. Sampling uses
         ``temperature`` and nucleus ``top_p``. ``streamer`` follows the HF streamer protocol
         (``put`` / ``end``). ``audit=True`` records dropped mass, output error and kept fractions
         against dense attention in ``self.last_audit`` (it runs the step uncompiled).
+        ``output_logits=True`` also returns the logits each new token was chosen from,
+        ``float32[B, new, V]``.
         """
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         _check_generation_args(max_new_tokens, temperature, top_p)
@@ -152,12 +155,14 @@ class Decoder:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         logits = self._prefill(input_ids, start)
-        out = [input_ids]
+        out, scores = [input_ids], []
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         step = self._decode_step if audit else self._step
         bar = tqdm(total=max_new_tokens, desc="decode", disable=not progress, leave=False)
         try:
             for i in range(max_new_tokens):
+                if output_logits:
+                    scores.append(logits.float())
                 token = sample_next(logits, do_sample, temperature, top_p, generator)
                 token = torch.where(finished, torch.full_like(token, pad), token)
                 out.append(token[:, None])
@@ -177,7 +182,8 @@ class Decoder:
             if streamer is not None:
                 streamer.end()
             self.last_audit, self.runtime.audit = self.runtime.audit, None
-        return torch.cat(out, dim=1)
+        sequences = torch.cat(out, dim=1)
+        return (sequences, torch.stack(scores, dim=1)) if output_logits else sequences
 
     # ------------------------------------------------------------------------------ internals
     def _prefill(self, input_ids: Tensor, start: Tensor) -> Tensor:

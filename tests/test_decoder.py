@@ -1,0 +1,190 @@
+"""Decoder contract: dense decoding reproduces the unwrapped model; full budgets reproduce dense;
+the compiled step does not recompile; bad input is rejected with a clear error."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import FAMILIES, padded_batch, tiny_model
+
+from policyzoo import AttentionTopK, Decoder, Quest, TopK, Window
+
+NEW = 12
+
+
+def hf_reference(model, ids, mask):
+    """Greedy tokens of HF's own generate, and HF's full-forward logits at each new position."""
+    seq = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    full_mask = torch.cat([mask, torch.ones(ids.shape[0], NEW, dtype=mask.dtype)], dim=1)
+    positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(seq, attention_mask=full_mask, position_ids=positions).logits
+    t = ids.shape[1]
+    return seq, logits[:, t - 1 : t - 1 + NEW]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_dense_matches_unwrapped_model(family, batch):
+    model = tiny_model(family)
+    ids, mask = padded_batch(batch, 21)
+    ref_seq, ref_logits = hf_reference(copy.deepcopy(model), ids, mask)
+    seq, logits = Decoder(model).generate(ids, NEW, attention_mask=mask, output_logits=True)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [AttentionTopK(1.0), AttentionTopK(10_000, sinks=4, window=64), Quest(1.0, page=8), Quest(4096, page=16), Window(sinks=4, window=10_000)],
+    ids=repr,
+)
+def test_full_budget_reproduces_dense(policy):
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(3, 29)
+    dense_seq, dense_logits = Decoder(copy.deepcopy(model)).generate(ids, NEW, attention_mask=mask, output_logits=True)
+    seq, logits = Decoder(model, kv=policy).generate(ids, NEW, attention_mask=mask, output_logits=True)
+    assert torch.equal(seq, dense_seq)
+    torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_policy_changes_output_and_audit_reports_it():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 64)
+    dec = Decoder(model, kv=AttentionTopK(8, sinks=2, window=2), proj=TopK(0.5))
+    dec.generate(ids, 6, attention_mask=mask, audit=True)
+    audit = dec.last_audit
+    assert 0.0 < audit.mean("dropped_mass") < 1.0
+    assert audit.mean("output_error") > 0.0
+    assert audit.mean("proj_keep") == pytest.approx(0.5, abs=0.02)
+    assert audit.per_layer("dropped_mass").shape == (2, 5, 2, 2)  # layers, steps, batch, KV heads
+    assert float(audit.per_layer("kv_keep").max()) <= 8 / 61 + 1e-6  # row 1 has 61 real prompt tokens
+
+
+def test_rewrapping_the_same_model():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(1, 16)
+    first = Decoder(model, proj=TopK(0.25)).generate(ids, 5, attention_mask=mask)
+    again = Decoder(model).generate(ids, 5, attention_mask=mask)  # drops the earlier TopK wrappers
+    assert torch.equal(again, Decoder(copy.deepcopy(model)).generate(ids, 5, attention_mask=mask))
+    assert first.shape == again.shape
+
+
+def test_sampling_is_reproducible_with_a_generator_and_respects_top_p():
+    model = tiny_model("mistral")
+    ids, mask = padded_batch(2, 10)
+    dec = Decoder(model)
+    a = dec.generate(ids, 8, do_sample=True, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    b = dec.generate(ids, 8, do_sample=True, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    greedy = dec.generate(ids, 8)
+    tiny_p = dec.generate(ids, 8, do_sample=True, top_p=1e-6, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(greedy, tiny_p)  # a vanishing nucleus keeps only the top token
+
+
+def test_eos_stops_and_pads_finished_rows():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 12)
+    dec = Decoder(model)
+    free = dec.generate(ids, 6, attention_mask=mask)
+    eos = int(free[0, 12 + 1])  # row 0's second new token
+    out = dec.generate(ids, 6, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    row0 = out[0, 12:].tolist()
+    assert eos in row0 and all(t == 0 for t in row0[row0.index(eos) + 1 :])
+
+
+def test_streamer_receives_prompt_then_each_token():
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, x):
+            self.chunks.append(x.clone())
+
+        def end(self):
+            self.ended = True
+
+    model = tiny_model("qwen2")
+    ids, _ = padded_batch(1, 9)
+    rec = Recorder()
+    out = Decoder(model).generate(ids, 4, streamer=rec)
+    assert rec.ended and torch.equal(rec.chunks[0], ids)
+    assert torch.cat([c.reshape(-1) for c in rec.chunks[1:]]).tolist() == out[0, 9:].tolist()
+
+
+def test_decode_step_compiles_once_and_does_not_recompile():
+    torch._dynamo.reset()
+    model = tiny_model("qwen3", layers=1)
+    ids, mask = padded_batch(2, 17)
+    eager = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4)).generate(ids, 22, attention_mask=mask)
+    dec = Decoder(model, kv=Quest(0.5, page=4), compile=True)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = dec.generate(ids, 22, attention_mask=mask)  # 21 compiled steps
+    assert torch.equal(out, eager)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert sum(counters["recompiles"].values()) == 0
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_unsupported_architecture_is_rejected():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model: unsupported architecture 'gpt2'"):
+        Decoder(model)
+
+
+def test_wrong_argument_types_are_rejected():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="kv must be a KVSelector"):
+        Decoder(model, kv=TopK(0.5))
+    with pytest.raises(TypeError, match="proj must be a ProjectionSparsifier"):
+        Decoder(model, proj=Quest(0.5))
+    with pytest.raises(TypeError, match="model must be"):
+        Decoder("llama")
+
+
+def test_model_and_cache_placement_must_match():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="model is on cpu / torch.float32 but the cache is for cpu / torch.bfloat16"):
+        Decoder(model, dtype=torch.bfloat16)
+    dec = Decoder(model)
+    model.to(torch.float64)
+    with pytest.raises(ValueError, match="model is on cpu / torch.float64"):
+        dec.generate(torch.ones(1, 4, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ({"temperature": 0.0, "do_sample": True}, ValueError, "temperature"),
+        ({"top_p": 1.5}, ValueError, "top_p"),
+        ({"attention_mask": torch.tensor([[1, 1, 0, 1]])}, ValueError, "left-padded"),
+        ({"attention_mask": torch.ones(2, 4, dtype=torch.long)}, ValueError, "attention_mask shape"),
+    ],
+)
+def test_bad_generate_arguments(kwargs, error, match):
+    dec = Decoder(tiny_model("llama"))
+    args = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        dec.generate(torch.ones(1, 4, dtype=torch.long), **args)
+
+
+def test_bad_input_ids():
+    dec = Decoder(tiny_model("llama"))
+    with pytest.raises(TypeError, match="input_ids"):
+        dec.generate(torch.ones(1, 4), 2)
+    with pytest.raises(ValueError, match="input_ids"):
+        dec.generate(torch.ones(4, dtype=torch.long), 2)
+
+
+def test_page_size_conflicts_with_policy():
+    with pytest.raises(ValueError, match="page_size=16 conflicts with the policy's page=32"):
+        Decoder(tiny_model("llama"), kv=Quest(0.5, page=32), page_size=16)
+    assert Decoder(tiny_model("llama"), kv=Quest(0.5, page=32)).page_size == 32

@@ -1,0 +1,51 @@
+"""Tiny random-weight models of each supported family, shared by the decoder-level tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128):
+    config_cls, model_cls = (getattr(transformers, n) for n in _CLASSES[family])
+    config = config_cls(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Random init gives near-uniform attention; larger q/k weights make attention peaked, so a
+    # sparse policy that drops the wrong keys actually changes the output.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return model
+
+
+def padded_batch(batch: int, length: int, vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts, left-padded: row ``i`` has ``i * 3`` pad tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for i in range(batch):
+        mask[i, : min(i * 3, length - 1)] = 0
+    return ids * mask, mask
