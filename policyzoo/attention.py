@@ -19,11 +19,13 @@ from transformers import AttentionInterface
 from . import kernels
 from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState
+from .kv.dense import Dense
 
 if TYPE_CHECKING:
     from .eval.audit import Audit
 
 ATTN_IMPLEMENTATION = "policyzoo"
+_DENSE = Dense()
 
 
 @dataclass
@@ -31,7 +33,8 @@ class Runtime:
     """Mutable decode state shared by the attention function and the projection wrappers."""
 
     policy: KVSelector
-    phase: Literal["idle", "prefill", "decode"] = "idle"
+    # "dense_decode" decodes with every page and dense projections (the reference pass of an audit)
+    phase: Literal["idle", "prefill", "decode", "dense_decode"] = "idle"
     cache: PagedKVCache | None = None
     states: list[KVState] = field(default_factory=list)
     audit: "Audit | None" = None
@@ -75,9 +78,10 @@ def policyzoo_attention(
     if query.shape[2] != 1:
         raise RuntimeError(f"decode expects one token per row, got {query.shape[2]}")
     cache.write(layer, key, value)
-    runtime.policy.append(state, key, value)
+    policy = runtime.policy if runtime.phase == "decode" else _DENSE
+    policy.append(state, key, value)
     q = query[:, :, 0]
-    sel = runtime.policy.select(state, q)
+    sel = policy.select(state, q)
     out, _ = kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, scale)
     if runtime.audit is not None:
         runtime.audit.record_attention(layer, q, cache, sel, out, scale)

@@ -196,14 +196,16 @@ class Decoder:
             self.runtime.phase = "idle"
         return logits[:, -1]
 
-    def _decode_step(self, tokens: Tensor) -> Tensor:
+    def _decode_step(self, tokens: Tensor, advance: bool = True) -> Tensor:
         """One decode step for ``tokens [B, 1]``; returns next-token logits ``[B, V]``.
 
         The new token goes to slot ``length`` (the cache advances first, so every layer writes at
         ``length - 1``); its RoPE position is its index among the row's real tokens.
+        ``advance=False`` rewrites the last slot instead (a second pass over the same token).
         """
         cache = self.runtime.cache
-        cache.length += 1
+        if advance:
+            cache.length += 1
         positions = (cache.length - 1 - cache.start).clamp(min=0)[:, None]
         out = self.model(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=1)
         return out.logits[:, -1]
