@@ -38,6 +38,10 @@ class PagedKVCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity!r}")
+        sizes = {"num_layers": num_layers, "batch": batch, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.num_layers, self.batch, self.num_kv_heads, self.head_dim = num_layers, batch, num_kv_heads, head_dim
         self.page_size = page_size
         self.num_pages = math.ceil(capacity / page_size)
