@@ -1,0 +1,240 @@
+"""Shared strategies and helpers for the contract tests.
+
+The central object is `Case`: a `PagedKVCache` filled exactly as the Decoder fills it (``reset``, one
+``write_prefill`` per layer, then per decode step ``length += 1`` followed by one ``write`` per
+layer), with random left padding, random keys/values, and a query. Slots that no row may see (left
+padding, the unwritten tail, leftovers of a previous, longer sequence when the cache is reused) hold
+large garbage values, so any leak of invisible slots into a summary, a score or an attention output
+shows up as a large error.
+
+Tests get the strategy through the session fixture ``cases`` and draw from it with ``st.data()``
+(so the test files need not import this module)::
+
+    @given(data=st.data())
+    def test_something(data, cases):
+        case = data.draw(cases(page_sizes=(4,)))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import Tensor
+
+from policyzoo.cache import PagedKVCache
+from policyzoo.kv.base import KVState
+from policyzoo.selection import Selection
+
+GARBAGE = 50.0  # offset of the values written into slots no row may see
+
+
+@dataclass
+class Case:
+    """A filled cache, a query and the parameters that produced them."""
+
+    params: dict
+    cache: PagedKVCache
+    q: Tensor  # [B, H, D]
+    scale: float
+    real_k: Tensor = field(repr=False)  # [B, H_kv, length, D]: what was written, padding included
+    real_v: Tensor = field(repr=False)
+
+    def __repr__(self) -> str:  # hypothesis prints this for a failing example
+        return f"Case({self.params})"
+
+    # shapes
+    @property
+    def b(self) -> int:
+        return self.cache.batch
+
+    @property
+    def h_kv(self) -> int:
+        return self.cache.num_kv_heads
+
+    @property
+    def h(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def g(self) -> int:
+        return self.h // self.h_kv
+
+    @property
+    def d(self) -> int:
+        return self.cache.head_dim
+
+    @property
+    def page(self) -> int:
+        return self.cache.page_size
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.length)
+
+    @property
+    def starts(self) -> list[int]:
+        return [int(s) for s in self.cache.start]
+
+    def state(self, layer: int = 0) -> KVState:
+        return KVState(self.cache, layer, self.scale)
+
+    # independent recomputations of visibility (plain Python, not the library's helpers)
+    def visible_tokens(self, row: int) -> list[int]:
+        return list(range(self.starts[row], self.length))
+
+    def n_valid(self, row: int) -> int:
+        return len(self.visible_tokens(row))
+
+    def visible_pages(self, row: int) -> list[int]:
+        return sorted({t // self.page for t in self.visible_tokens(row)})
+
+    def token_valid(self) -> Tensor:
+        """``bool[B, capacity]`` recomputed from the parameters."""
+        m = torch.zeros(self.b, self.cache.capacity, dtype=torch.bool)
+        for r in range(self.b):
+            m[r, self.starts[r] : self.length] = True
+        return m
+
+    def forced_tokens(self, row: int, sinks: int, window: int) -> set[int]:
+        vis = self.visible_tokens(row)
+        return set(vis[:sinks]) | (set(vis[-window:]) if window > 0 else set())
+
+    def forced_pages(self, row: int, sinks: int, window: int) -> set[int]:
+        return {t // self.page for t in self.forced_tokens(row, sinks, max(window, 1))}
+
+
+def selected(sel: Selection, row: int, head: int) -> list[int]:
+    """The entries of ``sel`` within ``count`` for one (row, KV head), in order."""
+    c = int(sel.count[row, head])
+    return [int(i) for i in sel.indices[row, head, :c]]
+
+
+def check_selection_shape(sel: Selection, case: Case) -> None:
+    """Shapes, dtypes and count bounds that every selection must have."""
+    assert sel.indices.dtype == torch.int32 and sel.count.dtype == torch.int32
+    assert sel.indices.shape[:2] == (case.b, case.h_kv)
+    assert sel.count.shape == (case.b, case.h_kv)
+    assert bool((sel.count >= 0).all()) and bool((sel.count <= sel.k_max).all())
+    if sel.log_weight is not None:
+        assert sel.log_weight.shape == sel.indices.shape
+
+
+def build_case(
+    *,
+    b: int,
+    h_kv: int,
+    g: int,
+    d: int,
+    page: int,
+    prompt: int,
+    steps: int,
+    starts: list[int],
+    seed: int,
+    extra: int = 0,
+    reuse: bool = False,
+    sharp: float = 1.0,
+    num_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> Case:
+    """Fill a cache the way the Decoder does and draw a query.
+
+    ``prompt`` tokens are prefilled (rows left-padded to ``starts``), then ``steps`` decode tokens
+    are appended. ``extra`` spare slots are added to the capacity (a partial last page is then
+    common). ``reuse`` first fills the cache with a longer garbage sequence, as when the Decoder
+    reuses a cache across ``generate`` calls. ``sharp`` scales the query (peakier attention).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    total = prompt + steps
+    capacity = total + extra
+    cache = PagedKVCache(num_layers, b, h_kv, d, capacity, page_size=page, dtype=dtype)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if reuse:
+        cache.reset(torch.zeros(b, dtype=torch.long), cache.capacity)
+        for layer in range(num_layers):
+            junk = rand(b, h_kv, cache.capacity, d) + GARBAGE
+            cache.write_prefill(layer, junk, junk)
+
+    start = torch.tensor(starts, dtype=torch.long)
+    k_all = rand(num_layers, b, h_kv, total, d)
+    v_all = rand(num_layers, b, h_kv, total, d)
+    # Left padding carries garbage (real models write pad-token keys there).
+    pad = torch.arange(total)[None, :] < start[:, None]  # [B, total]
+    pad = pad[None, :, None, :, None]
+    k_all = torch.where(pad, k_all + GARBAGE, k_all)
+    v_all = torch.where(pad, v_all - GARBAGE, v_all)
+
+    cache.reset(start, prompt)
+    for layer in range(num_layers):
+        cache.write_prefill(layer, k_all[layer, :, :, :prompt], v_all[layer, :, :, :prompt])
+    for t in range(prompt, total):
+        cache.length += 1
+        for layer in range(num_layers):
+            cache.write(layer, k_all[layer, :, :, t : t + 1], v_all[layer, :, :, t : t + 1])
+
+    q = (rand(b, h_kv * g, d) * sharp).to(dtype)
+    params = dict(
+        b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts,
+        seed=seed, extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers,
+    )  # fmt: skip
+    return Case(params, cache, q, d**-0.5, real_k=k_all[0], real_v=v_all[0])
+
+
+@st.composite
+def _cases(
+    draw,
+    page_sizes: tuple[int, ...] = (1, 4, 16),
+    max_prompt: int = 48,
+    max_steps: int = 6,
+    num_layers: int = 1,
+    min_len: int = 1,
+    min_extra: int = 0,
+) -> Case:
+    b = draw(st.integers(1, 3))
+    h_kv = draw(st.integers(1, 3))
+    g = draw(st.integers(1, 4))
+    d = draw(st.integers(8, 32))
+    page = draw(st.sampled_from(page_sizes))
+    prompt = draw(st.integers(1, max_prompt))
+    steps = draw(st.integers(0, max_steps))
+    if prompt + steps < min_len:
+        prompt = min_len - steps
+    # Left padding: at least one real prompt token per row (the Decoder's rows are never empty).
+    starts = draw(st.lists(st.integers(0, prompt - 1), min_size=b, max_size=b))
+    extra = draw(st.integers(min_extra, min_extra + 2 * page))
+    reuse = draw(st.booleans())
+    sharp = draw(st.sampled_from([0.5, 1.0, 3.0, 8.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return build_case(
+        b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts, seed=seed,
+        extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def cases():
+    """The `Case` strategy factory: ``data.draw(cases(page_sizes=(4, 16), max_prompt=40))``."""
+    return _cases
+
+
+@pytest.fixture(scope="session")
+def make_case():
+    """`build_case`, for hand-made examples."""
+    return build_case
+
+
+@pytest.fixture(scope="session")
+def sel_utils():
+    """Helpers on selections: ``selected(sel, row, head)`` and ``check_shape(sel, case)``."""
+
+    class _Utils:
+        selected = staticmethod(selected)
+        check_shape = staticmethod(check_selection_shape)
+
+    return _Utils
+
