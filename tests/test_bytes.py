@@ -1,0 +1,75 @@
+"""The byte account against hand-computed values and the ByteCross paper's Table 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+from policyzoo.bytes import ByteAccount
+
+
+def test_llama_8b_by_hand():
+    a = ByteAccount.from_config("llama-3.1-8b")
+    # q and o: 4096·4096 each; k and v: 4096·1024 each; gate, up, down: 4096·14336 each.
+    assert a.proj == 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 == 218_103_808
+    assert a.kv_per_token == 2048
+    # Dense at 32K: 32 layers of (P + 2048·32768) elements plus LM head and norms, 2 bytes each.
+    expected = (32 * (218_103_808 + 2048 * 32768) + 128256 * 4096 + 65 * 4096) * 2
+    assert a.step_bytes(32768) == expected
+    assert a.floor_ms(32768, 4.27e12) == pytest.approx(4.52, abs=0.01)  # DESIGN.md's byte floor
+
+
+def test_smollm2_by_hand_and_from_hf_config():
+    a = ByteAccount.from_config("smollm2-135m")
+    assert a.proj == 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+    assert ByteAccount.from_config(cfg) == a
+
+
+@pytest.mark.parametrize(
+    ("name", "full", "ff"),
+    [("qwen3-8b", 65.7, 51.4), ("llama-3.1-8b", 74.3, 60.0), ("mistral-7b", 74.3, 60.0), ("llama-3.1-70b", 291.4, 240.0)],
+)
+def test_crossover_matches_bytecross_table_1(name, full, ff):
+    a = ByteAccount.from_config(name)
+    assert a.crossover(0.5, 0.3) / 1024 == pytest.approx(full, abs=0.05)
+    assert a.crossover(0.5, 0.3, ff_only=True) / 1024 == pytest.approx(ff, abs=0.05)
+
+
+def test_bound_and_crossover_are_consistent():
+    a = ByteAccount.from_config("llama-3.1-8b")
+    n = a.crossover(0.5, 0.3)
+    # At the crossover both branches save the same bytes, so their bounds are equal.
+    assert a.bound(int(n), r_p=0.5) == pytest.approx(a.bound(int(n), r_kv=0.3), rel=1e-4)
+    assert a.bound(4096) == 1.0
+    assert a.bound(131072, r_kv=0.1) > a.bound(4096, r_kv=0.1) > 1.0
+
+
+def test_general_projection_shapes(tmp_path):
+    # heads × head_dim need not equal the hidden size (Qwen3 and Gemma-style configs).
+    cfg = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 16,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    a = ByteAccount.from_config(tmp_path)
+    assert a.attn_proj == 2 * 1024 * 16 * 128 + 2 * 1024 * 8 * 128
+
+
+def test_batched_projection_needs_the_union_keep():
+    a = ByteAccount.from_config("llama-3.1-8b")
+    with pytest.raises(ValueError, match="union_keep"):
+        a.crossover(0.5, 0.3, batch=4)
+    assert a.crossover(0.5, 0.3, batch=4, union_keep=0.92) / 1024 == pytest.approx(74.3 * 0.08 / 0.5 / 4, rel=1e-3)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, -1])
+def test_bad_ratios_are_rejected(bad):
+    with pytest.raises(ValueError, match="r_p must be a keep ratio"):
+        ByteAccount.from_config("qwen3-8b").step_bytes(1024, r_p=bad)
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="neither a built-in name"):
+        ByteAccount.from_config("gpt-17")
