@@ -57,6 +57,15 @@ class PagedKVCache:
         self.page_std = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
+        if self.device.type == "cuda":
+            # Fixed addresses let a compiled step mutate the cache inside a CUDA graph.
+            for t in self.tensors():
+                torch._dynamo.mark_static_address(t)
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the cache owns (for static-address marking and memory accounting)."""
+        per_layer = [self.keys, self.values, self.page_min, self.page_max, self.page_mean, self.page_std]
+        return [t for group in per_layer for t in group] + [self.length, self.start]
 
     # ----------------------------------------------------------------- visibility (derived state)
     def token_valid(self) -> Tensor:

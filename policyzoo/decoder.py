@@ -162,7 +162,7 @@ class Decoder:
         try:
             for i in range(max_new_tokens):
                 if output_logits:
-                    scores.append(logits.float())
+                    scores.append(logits.float().clone())  # a CUDA-graph output is reused next step
                 token = sample_next(logits, do_sample, temperature, top_p, generator)
                 token = torch.where(finished, torch.full_like(token, pad), token)
                 out.append(token[:, None])
