@@ -14,15 +14,18 @@ from .base import KVSelector, KVState
 
 @dataclass
 class Dense(KVSelector):
-    """Attend to the whole visible context."""
+    """Attend to the whole visible context: every page holding a visible token."""
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         cache = state.cache
         b, h_kv = q.shape[0], state.keys.shape[1]
-        pages = torch.arange(cache.num_pages, device=q.device, dtype=torch.int32)
+        pages = torch.arange(cache.num_pages, device=q.device)
         used = torch.div(cache.length + cache.page_size - 1, cache.page_size, rounding_mode="floor")
+        # Each row starts at the page of its first real token: pages of left padding only are skipped.
+        first = torch.div(cache.start, cache.page_size, rounding_mode="floor")  # [B]
+        indices = (first[:, None] + pages).clamp(max=cache.num_pages - 1)
         return Selection(
-            indices=pages.expand(b, h_kv, -1),
-            count=used.int().expand(b, h_kv),
+            indices=indices.int()[:, None, :].expand(b, h_kv, -1),
+            count=(used - first).clamp(min=0).int()[:, None].expand(b, h_kv),
             block=cache.page_size,
         )
