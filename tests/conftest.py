@@ -17,6 +17,7 @@ Tests get the strategy through the session fixture ``cases`` and draw from it wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -25,7 +26,10 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from policyzoo.cache import PagedKVCache
+from policyzoo.eval.metrics import dropped_mass
+from policyzoo.kernels import reference
 from policyzoo.kv.base import KVState
+from policyzoo.kv.dense import Dense
 from policyzoo.selection import Selection
 
 GARBAGE = 50.0  # offset of the values written into slots no row may see
@@ -44,6 +48,9 @@ class Case:
 
     def __repr__(self) -> str:  # hypothesis prints this for a failing example
         return f"Case({self.params})"
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis' pretty printer
+        printer.text(repr(self))
 
     # shapes
     @property
@@ -226,6 +233,103 @@ def cases():
 def make_case():
     """`build_case`, for hand-made examples."""
     return build_case
+
+
+# ------------------------------------------------------------------------------ policy contract
+def dense_attention(case: Case) -> tuple[Tensor, Tensor]:
+    """Dense attention through the reference kernel with a `Dense` selection."""
+    sel = Dense().select(case.state(), case.q)
+    c = case.cache
+    return reference.decode_attention(case.q, c.keys[0], c.values[0], sel, c.start, c.length, case.scale)
+
+
+def attend(case: Case, sel: Selection) -> tuple[Tensor, Tensor]:
+    c = case.cache
+    return reference.decode_attention(case.q, c.keys[0], c.values[0], sel, c.start, c.length, case.scale)
+
+
+def check_entries(sel: Selection, case: Case, sinks: int, window: int) -> None:
+    """In range, visible, unique within ``count``, and holding the forced entries.
+
+    Token selections (``block == 1``) must hold the first ``sinks`` and last ``window`` visible
+    tokens; page selections the pages holding them, and always the last page.
+    """
+    check_selection_shape(sel, case)
+    c = case.cache
+    n = c.capacity if sel.block == 1 else c.num_pages
+    for r in range(case.b):
+        if sel.block == 1:
+            visible, forced = set(case.visible_tokens(r)), case.forced_tokens(r, sinks, window)
+        else:
+            assert sel.block == c.page_size
+            visible, forced = set(case.visible_pages(r)), case.forced_pages(r, sinks, window)
+            assert (case.length - 1) // c.page_size in forced
+        for hk in range(case.h_kv):
+            got = selected(sel, r, hk)
+            assert all(0 <= i < n for i in got), f"out of range: {got} (n={n})"
+            assert set(got) <= visible, f"row {r} head {hk}: not visible {sorted(set(got) - visible)}"
+            assert len(set(got)) == len(got), f"row {r} head {hk}: duplicates in {got}"
+            assert forced <= set(got), f"row {r} head {hk}: forced {sorted(forced - set(got))} missing"
+
+
+def check_budget_respected(sel: Selection, case: Case, budget: int | float, sinks: int, window: int) -> None:
+    """``count <= max(budget, forced)`` in the selection's units (tokens or pages), and the budget
+    is used: ``count >= min(budget, visible)``. Int budgets are tokens (``ceil(budget / page)``
+    pages for page selections); ratio budgets are ``ceil(ratio · n_valid)`` of the units."""
+    page = sel.block
+    for r in range(case.b):
+        if page == 1:
+            n_valid, n_forced = case.n_valid(r), len(case.forced_tokens(r, sinks, window))
+        else:
+            n_valid, n_forced = len(case.visible_pages(r)), len(case.forced_pages(r, sinks, window))
+        if isinstance(budget, float):
+            want = math.ceil(budget * n_valid)
+        else:
+            want = -(-budget // page)
+        for hk in range(case.h_kv):
+            cnt = int(sel.count[r, hk])
+            assert cnt <= max(want, n_forced), f"row {r}: count {cnt} > max({want}, {n_forced})"
+            assert cnt >= min(want, n_valid), f"row {r}: count {cnt} < min({want}, {n_valid})"
+
+
+def check_error_bound(sel: Selection, case: Case) -> None:
+    """``‖o − ô‖ ≤ 2δ·max‖v‖`` per query head (renormalised softmax over the selection)."""
+    c = case.cache
+    o, _ = dense_attention(case)
+    o_hat, _ = attend(case, sel)
+    p = reference.dense_probs(case.q, c.keys[0], c.start, c.length, case.scale)
+    tv = c.token_valid()
+    delta = dropped_mass(p, sel, tv)  # [B, H]
+    vnorm = c.values[0].float().norm(dim=-1).masked_fill(~tv[:, None, :], 0.0).amax(-1)  # [B, H_kv]
+    vmax = vnorm.repeat_interleave(case.g, dim=1)  # [B, H]
+    err = (o.float() - o_hat.float()).norm(dim=-1)
+    bound = 2 * delta * vmax + 1e-4 * (1 + vmax)
+    assert bool((delta >= 0).all()) and bool((delta <= 1).all())
+    assert bool((err <= bound).all()), f"err {err} > bound {bound} (delta {delta})"
+
+
+def check_reproduces_dense(sel: Selection, case: Case) -> None:
+    o, lse = dense_attention(case)
+    o_hat, lse_hat = attend(case, sel)
+    torch.testing.assert_close(o_hat, o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_hat, lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="session")
+def contract():
+    """The policy contract checks: ``check_entries``, ``check_budget``, ``check_error_bound``,
+    ``check_reproduces_dense``, plus ``dense_attention`` and ``attend``."""
+
+    class _Contract:
+        check_entries = staticmethod(check_entries)
+        check_budget = staticmethod(check_budget_respected)
+        check_error_bound = staticmethod(check_error_bound)
+        check_reproduces_dense = staticmethod(check_reproduces_dense)
+        dense_attention = staticmethod(dense_attention)
+        attend = staticmethod(attend)
+        selected = staticmethod(selected)
+
+    return _Contract
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,304 @@
+"""Contract tests of the shared KV-policy machinery (`policyzoo.kv.base`) and of `Dense`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policyzoo.kernels import reference
+from policyzoo.kv import Dense, KVSelector
+from policyzoo.kv.base import (
+    Budget,
+    aggregate_groups,
+    check_budget,
+    check_count,
+    choose_topk,
+    exact_scores,
+    forced_pages,
+    forced_tokens,
+    page_bound_scores,
+)
+
+SETTINGS = settings(max_examples=50, deadline=None)
+INF = math.inf
+
+
+def _sel_sets(sel):
+    return [[set(sel.indices[b, h, : int(sel.count[b, h])].tolist()) for h in range(sel.count.shape[1])] for b in range(sel.count.shape[0])]
+
+
+# ------------------------------------------------------------------------------------ budgets
+def test_budget_kinds():
+    assert Budget(0.5).is_ratio and not Budget(3).is_ratio
+    assert not Budget(1).is_ratio and Budget(1.0).is_ratio  # 1 token vs the whole context
+    assert Budget(0.5).k_max(10) == 5 and Budget(0.01).k_max(10) == 1 and Budget(1.0).k_max(7) == 7
+    assert Budget(3).k_max(10) == 3 and Budget(30).k_max(10) == 10
+    n = torch.tensor([0, 1, 7, 10])
+    assert Budget(0.5).count(n).tolist() == [0, 1, 4, 5]
+    assert Budget(3).count(n).tolist() == [3, 3, 3, 3]
+    assert Budget(0.5).count(n).dtype == torch.long
+
+
+@SETTINGS
+@given(ratio=st.floats(1e-6, 1.0), capacity=st.integers(1, 5000), data=st.data())
+def test_ratio_budget_count_and_width(ratio, capacity, data):
+    n = data.draw(st.lists(st.integers(0, capacity), min_size=1, max_size=4))
+    b = Budget(ratio)
+    counts = b.count(torch.tensor(n))
+    assert counts.tolist() == [math.ceil(ratio * x) for x in n]
+    assert 1 <= b.k_max(capacity) <= capacity
+    assert bool((counts <= b.k_max(capacity)).all())  # the static width always holds the count
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.0000001, 2.0, float("nan"), float("inf"), -float("inf")])
+def test_ratio_outside_unit_interval(bad):
+    with pytest.raises(ValueError, match="budget"):
+        Budget(bad)
+    with pytest.raises(ValueError, match="my_keep"):
+        check_budget(bad, "my_keep")
+
+
+@pytest.mark.parametrize("bad", [0, -1, -100])
+def test_non_positive_token_budget(bad):
+    with pytest.raises(ValueError, match="budget"):
+        Budget(bad)
+    with pytest.raises(ValueError, match="tokens_arg"):
+        check_budget(bad, "tokens_arg")
+
+
+@pytest.mark.parametrize("bad", [True, False, "0.5", "8", None, [4], torch.tensor(4)])
+def test_budget_wrong_type(bad):
+    with pytest.raises(TypeError, match="budget"):
+        Budget(bad)
+    with pytest.raises(TypeError, match="xyz"):
+        check_budget(bad, "xyz")
+
+
+def test_check_count():
+    check_count(0, "sinks")
+    check_count(3, "window", minimum=1)
+    with pytest.raises(ValueError, match="window"):
+        check_count(0, "window", minimum=1)
+    with pytest.raises(ValueError, match="sinks"):
+        check_count(-1, "sinks")
+    for bad in (1.0, True, "2", None):
+        with pytest.raises(TypeError, match="sinks"):
+            check_count(bad, "sinks")
+
+
+# ------------------------------------------------------------------------------------ chooser
+def test_choose_topk_best_scores():
+    scores = torch.tensor([[[3.0, 1.0, 2.0, -INF, 5.0]]])
+    sel = choose_topk(scores, torch.zeros(1, 5, dtype=torch.bool), 3, torch.tensor([2]))
+    assert sel.count.tolist() == [[2]] and sel.count.dtype == torch.int32 and sel.indices.dtype == torch.int32
+    assert sel.indices.shape == (1, 1, 3) and sel.block == 1
+    assert _sel_sets(sel) == [[{4, 0}]]
+
+
+def test_choose_topk_forced_outrank_scores():
+    scores = torch.tensor([[[3.0, -7.0, 2.0, 0.0, 5.0]]])
+    forced = torch.tensor([[False, True, False, True, False]])
+    sel = choose_topk(scores, forced, 4, torch.tensor([3]))
+    assert _sel_sets(sel) == [[{1, 3, 4}]]
+    # count is raised to the number of forced entries
+    sel = choose_topk(scores, forced, 4, torch.tensor([1]))
+    assert _sel_sets(sel) == [[{1, 3}]]
+    sel = choose_topk(scores, forced, 4, torch.tensor([0]))
+    assert _sel_sets(sel) == [[{1, 3}]]
+
+
+def test_choose_topk_forced_invalid_entry_is_not_selected():
+    scores = torch.tensor([[[1.0, -INF, 2.0]]])
+    forced = torch.tensor([[False, True, False]])
+    sel = choose_topk(scores, forced, 3, torch.tensor([1]))
+    # the forced entry is invalid (-inf): it is neither selected nor counted
+    assert _sel_sets(sel) == [[{2}]]
+
+
+def test_choose_topk_count_capped_by_valid_and_width():
+    scores = torch.tensor([[[-INF, 4.0, -INF, 1.0, -INF, -INF]]])
+    none = torch.zeros(1, 6, dtype=torch.bool)
+    sel = choose_topk(scores, none, 5, torch.tensor([5]))
+    assert sel.count.tolist() == [[2]] and _sel_sets(sel) == [[{1, 3}]]
+    scores = torch.arange(6.0).view(1, 1, 6)
+    sel = choose_topk(scores, none, 2, torch.tensor([5]))
+    assert sel.count.tolist() == [[2]] and _sel_sets(sel) == [[{5, 4}]]
+    # all invalid -> empty selection
+    sel = choose_topk(torch.full((1, 1, 4), -INF), none[:, :4], 2, torch.tensor([2]))
+    assert sel.count.tolist() == [[0]]
+
+
+def test_choose_topk_ties():
+    scores = torch.tensor([[[1.0, 1.0, 1.0, 1.0, 0.5]]])
+    sel = choose_topk(scores, torch.zeros(1, 5, dtype=torch.bool), 3, torch.tensor([2]))
+    (got,) = _sel_sets(sel)[0]
+    assert int(sel.count[0, 0]) == 2 and len(got) == 2 and got <= {0, 1, 2, 3}
+    # ties with -inf around and a forced tie member
+    scores = torch.tensor([[[2.0, -INF, 2.0, 2.0]]])
+    forced = torch.tensor([[False, False, True, False]])
+    sel = choose_topk(scores, forced, 4, torch.tensor([2]))
+    (got,) = _sel_sets(sel)[0]
+    assert 2 in got and len(got) == 2 and got <= {0, 2, 3}
+
+
+def test_choose_topk_per_row_counts_and_heads():
+    scores = torch.tensor(
+        [
+            [[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]],
+            [[5.0, -INF, 1.0, 2.0], [1.0, -INF, 5.0, 2.0]],
+        ]
+    )
+    forced = torch.tensor([[True, False, False, False], [False, False, False, True]])
+    sel = choose_topk(scores, forced, 3, torch.tensor([2, 3]))
+    assert sel.count.tolist() == [[2, 2], [3, 3]]
+    assert _sel_sets(sel) == [[{0, 3}, {0, 1}], [{3, 0, 2}, {3, 2, 0}]]
+
+
+@SETTINGS
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 3),
+    n=st.integers(1, 20),
+    data=st.data(),
+)
+def test_choose_topk_properties(b, h, n, data):
+    vals = st.one_of(st.just(-INF), st.integers(-3, 3).map(float))  # many ties and -inf
+    scores = torch.tensor(data.draw(st.lists(vals, min_size=b * h * n, max_size=b * h * n))).view(b, h, n)
+    forced = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b * n, max_size=b * n))).view(b, n)
+    k_max = data.draw(st.integers(1, n))
+    count = torch.tensor(data.draw(st.lists(st.integers(0, n + 2), min_size=b, max_size=b)))
+    sel = choose_topk(scores, forced, k_max, count)
+    assert sel.indices.shape == (b, h, k_max)
+    for r in range(b):
+        for hk in range(h):
+            got = sel.indices[r, hk, : int(sel.count[r, hk])].tolist()
+            valid = {i for i in range(n) if scores[r, hk, i] > -INF}
+            f = {i for i in range(n) if forced[r, i]} & valid
+            want = min(max(int(count[r]), len(f)), k_max, len(valid))
+            assert len(got) == want and len(set(got)) == len(got)
+            assert set(got) <= valid
+            if len(f) <= k_max:
+                assert f <= set(got)
+            free = set(got) - f
+            rest = valid - set(got)
+            if free and rest:
+                assert min(float(scores[r, hk, i]) for i in free) >= max(float(scores[r, hk, i]) for i in rest)
+
+
+# ---------------------------------------------------------------------------- GQA aggregation
+def test_aggregate_max_and_sum_by_hand():
+    # B=1, H=4 query heads, H_kv=2 -> groups (0, 1) and (2, 3); N=3, entry 2 invalid
+    scores = torch.tensor([[[0.0, 1.0, 9.0], [2.0, 0.0, 9.0], [0.0, 0.0, 9.0], [-1.0, 3.0, 9.0]]])
+    valid = torch.tensor([[True, True, False]])
+    out = aggregate_groups(scores, valid, 2, "max")
+    assert out.tolist() == [[[2.0, 1.0, -INF], [0.0, 3.0, -INF]]]
+    out = aggregate_groups(scores, valid, 2, "sum")
+    p = lambda a, b: math.exp(a) / (math.exp(a) + math.exp(b))  # noqa: E731
+    want = [[p(0, 1) + p(2, 0), p(1, 0) + p(0, 2), -INF], [0.5 + p(-1, 3), 0.5 + p(3, -1), -INF]]
+    torch.testing.assert_close(out, torch.tensor([want]))
+
+
+def test_aggregate_all_invalid_row_is_minus_inf_without_nan():
+    scores = torch.randn(2, 4, 5)
+    valid = torch.tensor([[False] * 5, [True, False, True, False, False]])
+    for how in ("sum", "max"):
+        out = aggregate_groups(scores, valid, 2, how)
+        assert not torch.isnan(out).any()
+        assert bool((out[0] == -INF).all())
+        assert bool(torch.isfinite(out[1][:, [0, 2]]).all()) and bool((out[1][:, [1, 3, 4]] == -INF).all())
+
+
+def test_aggregate_ignores_invalid_scores():
+    """Huge logits on invalid entries must not steal softmax mass."""
+    scores = torch.tensor([[[0.0, 0.0, 1e4]]])
+    valid = torch.tensor([[True, True, False]])
+    out = aggregate_groups(scores, valid, 1, "sum")
+    torch.testing.assert_close(out[0, 0, :2], torch.tensor([0.5, 0.5]))
+
+
+def test_aggregate_bad_how():
+    with pytest.raises(ValueError, match="aggregate"):
+        aggregate_groups(torch.zeros(1, 2, 3), torch.ones(1, 3, dtype=torch.bool), 1, "mean")
+
+
+@SETTINGS
+@given(b=st.integers(1, 3), h_kv=st.integers(1, 3), g=st.integers(1, 4), n=st.integers(1, 12), data=st.data())
+def test_aggregate_properties(b, h_kv, g, n, data):
+    seed = data.draw(st.integers(0, 2**16))
+    scores = torch.randn(b, h_kv * g, n, generator=torch.Generator().manual_seed(seed)) * 4
+    valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b * n, max_size=b * n))).view(b, n)
+    s = scores.view(b, h_kv, g, n)
+    mx = aggregate_groups(scores, valid, h_kv, "max")
+    sm = aggregate_groups(scores, valid, h_kv, "sum")
+    for out in (mx, sm):
+        assert out.shape == (b, h_kv, n) and not torch.isnan(out).any()
+        assert bool((out[~valid[:, None, :].expand_as(out)] == -INF).all())
+    v = valid[:, None, :].expand(b, h_kv, n)
+    torch.testing.assert_close(mx[v], s.amax(2)[v])
+    # each group's softmax masses sum to G over the valid entries (rows with any valid entry)
+    total = sm.masked_fill(~v, 0.0).sum(-1)
+    has = valid.any(-1)[:, None].expand(b, h_kv)
+    torch.testing.assert_close(total[has], torch.full_like(total[has], float(g)))
+
+
+# --------------------------------------------------------------------- scorers, forced entries
+@SETTINGS
+@given(data=st.data(), sinks=st.integers(0, 10), window=st.integers(0, 30))
+def test_forced_tokens_and_pages(data, cases, sinks, window):
+    case = data.draw(cases())
+    state = case.state()
+    ft = forced_tokens(state, sinks, window)
+    fp = forced_pages(state, sinks, window)
+    assert ft.shape == (case.b, case.cache.capacity) and fp.shape == (case.b, case.cache.num_pages)
+    for r in range(case.b):
+        assert set(torch.nonzero(ft[r]).flatten().tolist()) == case.forced_tokens(r, sinks, window)
+        assert set(torch.nonzero(fp[r]).flatten().tolist()) == case.forced_pages(r, sinks, window)
+        assert (case.length - 1) // case.page in case.forced_pages(r, sinks, window)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_state_and_scorers(data, cases):
+    case = data.draw(cases())
+    state = case.state()
+    c = case.cache
+    assert state.num_valid().tolist() == [case.n_valid(r) for r in range(case.b)]
+    assert torch.equal(state.token_valid(), case.token_valid())
+    for r in range(case.b):
+        assert torch.nonzero(state.page_valid()[r]).flatten().tolist() == case.visible_pages(r)
+    s = exact_scores(state, case.q)
+    qg = case.q.double().view(case.b, case.h_kv, case.g, case.d)
+    want = (torch.einsum("bkgd,bknd->bkgn", qg, c.keys[0].double()) * case.scale).reshape(case.b, case.h, -1)
+    assert s.dtype == torch.float32 and s.shape == (case.b, case.h, c.capacity)
+    torch.testing.assert_close(s.double(), want, rtol=1e-4, atol=1e-4)
+    pb = page_bound_scores(state, case.q)
+    assert pb.shape == (case.b, case.h, c.num_pages)
+    torch.testing.assert_close(pb, reference.quest_page_bound(case.q, c.page_min[0], c.page_max[0], case.scale))
+
+
+def test_selector_base_is_abstract():
+    with pytest.raises(NotImplementedError):
+        KVSelector().select(None, torch.zeros(1, 1, 8))
+
+
+# ------------------------------------------------------------------------------------- Dense
+@SETTINGS
+@given(data=st.data())
+def test_dense_selects_every_visible_page(data, cases, contract):
+    case = data.draw(cases())
+    sel = Dense().select(case.state(), case.q)
+    assert sel.block == case.page and sel.log_weight is None
+    contract.check_entries(sel, case, 0, 0)
+    for r in range(case.b):
+        for hk in range(case.h_kv):
+            assert sorted(contract.selected(sel, r, hk)) == case.visible_pages(r)
+    contract.check_error_bound(sel, case)  # delta = 0: exact
+    tv = case.cache.token_valid()
+    p = reference.dense_probs(case.q, case.cache.keys[0], case.cache.start, case.cache.length, case.scale)
+    from policyzoo.eval.metrics import dropped_mass
+
+    torch.testing.assert_close(dropped_mass(p, sel, tv), torch.zeros(case.b, case.h), atol=1e-5, rtol=0)

@@ -1,0 +1,138 @@
+"""Contract tests of `policyzoo.kv.Quest` (page min/max bound, top pages + sink/window pages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policyzoo.cache import PagedKVCache
+from policyzoo.kernels import reference
+from policyzoo.kv import KVState, Quest
+
+SETTINGS = settings(max_examples=50, deadline=None)
+
+
+@st.composite
+def quest_args(draw):
+    sinks = draw(st.integers(0, 8))
+    window = draw(st.integers(0, 20))
+    aggregate = draw(st.sampled_from(["sum", "max"]))
+    if draw(st.booleans()):
+        budget = draw(st.integers(1, 80))
+    else:
+        budget = draw(st.floats(1e-3, 1.0))
+    return dict(budget=budget, sinks=sinks, window=window, aggregate=aggregate)
+
+
+@SETTINGS
+@given(data=st.data(), args=quest_args())
+def test_quest_contract(data, cases, contract, args):
+    case = data.draw(cases())
+    policy = Quest(page=case.page, **args)
+    assert policy.page_size == case.page
+    sel = policy.select(case.state(), case.q)
+    assert sel.block == case.page and sel.log_weight is None
+    contract.check_entries(sel, case, policy.sinks, policy.window)
+    contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window)
+    contract.check_error_bound(sel, case)
+
+
+@SETTINGS
+@given(data=st.data(), args=quest_args())
+def test_quest_keeps_the_best_bounds(data, cases, contract, args):
+    """Every kept non-forced page has a (group-aggregated) bound at least that of every dropped page."""
+    case = data.draw(cases())
+    policy = Quest(page=case.page, **args)
+    sel = policy.select(case.state(), case.q)
+    c = case.cache
+    bound = reference.quest_page_bound(case.q, c.page_min[0], c.page_max[0], case.scale).double()
+    bound = bound.view(case.b, case.h_kv, case.g, -1)
+    for r in range(case.b):
+        visible = case.visible_pages(r)
+        forced = case.forced_pages(r, policy.sinks, policy.window)
+        b = bound[r][..., visible]  # [H_kv, G, pages]
+        agg = b.amax(1) if policy.aggregate == "max" else torch.softmax(b, -1).sum(1)  # [H_kv, pages]
+        for hk in range(case.h_kv):
+            score = dict(zip(visible, agg[hk].tolist()))
+            kept = set(contract.selected(sel, r, hk))
+            free_kept, dropped = kept - forced, set(visible) - kept
+            if free_kept and dropped:
+                lo = min(score[p] for p in free_kept)
+                hi = max(score[p] for p in dropped)
+                assert lo >= hi - 1e-5 * (1 + abs(hi)), f"kept page bound {lo} < dropped {hi}"
+
+
+@SETTINGS
+@given(
+    data=st.data(),
+    sinks=st.integers(0, 8),
+    window=st.integers(0, 20),
+    aggregate=st.sampled_from(["sum", "max"]),
+    full=st.sampled_from(["ratio", "tokens"]),
+)
+def test_full_budget_is_dense(data, cases, contract, sinks, window, aggregate, full):
+    case = data.draw(cases())
+    budget = 1.0 if full == "ratio" else case.cache.capacity
+    policy = Quest(budget=budget, page=case.page, sinks=sinks, window=window, aggregate=aggregate)
+    sel = policy.select(case.state(), case.q)
+    for r in range(case.b):
+        for hk in range(case.h_kv):
+            assert sorted(contract.selected(sel, r, hk)) == case.visible_pages(r)
+    contract.check_reproduces_dense(sel, case)
+
+
+def test_quest_hand_made(contract):
+    # page 4, left padding 2, 18 tokens: visible 2..17 -> pages 0..4 (page 4 holds 16, 17)
+    d = 8
+    cache = PagedKVCache(1, 1, 1, d, capacity=20, page_size=4)
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
+    k = torch.zeros(1, 1, 18, d)
+    k[0, 0, :2, 0] = 100.0  # left padding: must not count
+    k[0, 0, 9, 0] = 5.0  # page 2 has the best bound
+    k[0, 0, 13, 0] = 2.0  # page 3 the second best
+    k[0, 0, 4:8, 0] = -3.0  # page 1 the worst (bound -3)
+    cache.reset(torch.tensor([2]), 16)
+    cache.write_prefill(0, k[:, :, :16], k[:, :, :16])
+    for t in (16, 17):
+        cache.length += 1
+        cache.write(0, k[:, :, t : t + 1], k[:, :, t : t + 1])
+    state = KVState(cache, 0, 1.0)
+
+    def pages(**kw):
+        sel = Quest(page=4, **kw).select(state, q)
+        return sorted(contract.selected(sel, 0, 0))
+
+    # budget 8 tokens = 2 pages; forced: page 0 (sink) and page 4 (window / last page)
+    assert pages(budget=8, sinks=1, window=1) == [0, 4]
+    assert pages(budget=12, sinks=1, window=1) == [0, 2, 4]
+    assert pages(budget=16, sinks=1, window=1) == [0, 2, 3, 4]
+    # no sinks, no window: the last page is still kept; ceil(0.6 * 5 visible pages) = 3
+    assert pages(budget=0.6, sinks=0, window=0) == [2, 3, 4]
+    # a window of 3 tokens (15..17) straddles pages 3 and 4
+    assert pages(budget=4, sinks=0, window=3) == [3, 4]
+    # the padding keys of page 0 do not raise its bound: with sinks=0 it is dropped before page 3
+    assert pages(budget=12, sinks=0, window=1) == [2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        (dict(budget=0), ValueError, "budget"),
+        (dict(budget=1.01), ValueError, "budget"),
+        (dict(budget=-0.5), ValueError, "budget"),
+        (dict(budget=False), TypeError, "budget"),
+        (dict(budget=None), TypeError, "budget"),
+        (dict(page=0), ValueError, "page"),
+        (dict(page=4.0), TypeError, "page"),
+        (dict(sinks=-2), ValueError, "sinks"),
+        (dict(window=-1), ValueError, "window"),
+        (dict(window=1.5), TypeError, "window"),
+        (dict(aggregate="min"), ValueError, "aggregate"),
+    ],
+)
+def test_quest_rejects_bad_args(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        Quest(**kwargs)
