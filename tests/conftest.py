@@ -187,7 +187,7 @@ def build_case(
     q = (rand(b, h_kv * g, d) * sharp).to(dtype)
     params = dict(
         b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts,
-        seed=seed, extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers,
+        seed=seed, extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=str(dtype),
     )  # fmt: skip
     return Case(params, cache, q, d**-0.5, real_k=k_all[0], real_v=v_all[0])
 
@@ -201,6 +201,7 @@ def _cases(
     num_layers: int = 1,
     min_len: int = 1,
     min_extra: int = 0,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> Case:
     b = draw(st.integers(1, 3))
     h_kv = draw(st.integers(1, 3))
@@ -217,9 +218,10 @@ def _cases(
     reuse = draw(st.booleans())
     sharp = draw(st.sampled_from([0.5, 1.0, 3.0, 8.0]))
     seed = draw(st.integers(0, 2**31 - 1))
+    dtype = draw(st.sampled_from(dtypes))
     return build_case(
         b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts, seed=seed,
-        extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers,
+        extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=dtype,
     )  # fmt: skip
 
 
