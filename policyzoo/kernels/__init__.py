@@ -1,11 +1,38 @@
 """Attention, page-scoring and projection operators.
 
 `ops` is the seam between the library and its kernels: every call site in the library goes through
-these functions. Today they dispatch to the plain-torch references in `reference.py`; the Triton
-kernels register here (custom ops on CUDA) without any call site changing.
+these functions. They run the Triton kernels (torch custom ops, `dispatch`) when
+`dispatch.use_triton` says so — CUDA tensors with triton installed, or ``POLICYZOO_TRITON=1`` — and
+the plain-torch references in `reference.py` otherwise (the default on CPU), without any call site
+changing.
 """
 
+# dispatch first: it imports the kernel modules, one of which (decode_attention.py) is named like the
+# function below; the function must be bound after the module (see dispatch's docstring).
+from . import dispatch
 from . import reference
-from .reference import decode_attention, dense_probs, quest_page_bound, sparse_linear
+from .reference import dense_probs
 
-__all__ = ["reference", "decode_attention", "dense_probs", "quest_page_bound", "sparse_linear"]
+
+def decode_attention(q, keys, values, sel, start, length, scale):
+    """Softmax decode attention over a Selection → ``(out, lse)``; see `reference.decode_attention`."""
+    if dispatch.use_triton(q):
+        return dispatch.decode_attention(q, keys, values, sel, start, length, scale)
+    return reference.decode_attention(q, keys, values, sel, start, length, scale)
+
+
+def quest_page_bound(q, page_min, page_max, scale):
+    """Quest page bound ``float32[B, H, P]``; see `reference.quest_page_bound`."""
+    if dispatch.use_triton(q):
+        return dispatch.quest_page_bound(q, page_min, page_max, scale)
+    return reference.quest_page_bound(q, page_min, page_max, scale)
+
+
+def sparse_linear(x, weight, bias, keep):
+    """``F.linear`` over the kept input features only; see `reference.sparse_linear`."""
+    if dispatch.use_triton(x):
+        return dispatch.sparse_linear(x, weight, bias, keep)
+    return reference.sparse_linear(x, weight, bias, keep)
+
+
+__all__ = ["reference", "dispatch", "decode_attention", "dense_probs", "quest_page_bound", "sparse_linear"]

@@ -97,3 +97,107 @@ def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) 
     what a sparse GEMV reading only the kept weight columns computes.
     """
     return torch.nn.functional.linear(x * keep.to(x.dtype), weight, bias)
+
+
+def _selected_logits(
+    q: Tensor, keys: Tensor, values: Tensor, sel: Selection, start: Tensor, length: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Logits ``float32[B, H_kv, G, M]`` of the selected tokens (``-inf`` where not visible) and their
+    values ``float32[B, H_kv, M, D]``; the same gather and masking as `decode_attention`."""
+    b, h, d = q.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    pos, entry_valid = sel.token_positions()
+    valid = entry_valid & (pos >= start[:, None, None]) & (pos < length)
+    idx = pos.clamp(0, n - 1).unsqueeze(-1).expand(-1, -1, -1, d)
+    k_sel = torch.gather(keys, 2, idx).float()
+    v_sel = torch.gather(values, 2, idx).float()
+    logits = torch.einsum("bkgd,bkmd->bkgm", q.float().view(b, h_kv, h // h_kv, d), k_sel) * scale
+    if sel.log_weight is not None:
+        lw = sel.log_weight.float()
+        if sel.block > 1:
+            lw = lw.repeat_interleave(sel.block, dim=-1)
+        logits = logits + lw.unsqueeze(2)
+    return logits.masked_fill(~valid.unsqueeze(2), -torch.inf), v_sel
+
+
+def entmax15_threshold(x: Tensor) -> Tensor:
+    """Exact 1.5-entmax threshold along the last dim, sort based (Peters et al. 2019, Alg. 2).
+
+    ``x`` holds the *halved* scores ``z/2`` (``-inf`` = not a candidate); returns ``tau`` (keepdim)
+    with ``Σ_i max(0, x_i − tau)² = 1``, or ``-inf`` for a row without candidates. Computed in float64
+    so that the oracle is well clear of the kernels' fp32 error.
+    """
+    xs = torch.sort(x.double(), dim=-1, descending=True).values
+    finite = torch.isfinite(xs)  # -inf candidates sort last
+    top = torch.where(finite[..., :1], xs[..., :1], 0.0)
+    xs = torch.where(finite, xs - top, 0.0)  # shift by the max: the support lies within 1 of it
+    rho = torch.arange(1, xs.shape[-1] + 1, dtype=xs.dtype, device=xs.device)
+    mean = xs.cumsum(-1) / rho
+    mean_sq = (xs * xs).cumsum(-1) / rho
+    delta = ((1 - rho * (mean_sq - mean * mean)) / rho).clamp(min=0)
+    tau = mean - delta.sqrt()  # threshold if the support were the top rho entries
+    support = ((tau <= xs) & finite).sum(-1, keepdim=True)
+    tau_star = tau.gather(-1, (support - 1).clamp(min=0)) + top
+    return torch.where(support > 0, tau_star, -torch.inf).to(x.dtype)
+
+
+def decode_attention_entmax15(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    sel: Selection,
+    start: Tensor,
+    length: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """1.5-entmax attention of one query token over the selected, visible cache entries.
+
+    Same arguments and masking as `decode_attention`. With ``z = scale·q·k + log_weight`` the weights
+    are ``p_i = max(0, z_i/2 − tau)²``, ``tau`` chosen so that they sum to one (the ``entmax15`` of
+    the ``entmax`` package: ``p = [(α−1)z − tau]_+^{1/(α−1)}`` with α = 1.5); entries outside the
+    support get exactly zero weight.
+
+    Returns:
+        ``(out [B, H, D] in q's dtype, tau float32[B, H])``; an empty selection gives ``out = 0`` and
+        ``tau = -inf`` (no mass, like ``lse`` of the softmax).
+    """
+    b, h, d = q.shape
+    logits, v_sel = _selected_logits(q, keys, values, sel, start, length, scale)
+    x = logits * 0.5
+    tau = entmax15_threshold(x)
+    probs = torch.where(x > tau, (x - tau) ** 2, 0.0)
+    out = torch.einsum("bkgm,bkmd->bkgd", probs, v_sel)
+    return out.reshape(b, h, d).to(q.dtype), tau.reshape(b, h)
+
+
+def quest_page_bound_grouped(
+    q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "max"
+) -> Tensor:
+    """`quest_page_bound` aggregated over the query heads of each GQA group → ``float32[B, H_kv, P]``.
+
+    ``agg="max"`` (a page bound for the group: any head may want the page) or ``"sum"``.
+    """
+    b, h, _ = q.shape
+    h_kv = page_min.shape[1]
+    bound = quest_page_bound(q, page_min, page_max, scale).view(b, h_kv, h // h_kv, -1)
+    if agg == "max":
+        return bound.amax(2)
+    if agg == "sum":
+        return bound.sum(2)
+    raise ValueError(f"agg must be 'max' or 'sum', got {agg!r}")
+
+
+def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`sparse_linear` over the input features listed in ``idx``.
+
+    ``x [B, d_in]``, ``idx int[B, k]`` (distinct features per row), ``w_t [d_in, d_out]`` the
+    input-major (transposed) weight → ``[B, d_out]`` in x's dtype.
+    """
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx.long(), True)
+    return sparse_linear(x, w_t.t(), bias, keep)
+
+
+def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`sparse_linear` over the inputs with ``|x| >= t`` (compared in x's dtype; t a scalar)."""
+    t = torch.as_tensor(t, device=x.device).to(x.dtype)
+    return sparse_linear(x, w_t.t(), bias, x.abs() >= t)

@@ -1,0 +1,476 @@
+"""Split-K decode attention over a `Selection`, softmax or 1.5-entmax (Triton).
+
+One query token per batch row attends to the cache entries a KV policy selected; the specification is
+`reference.decode_attention` (softmax) and `reference.decode_attention_entmax15`.
+
+Softmax, two launches:
+
+1. `_softmax_chunk_kernel`, grid ``(chunks, H_kv, B)``. A program takes ``chunk`` consecutive entries
+   of the selection of one (row, KV head) — tokens when ``block == 1``, pages of ``block`` tokens
+   otherwise — and all G query heads of the GQA group, so each selected key and value is read once
+   per group. It walks the chunk's tokens in tiles of ``BLOCK_T`` (online softmax) and writes the
+   chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
+2. `_merge_kernel`, grid ``(H, B)``: merges the chunks by log-sum-exp into ``out`` and ``lse``.
+
+1.5-entmax, two passes over the selection (keys in the first, values in the second):
+
+1. `_entmax_logits_kernel`, grid ``(chunks, H_kv, B)``: ``x = (scale·q·k + log_weight) / 2`` of every
+   selected token into an fp32 scratch ``[B, H, K_max·block]`` (``-inf`` where not visible).
+2. `_entmax_tau_kernel`, grid ``(H, B)``: the threshold ``tau`` with ``Σ max(0, x − tau)² = 1``.
+   Bisection on ``tau`` over the scratch (bracket ``[max − 1, max − 1/√n]``, ``N_BISECT`` steps)
+   finds the support; the exact ``tau`` for that support then follows in closed form (the root of
+   ``Σ_S (x − tau)² = 1``, as in the sort-based algorithm). Bisection rather than a sort because a
+   sort of a long selection does not fit one program; the closed form removes the bisection error,
+   which only remains for entries within ~2^-N_BISECT of ``tau`` (their weight is ~0 either way).
+3. `_entmax_out_kernel`, grid ``(chunks, H_kv, B)``: ``Σ p·v`` per chunk with ``p = max(0, x − tau)²``;
+   values are loaded only for tokens in the support of some head of the group.
+4. The chunk outputs are summed (no normalisation: the weights already sum to one).
+
+Index arithmetic: token ``f`` of a selection (``0 <= f < count·block``) is offset ``f % block`` of entry
+``f // block``, i.e. cache slot ``indices[f // block]·block + f % block``; the tokens of one page are
+contiguous in memory. Tokens at or past ``count·block``, or outside ``start[b] <= pos < length``, are
+masked and never loaded. ``length`` is read from device memory (no host sync, CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# The interpreter (TRITON_INTERPRET=1, read by triton.jit when this module is imported) runs these
+# kernels on CPU tensors. Its tl.dot multiplies bfloat16 operands as their raw uint16 bits (triton
+# 3.9), so under the interpreter the operands are widened to fp32 first: bf16 products are exact in
+# fp32, so this is the same arithmetic as a bf16 tensor-core dot with fp32 accumulation.
+INTERPRET = bool(triton.knobs.runtime.interpret)
+
+BLOCK_T = 32  # tokens per tile
+BLOCK_C = 32  # chunk partials per merge step
+BLOCK_M = 128  # scratch entries per step of the entmax threshold search
+N_BISECT = 24  # bisection steps: the bracket is < 1 wide, so 24 halvings reach fp32 resolution
+
+
+def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every output and scratch buffer comes from here (uninitialised; the tests poison it with NaN)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile_tokens(idx_row, s_ik, f, f_end, start, length, n, BLOCK: tl.constexpr):
+    """Entry, cache slot and visibility of the selection tokens ``f`` (a tile)."""
+    in_chunk = f < f_end
+    entry = f // BLOCK
+    page = tl.load(idx_row + entry * s_ik, mask=in_chunk, other=0).to(tl.int64)
+    pos = page * BLOCK + f % BLOCK
+    visible = in_chunk & (pos >= start) & (pos < length) & (pos < n)
+    return entry, pos, in_chunk, visible
+
+
+@triton.jit
+def _tile_logits(
+    q, k_row, lw_row, s_kn, s_lw, entry, pos, in_chunk, visible, offs_d, scale,
+    HAS_LW: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``[G_PAD, BLOCK_T]`` logits ``scale·q·k (+ log_weight)``, ``-inf`` where not visible."""
+    k = tl.load(
+        k_row + pos[:, None] * s_kn + offs_d[None, :],
+        mask=visible[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
+    s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale
+    if HAS_LW:
+        s += tl.load(lw_row + entry * s_lw, mask=in_chunk, other=0.0).to(tl.float32)[None, :]
+    return tl.where(visible[None, :], s, -float("inf"))
+
+
+@triton.jit
+def _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G: tl.constexpr, D: tl.constexpr):
+    """The G query heads of KV head ``kv`` as ``[G_PAD, D_PAD]`` (padding rows and columns are 0)."""
+    ptrs = q_ptr + b * s_qb + (kv * G + offs_g)[:, None] * s_qh + offs_d[None, :]
+    return tl.load(ptrs, mask=(offs_g[:, None] < G) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _softmax_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
+    m_ptr, l_ptr, o_ptr,
+    s_qb, s_qh,
+    s_kb, s_kh, s_kn,
+    s_vb, s_vh, s_vn,
+    s_ib, s_ih, s_ik,
+    s_cb, s_ch,
+    s_lb, s_lh, s_lk,
+    n, k_max, n_chunks, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_t = tl.arange(0, BLOCK_T)
+
+    start = tl.load(start_ptr + b)
+    length = tl.load(len_ptr)
+    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
+    # This chunk's tokens: entries [c·CHUNK, min((c+1)·CHUNK, count)), expanded to pages.
+    f_begin = c * CHUNK * BLOCK
+    f_end = tl.minimum((c + 1) * CHUNK, count) * BLOCK
+
+    q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
+    idx_row = idx_ptr + b * s_ib + kv * s_ih
+    lw_row = lw_ptr + b * s_lb + kv * s_lh
+    k_row = k_ptr + b * s_kb + kv * s_kh
+    v_row = v_ptr + b * s_vb + kv * s_vh
+
+    m_i = tl.full([G_PAD], -float("inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    # Chunks past `count` skip the loop and still write (m=-inf, l=0, o=0): the merge reads every chunk.
+    for f0 in range(f_begin, f_end, BLOCK_T):
+        entry, pos, in_chunk, visible = _tile_tokens(idx_row, s_ik, f0 + offs_t, f_end, start, length, n, BLOCK)
+        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, pos, in_chunk, visible, offs_d, scale,
+                         HAS_LW, D, UPCAST, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # While a head has seen nothing visible its max is -inf; exponentiate against 0 instead so
+        # that exp(-inf - -inf) = NaN never appears (every term is then exp(-inf) = 0).
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_row + pos[:, None] * s_vn + offs_d[None, :],
+            mask=visible[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+        m_i = m_new
+
+    # Partials are [B, H, n_chunks(, D)], contiguous.
+    head = b * (G * tl.num_programs(1)) + kv * G + offs_g
+    g_mask = offs_g < G
+    tl.store(m_ptr + head * n_chunks + c, m_i, mask=g_mask)
+    tl.store(l_ptr + head * n_chunks + c, l_i, mask=g_mask)
+    tl.store(
+        o_ptr + (head * n_chunks + c)[:, None] * D + offs_d[None, :],
+        acc,
+        mask=g_mask[:, None] & (offs_d[None, :] < D),
+    )
+
+
+@triton.jit
+def _merge_kernel(
+    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr,
+    s_ob, s_oh, n_chunks,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Log-sum-exp merge of the chunk partials of one (row, query head)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    head = b * tl.num_programs(0) + h
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+
+    m_run = -float("inf")
+    l_run = 0.0
+    acc = tl.zeros([D_PAD], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        cs = c0 + offs_c
+        c_mask = cs < n_chunks
+        m = tl.load(m_ptr + head * n_chunks + cs, mask=c_mask, other=-float("inf"))
+        l = tl.load(l_ptr + head * n_chunks + cs, mask=c_mask, other=0.0)
+        o = tl.load(
+            o_ptr + (head * n_chunks + cs)[:, None] * D + offs_d[None, :],
+            mask=c_mask[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
+        alpha = tl.exp(m_run - m_safe)
+        w = tl.exp(m - m_safe)
+        l_run = l_run * alpha + tl.sum(w * l, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m_run = m_new
+
+    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
+    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_run))
+    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out, mask=offs_d < D)
+    tl.store(lse_ptr + head, lse)
+
+
+@triton.jit
+def _entmax_logits_kernel(
+    q_ptr, k_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr, x_ptr,
+    s_qb, s_qh,
+    s_kb, s_kh, s_kn,
+    s_ib, s_ih, s_ik,
+    s_cb, s_ch,
+    s_lb, s_lh, s_lk,
+    n, k_max, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_t = tl.arange(0, BLOCK_T)
+
+    start = tl.load(start_ptr + b)
+    length = tl.load(len_ptr)
+    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
+    f_begin = c * CHUNK * BLOCK
+    f_end = tl.minimum((c + 1) * CHUNK, count) * BLOCK
+
+    q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
+    idx_row = idx_ptr + b * s_ib + kv * s_ih
+    lw_row = lw_ptr + b * s_lb + kv * s_lh
+    k_row = k_ptr + b * s_kb + kv * s_kh
+    m_tok = k_max * BLOCK
+    head = b * (G * tl.num_programs(1)) + kv * G + offs_g
+    for f0 in range(f_begin, f_end, BLOCK_T):
+        f = f0 + offs_t
+        entry, pos, in_chunk, visible = _tile_tokens(idx_row, s_ik, f, f_end, start, length, n, BLOCK)
+        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, pos, in_chunk, visible, offs_d, scale,
+                         HAS_LW, D, UPCAST, PRECISION)
+        # Scratch entries past count·block are never written; the later kernels never read them.
+        tl.store(x_ptr + head[:, None] * m_tok + f[None, :], s * 0.5,
+                 mask=(offs_g[:, None] < G) & in_chunk[None, :])
+
+
+@triton.jit
+def _entmax_tau_kernel(
+    x_ptr, cnt_ptr, tau_ptr,
+    s_cb, s_ch, k_max,
+    G: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, N_BISECT: tl.constexpr,
+):
+    """Threshold of one (row, query head) over its scratch row of halved logits."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    head = b * tl.num_programs(0) + h
+    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + (h // G) * s_ch), k_max)
+    n_tok = count * BLOCK
+    row = x_ptr + head * (k_max * BLOCK)
+    offs = tl.arange(0, BLOCK_M)
+
+    # Max and number of visible tokens.
+    top = -float("inf")
+    n_vis = 0.0
+    for m0 in range(0, n_tok, BLOCK_M):
+        x = tl.load(row + m0 + offs, mask=m0 + offs < n_tok, other=-float("inf"))
+        top = tl.maximum(top, tl.max(x, 0))
+        n_vis += tl.sum((x > -float("inf")).to(tl.float32), 0)
+
+    if n_vis == 0.0:
+        tl.store(tau_ptr + head, -float("inf"))
+    else:
+        # Work with y = x - top <= 0. The threshold t (in y units) lies in [-1, -1/sqrt(n)]: at -1
+        # the top entry alone has weight 1; at -1/sqrt(n) no entry has more than 1/n.
+        lo = -1.0
+        hi = -1.0 / tl.sqrt(n_vis)
+        for _ in range(N_BISECT):
+            mid = 0.5 * (lo + hi)
+            mass = 0.0
+            for m0 in range(0, n_tok, BLOCK_M):
+                y = tl.load(row + m0 + offs, mask=m0 + offs < n_tok, other=-float("inf")) - top
+                r = tl.maximum(y - mid, 0.0)
+                mass += tl.sum(r * r, 0)
+            lo = tl.where(mass >= 1.0, mid, lo)
+            hi = tl.where(mass >= 1.0, hi, mid)
+        # Exact threshold for the support S = {y > lo}: the root of Σ_S (y − t)² = 1 below the
+        # support, t = mean − sqrt((1 − Σ_S (y − mean)²) / |S|).
+        k = 0.0
+        s1 = 0.0
+        s2 = 0.0
+        for m0 in range(0, n_tok, BLOCK_M):
+            y = tl.load(row + m0 + offs, mask=m0 + offs < n_tok, other=-float("inf")) - top
+            in_s = y > lo
+            k += tl.sum(in_s.to(tl.float32), 0)
+            s1 += tl.sum(tl.where(in_s, y, 0.0), 0)
+            s2 += tl.sum(tl.where(in_s, y * y, 0.0), 0)
+        mean = s1 / k
+        delta = tl.maximum((1.0 - (s2 - s1 * mean)) / k, 0.0)
+        t = tl.minimum(tl.maximum(mean - tl.sqrt(delta), lo), hi)
+        tl.store(tau_ptr + head, t + top)
+
+
+@triton.jit
+def _entmax_out_kernel(
+    v_ptr, idx_ptr, cnt_ptr, start_ptr, len_ptr, x_ptr, tau_ptr, o_ptr,
+    s_vb, s_vh, s_vn,
+    s_ib, s_ih, s_ik,
+    s_cb, s_ch,
+    n, k_max, n_chunks,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < G
+
+    start = tl.load(start_ptr + b)
+    length = tl.load(len_ptr)
+    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
+    f_begin = c * CHUNK * BLOCK
+    f_end = tl.minimum((c + 1) * CHUNK, count) * BLOCK
+
+    head = b * (G * tl.num_programs(1)) + kv * G + offs_g
+    # A head without visible tokens has tau = -inf and only x = -inf: use tau = 0 there (and for the
+    # padding heads, whose x is -inf too) so that x - tau is -inf (weight 0) rather than NaN.
+    tau = tl.load(tau_ptr + head, mask=g_mask, other=0.0)
+    tau = tl.where(tau == -float("inf"), 0.0, tau)
+    idx_row = idx_ptr + b * s_ib + kv * s_ih
+    v_row = v_ptr + b * s_vb + kv * s_vh
+    m_tok = k_max * BLOCK
+
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for f0 in range(f_begin, f_end, BLOCK_T):
+        f = f0 + offs_t
+        entry, pos, in_chunk, visible = _tile_tokens(idx_row, s_ik, f, f_end, start, length, n, BLOCK)
+        x = tl.load(x_ptr + head[:, None] * m_tok + f[None, :],
+                    mask=g_mask[:, None] & in_chunk[None, :], other=-float("inf"))
+        d = x - tau[:, None]
+        p = tl.where(d > 0.0, d * d, 0.0)
+        # Entmax is sparse: read a value row only if some head of the group gives it weight.
+        needed = visible & (tl.max(p, 0) > 0.0)
+        v = tl.load(
+            v_row + pos[:, None] * s_vn + offs_d[None, :],
+            mask=needed[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        acc += _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+
+    tl.store(
+        o_ptr + (head * n_chunks + c)[:, None] * D + offs_d[None, :],
+        acc,
+        mask=g_mask[:, None] & (offs_d[None, :] < D),
+    )
+
+
+def default_chunk(k_max: int, block: int, rows: int) -> int:
+    """Entries per chunk: enough programs to fill a GPU (~512), at least ~128 tokens per program.
+
+    Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
+    """
+    tokens = k_max * block
+    splits = max(1, min(triton.cdiv(tokens, 128), triton.cdiv(512, max(rows, 1))))
+    return max(1, triton.cdiv(k_max, splits))
+
+
+def decode_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    indices: Tensor,
+    count: Tensor,
+    log_weight: Tensor | None,
+    block: int,
+    start: Tensor,
+    length: Tensor,
+    scale: float,
+    mode: str = "softmax",
+    chunk: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Launch the kernels; arguments as `reference.decode_attention` with the Selection unpacked.
+
+    ``mode`` is ``"softmax"`` (returns ``(out, lse)``) or ``"entmax15"`` (returns ``(out, tau)``);
+    ``chunk`` is the number of selection entries per program (0: `default_chunk`).
+    """
+    if mode not in ("softmax", "entmax15"):
+        raise ValueError(f"mode must be 'softmax' or 'entmax15', got {mode!r}")
+    if q.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before importing policyzoo")
+    b, h, d = q.shape
+    _, h_kv, n, _ = keys.shape
+    g = h // h_kv
+    k_max = indices.shape[-1]
+    # The kernels index the head dim with unit stride.
+    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
+    chunk = chunk if chunk > 0 else default_chunk(k_max, block, b * h_kv)
+    n_chunks = max(1, triton.cdiv(k_max, chunk))
+    has_lw = log_weight is not None
+    lw = log_weight if has_lw else indices  # dummy pointer, never read when HAS_LW is False
+    length = length.reshape(())
+    dtype_precision = "ieee" if keys.dtype == torch.float32 or INTERPRET else "tf32"
+    upcast = INTERPRET and keys.dtype == torch.bfloat16
+    common = dict(
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot wants M >= 16
+        D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        BLOCK=block, CHUNK=chunk, BLOCK_T=BLOCK_T, UPCAST=upcast, PRECISION=dtype_precision,
+    )
+    grid = (n_chunks, h_kv, b)
+    out = _alloc(b, h, d, dtype=q.dtype, device=q.device)
+    second = _alloc(b, h, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, second
+    o_part = _alloc(b, h, n_chunks, d, dtype=torch.float32, device=q.device)
+
+    if mode == "softmax":
+        m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
+        l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
+        _softmax_chunk_kernel[grid](
+            q, keys, values, indices, count, lw, start, length,
+            m_part, l_part, o_part,
+            q.stride(0), q.stride(1),
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2),
+            indices.stride(0), indices.stride(1), indices.stride(2),
+            count.stride(0), count.stride(1),
+            lw.stride(0), lw.stride(1), lw.stride(2),
+            n, k_max, n_chunks, float(scale),
+            HAS_LW=has_lw, **common,
+        )
+        _merge_kernel[(h, b)](
+            m_part, l_part, o_part, out, second,
+            out.stride(0), out.stride(1), n_chunks,
+            D=d, D_PAD=common["D_PAD"], BLOCK_C=BLOCK_C,
+        )
+        return out, second
+
+    x = _alloc(b, h, k_max * block, dtype=torch.float32, device=q.device)
+    _entmax_logits_kernel[grid](
+        q, keys, indices, count, lw, start, length, x,
+        q.stride(0), q.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        indices.stride(0), indices.stride(1), indices.stride(2),
+        count.stride(0), count.stride(1),
+        lw.stride(0), lw.stride(1), lw.stride(2),
+        n, k_max, float(scale),
+        HAS_LW=has_lw, **common,
+    )
+    _entmax_tau_kernel[(h, b)](
+        x, count, second, count.stride(0), count.stride(1), k_max,
+        G=g, BLOCK=block, BLOCK_M=BLOCK_M, N_BISECT=N_BISECT,
+    )
+    _entmax_out_kernel[grid](
+        values, indices, count, start, length, x, second, o_part,
+        values.stride(0), values.stride(1), values.stride(2),
+        indices.stride(0), indices.stride(1), indices.stride(2),
+        count.stride(0), count.stride(1),
+        n, k_max, n_chunks,
+        **common,
+    )
+    out.copy_(o_part.sum(2))
+    return out, second
+
+
+__all__ = ["decode_attention", "default_chunk", "INTERPRET"]

@@ -1,0 +1,203 @@
+"""The Triton kernels as torch custom ops, and the switch that says when to use them.
+
+Each kernel is registered with `torch.library.custom_op` in the ``policyzoo`` namespace
+(``torch.ops.policyzoo.*``) together with a fake (meta) implementation, so `torch.compile` traces
+through a decode step as one opaque node per kernel and CUDA graphs capture the launches. A
+`Selection` is not an op argument type, so it travels unpacked (indices, count, log_weight, block).
+
+Importing this module never fails: without triton (or if importing it fails) `HAS_TRITON` is False,
+`use_triton` always answers False and the ops raise if called. The kernel modules are imported here,
+eagerly, for a second reason: ``kernels/decode_attention.py`` shares its name with the function
+``kernels.decode_attention``; importing a submodule for the first time rebinds the package attribute
+of that name to the module, so the first import must happen before ``kernels/__init__.py`` defines
+the function (any later import finds the module in ``sys.modules`` and rebinds nothing).
+
+Interpret mode: `triton.jit` reads ``TRITON_INTERPRET`` when the kernel modules are imported. To run
+the kernels on CPU tensors set ``TRITON_INTERPRET=1`` before importing policyzoo, and
+``POLICYZOO_TRITON=1`` so that `use_triton` routes CPU tensors to them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from ..selection import Selection
+
+try:
+    from . import decode_attention as _attn
+    from . import page_score as _page
+    from . import sparse_gemv as _gemv
+
+    HAS_TRITON = True
+except Exception:  # no triton, or a triton that cannot load here: the references serve every call
+    _attn = _page = _gemv = None
+    HAS_TRITON = False
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether calls on tensor ``t`` should go to the Triton kernels.
+
+    True for CUDA tensors when triton imported, and for any tensor when ``POLICYZOO_TRITON=1`` (CPU
+    tensors then need ``TRITON_INTERPRET=1``, set before importing policyzoo).
+    """
+    if not HAS_TRITON:
+        return False
+    return t.is_cuda or os.environ.get("POLICYZOO_TRITON") == "1"
+
+
+def _need_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("policyzoo Triton kernels need triton (pip install 'policyzoo[triton]')")
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode attention
+
+
+@torch.library.custom_op("policyzoo::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    indices: Tensor,
+    count: Tensor,
+    log_weight: Tensor | None,
+    block: int,
+    start: Tensor,
+    length: Tensor,
+    scale: float,
+    mode: str = "softmax",
+    chunk: int = 0,
+) -> tuple[Tensor, Tensor]:
+    _need_triton()
+    return _attn.decode_attention(
+        q, keys, values, indices, count, log_weight, block, start, length, scale, mode=mode, chunk=chunk
+    )
+
+
+@_decode_attention_op.register_fake
+def _(q, keys, values, indices, count, log_weight, block, start, length, scale, mode="softmax", chunk=0):
+    b, h, d = q.shape
+    return q.new_empty(b, h, d), q.new_empty(b, h, dtype=torch.float32)
+
+
+def decode_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    sel: Selection,
+    start: Tensor,
+    length: Tensor,
+    scale: float,
+    mode: str = "softmax",
+    chunk: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """`reference.decode_attention` (``mode="softmax"``, returns ``(out, lse)``) or
+    `reference.decode_attention_entmax15` (``mode="entmax15"``, returns ``(out, tau)``) on Triton.
+
+    ``chunk``: selection entries per split-K program (0 picks from the shapes)."""
+    return torch.ops.policyzoo.decode_attention(
+        q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, float(scale), mode, chunk
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Page scores
+
+
+@torch.library.custom_op("policyzoo::quest_page_bound", mutates_args=())
+def _quest_page_bound_op(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "none") -> Tensor:
+    _need_triton()
+    return _page.quest_page_bound(q, page_min, page_max, scale, agg)
+
+
+@_quest_page_bound_op.register_fake
+def _(q, page_min, page_max, scale, agg="none"):
+    b, h, _ = q.shape
+    _, h_kv, p, _ = page_min.shape
+    return q.new_empty(b, h if agg == "none" else h_kv, p, dtype=torch.float32)
+
+
+def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float) -> Tensor:
+    """`reference.quest_page_bound` on Triton: ``float32[B, H, P]``."""
+    return torch.ops.policyzoo.quest_page_bound(q, page_min, page_max, float(scale), "none")
+
+
+def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "max") -> Tensor:
+    """`reference.quest_page_bound_grouped` on Triton: ``float32[B, H_kv, P]``."""
+    return torch.ops.policyzoo.quest_page_bound(q, page_min, page_max, float(scale), agg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sparse GEMV
+
+
+def _gemv_fake(x: Tensor, w_t: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w_t.shape[1])
+
+
+@torch.library.custom_op("policyzoo::sparse_gemv_index", mutates_args=())
+def _sparse_gemv_index_op(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+    _need_triton()
+    return _gemv.sparse_gemv_index(x, idx, w_t, bias)
+
+
+@_sparse_gemv_index_op.register_fake
+def _(x, idx, w_t, bias):
+    return _gemv_fake(x, w_t)
+
+
+@torch.library.custom_op("policyzoo::sparse_gemv_threshold", mutates_args=())
+def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+    _need_triton()
+    return _gemv.sparse_gemv_threshold(x, t, w_t, bias)
+
+
+@_sparse_gemv_threshold_op.register_fake
+def _(x, t, w_t, bias):
+    return _gemv_fake(x, w_t)
+
+
+@torch.library.custom_op("policyzoo::sparse_gemv_mask", mutates_args=())
+def _sparse_gemv_mask_op(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+    _need_triton()
+    return _gemv.sparse_gemv_mask(x, keep, w_t, bias)
+
+
+@_sparse_gemv_mask_op.register_fake
+def _(x, keep, w_t, bias):
+    return _gemv_fake(x, w_t)
+
+
+def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`reference.sparse_gemv_index` on Triton (``x [B, d_in]``, ``w_t [d_in, d_out]``)."""
+    return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias)
+
+
+def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`reference.sparse_gemv_threshold` on Triton; a 0-dim tensor ``t`` on x's device avoids a copy."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
+    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias)
+
+
+def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) -> Tensor:
+    """`reference.sparse_linear` on Triton: ``x [..., d_in]``, ``weight [d_out, d_in]`` (nn.Linear
+    layout, read through its transposed view), ``keep`` a bool mask like x."""
+    d_in = x.shape[-1]
+    y = torch.ops.policyzoo.sparse_gemv_mask(x.reshape(-1, d_in), keep.reshape(-1, d_in), weight.t(), bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+__all__ = [
+    "HAS_TRITON",
+    "use_triton",
+    "decode_attention",
+    "quest_page_bound",
+    "quest_page_bound_grouped",
+    "sparse_gemv_index",
+    "sparse_gemv_threshold",
+    "sparse_linear",
+]
