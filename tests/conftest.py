@@ -250,17 +250,23 @@ def attend(case: Case, sel: Selection) -> tuple[Tensor, Tensor]:
     return reference.decode_attention(case.q, c.keys[0], c.values[0], sel, c.start, c.length, case.scale)
 
 
-def check_entries(sel: Selection, case: Case, sinks: int, window: int) -> None:
+def _is_pages(sel: Selection, pages: bool | None) -> bool:
+    # A page policy on a cache of 1-token pages has block 1: say ``pages=True`` for those.
+    return sel.block > 1 if pages is None else pages
+
+
+def check_entries(sel: Selection, case: Case, sinks: int, window: int, pages: bool | None = None) -> None:
     """In range, visible, unique within ``count``, and holding the forced entries.
 
-    Token selections (``block == 1``) must hold the first ``sinks`` and last ``window`` visible
-    tokens; page selections the pages holding them, and always the last page.
+    Token selections must hold the first ``sinks`` and last ``window`` visible tokens; page
+    selections (``pages``, by default ``block > 1``) the pages holding them, and always the last page.
     """
     check_selection_shape(sel, case)
     c = case.cache
-    n = c.capacity if sel.block == 1 else c.num_pages
+    pages = _is_pages(sel, pages)
+    n = c.num_pages if pages else c.capacity
     for r in range(case.b):
-        if sel.block == 1:
+        if not pages:
             visible, forced = set(case.visible_tokens(r)), case.forced_tokens(r, sinks, window)
         else:
             assert sel.block == c.page_size
@@ -274,13 +280,15 @@ def check_entries(sel: Selection, case: Case, sinks: int, window: int) -> None:
             assert forced <= set(got), f"row {r} head {hk}: forced {sorted(forced - set(got))} missing"
 
 
-def check_budget_respected(sel: Selection, case: Case, budget: int | float, sinks: int, window: int) -> None:
+def check_budget_respected(
+    sel: Selection, case: Case, budget: int | float, sinks: int, window: int, pages: bool | None = None
+) -> None:
     """``count <= max(budget, forced)`` in the selection's units (tokens or pages), and the budget
     is used: ``count >= min(budget, visible)``. Int budgets are tokens (``ceil(budget / page)``
     pages for page selections); ratio budgets are ``ceil(ratio · n_valid)`` of the units."""
     page = sel.block
     for r in range(case.b):
-        if page == 1:
+        if not _is_pages(sel, pages):
             n_valid, n_forced = case.n_valid(r), len(case.forced_tokens(r, sinks, window))
         else:
             n_valid, n_forced = len(case.visible_pages(r)), len(case.forced_pages(r, sinks, window))

@@ -292,7 +292,7 @@ def test_dense_selects_every_visible_page(data, cases, contract):
     case = data.draw(cases())
     sel = Dense().select(case.state(), case.q)
     assert sel.block == case.page and sel.log_weight is None
-    contract.check_entries(sel, case, 0, 0)
+    contract.check_entries(sel, case, 0, 0, pages=True)
     for r in range(case.b):
         for hk in range(case.h_kv):
             assert sorted(contract.selected(sel, r, hk)) == case.visible_pages(r)

@@ -34,8 +34,8 @@ def test_quest_contract(data, cases, contract, args):
     assert policy.page_size == case.page
     sel = policy.select(case.state(), case.q)
     assert sel.block == case.page and sel.log_weight is None
-    contract.check_entries(sel, case, policy.sinks, policy.window)
-    contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window)
+    contract.check_entries(sel, case, policy.sinks, policy.window, pages=True)
+    contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window, pages=True)
     contract.check_error_bound(sel, case)
 
 

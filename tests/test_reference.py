@@ -216,13 +216,17 @@ def test_quest_bound_is_an_upper_bound(data, cases):
     qg = case.q.double().view(case.b, case.h_kv, case.g, case.d)
     exact = torch.einsum("bkgd,bknd->bkgn", qg, c.keys[0].double()) * case.scale
     exact = exact.reshape(case.b, case.h, c.capacity)
+    # float32 rounding allowance: a few ulps of the sum of |terms|
+    mag = torch.maximum(c.page_min[0].abs(), c.page_max[0].abs()).double()  # [B, H_kv, P, D]
+    terms = torch.einsum("bkgd,bkpd->bkgp", qg.abs(), mag).reshape(case.b, case.h, c.num_pages) * case.scale
+    tol = 1e-5 * terms + 1e-6
     for r in range(case.b):
         for t in case.visible_tokens(r):
             pg = t // case.page
             slack = bound[r, :, pg].double() - exact[r, :, t]
-            assert bool((slack >= -1e-4 * (1 + exact[r, :, t].abs())).all()), f"token {t} page {pg}: {slack}"
+            assert bool((slack >= -tol[r, :, pg]).all()), f"token {t} page {pg}: {slack}"
             if case.page == 1:  # one key per page: the bound is exact
-                _close(bound[r, :, pg], exact[r, :, t], tol=1e-4)
+                assert bool((slack.abs() <= tol[r, :, pg]).all()), f"token {t}: bound not exact: {slack}"
 
 
 def test_quest_bound_by_hand():
