@@ -293,7 +293,7 @@ def check_budget_respected(
         else:
             n_valid, n_forced = len(case.visible_pages(r)), len(case.forced_pages(r, sinks, window))
         if isinstance(budget, float):
-            want = math.ceil(budget * n_valid)
+            want = math.ceil(budget * n_valid - 1e-9)  # Budget's float-error epsilon
         else:
             want = -(-budget // page)
         for hk in range(case.h_kv):

@@ -91,13 +91,14 @@ class Budget:
     def k_max(self, capacity: int) -> int:
         """Static selection width for a cache of ``capacity`` entries."""
         if self.is_ratio:
-            return max(1, min(capacity, math.ceil(self.value * capacity)))
+            return max(1, min(capacity, math.ceil(self.value * capacity - 1e-9)))
         return max(1, min(capacity, int(self.value)))
 
     def count(self, n_valid: Tensor) -> Tensor:
         """Entries to keep given ``n_valid`` visible entries (a tensor; no host sync)."""
         if self.is_ratio:
-            return torch.ceil(n_valid.double() * self.value).long()
+            # The epsilon absorbs float error (0.07 * 100 is 7.000000000000001, which must keep 7).
+            return torch.ceil(n_valid.double() * self.value - 1e-9).long()
         return torch.full_like(n_valid, int(self.value))
 
 

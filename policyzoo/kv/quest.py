@@ -42,6 +42,8 @@ class Quest(KVSelector):
         return self.page
 
     def select(self, state: KVState, q: Tensor) -> Selection:
+        if state.page_size != self.page:
+            raise ValueError(f"Quest(page={self.page}) needs a cache with page_size={self.page}, got {state.page_size}")
         valid = state.page_valid()
         scores = aggregate_groups(page_bound_scores(state, q), valid, state.keys.shape[1], self.aggregate)
         forced = forced_pages(state, self.sinks, self.window)
