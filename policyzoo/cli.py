@@ -1,0 +1,218 @@
+"""The ``policyzoo`` command line.
+
+``policyzoo run`` decodes a passkey prompt (essay haystack, needle at a chosen depth) with the
+embedded SmolLM2-135M-Instruct under a handful of KV / projection settings and prints, per setting,
+the answer, decode speed, kept KV and projection fractions and the mean dropped attention mass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+TIMING_NOTE = (
+    "tok/s = 1 / median decode-step time: the gaps between successive generated tokens of a separate "
+    "un-audited greedy run (prefill excluded; eager, batch 1). answer, kv/proj keep (kept fractions), "
+    "δ (mean dropped attention mass): an audited run."
+)
+
+
+# ---------------------------------------------------------------------------------------- run
+@dataclass
+class Row:
+    setting: str
+    answer: str
+    correct: bool
+    tokens_per_s: float
+    kv_keep: float
+    proj_keep: float
+    dropped_mass: float
+
+
+def default_settings() -> list[tuple[str, Callable[[], tuple[Any, Any]]]]:
+    """``(label, make)`` pairs; ``make()`` returns fresh ``(kv, proj)`` policies."""
+    from .kv import AttentionTopK, Quest, Window
+    from .proj import TopK
+
+    return [
+        ("dense", lambda: (None, None)),
+        ("Window(sinks=4, window=256)", lambda: (Window(sinks=4, window=256), None)),
+        ("AttentionTopK(0.25)", lambda: (AttentionTopK(0.25), None)),
+        ("Quest(0.25, page=16)", lambda: (Quest(0.25, page=16), None)),
+        ("AttentionTopK(0.25) + TopK(0.5)", lambda: (AttentionTopK(0.25), TopK(0.5))),
+    ]
+
+
+class _StepClock:
+    """An HF-protocol streamer that stamps the arrival of every generated token.
+
+    ``Decoder.generate`` calls ``put`` once with the prompt (before prefill) and once per generated
+    token; the gaps between generated tokens are decode steps (plus greedy argmax), so the prefill
+    is excluded without touching the decoder.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+    def tokens_per_s(self) -> float:
+        """``1 / median`` step time (robust to a stray slow step); NaN with fewer than 2 tokens."""
+        steps = self.step_times()
+        return 1.0 / statistics.median(steps) if steps else math.nan
+
+
+def run_setting(model: Any, tokenizer: Any, input_ids: torch.Tensor, answer: str, label: str, kv: Any, proj: Any, new_tokens: int) -> Row:
+    """Decode ``input_ids`` with a fresh `Decoder` over ``model``: one audited run, one timed run."""
+    from .assets import check_answer
+    from .decoder import Decoder
+
+    dec = Decoder(model, kv=kv, proj=proj)
+    out = dec.generate(input_ids, max_new_tokens=new_tokens, audit=True)
+    audit = dec.last_audit
+    text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    clock = _StepClock()
+    timed = dec.generate(input_ids, max_new_tokens=new_tokens, streamer=clock)
+    if not torch.equal(timed, out):
+        print(f"warning: {label}: the timed run decoded differently from the audited run", file=sys.stderr)
+    proj_keep = audit.mean("proj_keep") if proj is not None else 1.0
+    return Row(
+        setting=label,
+        answer=" ".join(text.split()),
+        correct=check_answer(text, answer),
+        tokens_per_s=clock.tokens_per_s(),
+        kv_keep=audit.mean("kv_keep"),
+        proj_keep=proj_keep,
+        dropped_mass=audit.mean("dropped_mass"),
+    )
+
+
+def format_table(rows: Sequence[Row], title: str = "") -> str:
+    """A fixed-width text table of ``rows``."""
+    answer_w = max([len("answer")] + [min(len(r.answer), 24) for r in rows])
+    setting_w = max([len("setting")] + [len(r.setting) for r in rows])
+    head = f"{'setting':<{setting_w}}  {'answer':<{answer_w}}  {'ok':<5}  {'tok/s':>7}  {'kv keep':>7}  {'proj keep':>9}  {'δ':>6}"
+    lines = [title] if title else []
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        ans = r.answer if len(r.answer) <= 24 else r.answer[:23] + "…"
+        lines.append(
+            f"{r.setting:<{setting_w}}  {ans:<{answer_w}}  {'right' if r.correct else 'WRONG':<5}  "
+            f"{r.tokens_per_s:>7.1f}  {r.kv_keep:>7.3f}  {r.proj_keep:>9.3f}  {r.dropped_mass:>6.3f}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .assets import load_model, passkey_prompt
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    load_s = time.perf_counter() - t0
+    device = next(model.parameters()).device
+    input_ids, answer = passkey_prompt(tokenizer, args.tokens, depth=args.depth, seed=args.seed)
+    input_ids = input_ids.to(device)
+    rows: list[Row] = []
+    settings = default_settings()
+    t0 = time.perf_counter()
+    for label, make in tqdm(settings, desc="settings", disable=args.no_progress, file=sys.stderr):
+        kv, proj = make()
+        rows.append(run_setting(model, tokenizer, input_ids, answer, label, kv, proj, args.new_tokens))
+    run_s = time.perf_counter() - t0
+    title = (
+        f"passkey: {args.model}, {input_ids.shape[1]} prompt tokens, depth {args.depth}, key {answer}, "
+        f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads on {device}\n{TIMING_NOTE}"
+    )
+    print(format_table(rows, title))
+    print(f"(model load {load_s:.1f} s, settings {run_s:.1f} s)")
+    if args.json:
+        record = {
+            "model": args.model,
+            "prompt_tokens": int(input_ids.shape[1]),
+            "depth": args.depth,
+            "seed": args.seed,
+            "passkey": answer,
+            "new_tokens": args.new_tokens,
+            "device": str(device),
+            "timing": TIMING_NOTE,
+            "rows": [asdict(r) for r in rows],
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2, allow_nan=True)
+            f.write("\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------- argparse
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _depth(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .assets import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="policyzoo", description="Sparse decoding policies for Hugging Face causal LMs.")
+    parser.add_argument("--version", action="version", version=f"policyzoo {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="passkey demo: dense vs sparse settings on the embedded model",
+        description="Decode a passkey prompt under several KV / projection settings and print a table.",
+    )
+    run.add_argument("--model", default=DEFAULT_MODEL, help=f"model: {DEFAULT_MODEL!r} (embedded), a Hub name or a path")
+    run.add_argument("--tokens", type=_positive_int, default=2048, help="prompt length in tokens (default 2048)")
+    run.add_argument("--depth", type=_depth, default=0.5, help="relative depth of the needle in [0, 1] (default 0.5)")
+    run.add_argument("--new-tokens", type=_positive_int, default=8, help="tokens to generate (default 8)")
+    run.add_argument("--seed", type=int, default=0, help="picks the pass key and the haystack (default 0)")
+    run.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+        parser.exit(2, f"policyzoo {args.command}: error: {e}\n")
+    return 1  # unreachable
+
+
+if __name__ == "__main__":
+    sys.exit(main())

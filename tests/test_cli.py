@@ -1,0 +1,101 @@
+"""`policyzoo run` end to end on the embedded model (small sizes), plus argument handling."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import runpy
+import sys
+
+import pytest
+
+from policyzoo import cli
+
+SETTINGS = [label for label, _ in cli.default_settings()]
+
+
+@pytest.fixture(scope="module")
+def run_output(tmp_path_factory):
+    pytest.importorskip("gguf")
+    path = tmp_path_factory.mktemp("cli") / "rows.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["run", "--tokens", "512", "--new-tokens", "4", "--depth", "0.5", "--json", str(path), "--no-progress"])
+    return rc, out.getvalue(), json.loads(path.read_text())
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """Each setting's label -> its last five columns (ok, tok/s, kv keep, proj keep, δ)."""
+    rows = {}
+    for line in stdout.splitlines():
+        for label in SETTINGS:
+            if line.startswith(label + "  "):
+                rows[label] = line[len(label) :].split()[-5:]
+    return rows
+
+
+@pytest.mark.slow
+def test_run_prints_five_rows(run_output):
+    rc, stdout, _ = run_output
+    assert rc == 0
+    assert "tok/s" in stdout and "median decode-step" in stdout and "prefill excluded" in stdout
+    rows = table_rows(stdout)
+    assert list(rows) == SETTINGS
+    for cols in rows.values():
+        ok, tps, kv, proj, delta = cols[0], *map(float, cols[1:])
+        assert ok in ("right", "WRONG")
+        assert tps > 0
+        assert 0 < kv <= 1 and 0 < proj <= 1 and 0 <= delta <= 1
+
+
+@pytest.mark.slow
+def test_run_json_rows_are_sane(run_output):
+    _, _, record = run_output
+    assert record["prompt_tokens"] <= 512 and record["new_tokens"] == 4
+    rows = {r["setting"]: r for r in record["rows"]}
+    assert list(rows) == SETTINGS
+    for r in rows.values():
+        assert 0 < r["kv_keep"] <= 1 and 0 < r["proj_keep"] <= 1
+        assert 0 <= r["dropped_mass"] <= 1
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["tokens_per_s"])
+    dense = rows["dense"]
+    assert dense["correct"] and dense["dropped_mass"] < 1e-4
+    assert dense["kv_keep"] == pytest.approx(1.0) and dense["proj_keep"] == 1.0
+    assert rows["Window(sinks=4, window=256)"]["kv_keep"] < 0.6  # 260 of ~500 tokens
+    for label in ("AttentionTopK(0.25)", "Quest(0.25, page=16)", "AttentionTopK(0.25) + TopK(0.5)"):
+        assert rows[label]["kv_keep"] == pytest.approx(0.25, abs=0.03)
+        assert rows[label]["dropped_mass"] > 0
+    assert rows["AttentionTopK(0.25) + TopK(0.5)"]["proj_keep"] == pytest.approx(0.5, abs=0.01)
+    for label in ("dense", "AttentionTopK(0.25)"):
+        assert rows[label]["correct"], rows[label]
+
+
+def test_parser_has_run_and_rejects_bad_arguments(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["run"])
+    assert (args.tokens, args.depth, args.new_tokens, args.model) == (2048, 0.5, 8, "smollm2-135m")
+    for bad in (["run", "--depth", "1.5"], ["run", "--tokens", "0"], ["run", "--new-tokens", "-1"], [], ["nope"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(bad)
+        assert e.value.code == 2
+    assert "depth" in capsys.readouterr().err
+
+
+def test_python_m_policyzoo_help(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["policyzoo", "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("policyzoo", run_name="__main__")
+    assert e.value.code == 0
+    assert "run" in capsys.readouterr().out
+
+
+def test_format_table_is_fixed_width():
+    rows = [
+        cli.Row("dense", "12345.", True, 10.0, 1.0, 1.0, 0.0),
+        cli.Row("Window(sinks=4, window=256)", "a very long answer that goes on and on", False, 9.5, 0.25, 1.0, 0.5),
+    ]
+    lines = cli.format_table(rows).splitlines()
+    assert len({len(line) for line in lines}) == 1  # header, rule and rows line up
+    assert "WRONG" in lines[-1] and "right" in lines[-2]
