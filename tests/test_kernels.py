@@ -287,12 +287,14 @@ def test_entmax15_reference_attention_matches_plain_entmax():
     group=st.integers(1, 8),
     pages=st.integers(1, 37),
     agg=st.sampled_from(["none", "max", "sum"]),
+    width=st.sampled_from([0.0, 1.0]),
 )
-def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg):
+def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg, width):
     g_rand = gen(seed)
     q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
     centre = randn(g_rand, b, h_kv, pages, d)
-    half = randn(g_rand, b, h_kv, pages, d).abs()
+    # width 0: single-key pages (min == max), whose bounds are often negative for every head.
+    half = randn(g_rand, b, h_kv, pages, d).abs() * width
     page_min, page_max = centre - half, centre + half  # fp32 summaries, as the cache keeps them
     scale = d**-0.5
     with poisoned():
@@ -307,6 +309,19 @@ def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg):
     assert got.dtype == torch.float32 and got.shape == expected.shape
     # The bound is fp32 arithmetic on exact (bf16 → fp32) inputs, whatever q's dtype.
     assert_close(got, expected, torch.float32, scale=expected.abs().max().item() + 1)
+
+
+@here
+@pytest.mark.parametrize("group", [3, 5])
+def test_quest_page_bound_grouped_negative(group):
+    """Groups padded to a power of two: the padding heads must not enter the max (all bounds < 0)."""
+    q = torch.rand(2, 2 * group, 64, device=DEVICE) + 0.1
+    centre = -torch.rand(2, 2, 7, 64, device=DEVICE) - 0.1
+    with poisoned():
+        got = dispatch.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
+    expected = ref.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
+    assert (expected < 0).all()
+    assert_close(got, expected, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
