@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 TIMING_NOTE = (
-    "tok/s = 1 / median decode-step time: the gaps between successive generated tokens of a separate "
-    "un-audited greedy run (prefill excluded; eager, batch 1). answer, kv/proj keep (kept fractions), "
-    "δ (mean dropped attention mass): an audited run."
+    "tok/s: 1 / median decode-step time (gap between successive generated tokens; prefill excluded)\n"
+    "       of a separate un-audited greedy run, eager, batch 1.\n"
+    "answer, kv keep / proj keep (kept fractions), δ (mean dropped attention mass): an audited run."
 )
 
 
@@ -134,6 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     device = next(model.parameters()).device
     input_ids, answer = passkey_prompt(tokenizer, args.tokens, depth=args.depth, seed=args.seed)
     input_ids = input_ids.to(device)
+    if args.new_tokens < len(tokenizer(" " + answer, add_special_tokens=False).input_ids):
+        print(f"warning: --new-tokens {args.new_tokens} is too few to spell the {len(answer)}-digit key", file=sys.stderr)
     rows: list[Row] = []
     settings = default_settings()
     t0 = time.perf_counter()
@@ -143,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_s = time.perf_counter() - t0
     title = (
         f"passkey: {args.model}, {input_ids.shape[1]} prompt tokens, depth {args.depth}, key {answer}, "
-        f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads on {device}\n{TIMING_NOTE}"
+        f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads on {device}\n{TIMING_NOTE}\n"
     )
     print(format_table(rows, title))
     print(f"(model load {load_s:.1f} s, settings {run_s:.1f} s)")
@@ -156,7 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "passkey": answer,
             "new_tokens": args.new_tokens,
             "device": str(device),
-            "timing": TIMING_NOTE,
+            "timing": " ".join(TIMING_NOTE.split()),
             "rows": [asdict(r) for r in rows],
         }
         with open(args.json, "w", encoding="utf-8") as f:

@@ -22,7 +22,7 @@ def run_output(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli") / "rows.json"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(["run", "--tokens", "512", "--new-tokens", "4", "--depth", "0.5", "--json", str(path), "--no-progress"])
+        rc = cli.main(["run", "--tokens", "512", "--new-tokens", "7", "--depth", "0.5", "--json", str(path), "--no-progress"])
     return rc, out.getvalue(), json.loads(path.read_text())
 
 
@@ -53,7 +53,7 @@ def test_run_prints_five_rows(run_output):
 @pytest.mark.slow
 def test_run_json_rows_are_sane(run_output):
     _, _, record = run_output
-    assert record["prompt_tokens"] <= 512 and record["new_tokens"] == 4
+    assert record["prompt_tokens"] <= 512 and record["new_tokens"] == 7
     rows = {r["setting"]: r for r in record["rows"]}
     assert list(rows) == SETTINGS
     for r in rows.values():
