@@ -8,6 +8,9 @@ reaches it). Projection names map onto the standard Llama-family module names.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -57,3 +60,19 @@ def head_dims(model: nn.Module) -> tuple[int, int, int]:
     c = model.config
     h = c.num_attention_heads
     return h, getattr(c, "num_key_value_heads", None) or h, getattr(c, "head_dim", None) or c.hidden_size // h
+
+
+@contextmanager
+def attn_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """Select attention implementation ``name`` (registered with `AttentionInterface`) for a while.
+
+    Setting the config attribute directly, rather than `set_attn_implementation`, skips HF's check
+    against its own list of implementations; sub-configs follow through the config's setter.
+    """
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

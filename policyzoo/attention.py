@@ -3,7 +3,9 @@
 HF attention modules compute q, k, v (RoPE and Qwen3's q/k norms included) and hand them to this
 function; it writes k, v into the paged cache and attends: densely with SDPA during prefill, through
 the KV policy's `Selection` during decode. The Decoder attaches ``module._policyzoo = (runtime,
-layer)`` to each attention module; the HF mask is unused (the cache knows each row's padding).
+layer)`` to each attention module and selects this implementation only while it decodes, so the
+wrapped model stays a plain HF model otherwise. No HF mask is built for it (the implementation has
+no mask function registered): the cache knows each row's padding.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState
 from .kv.dense import Dense
 from .proj.base import ProjectionSparsifier
+from .proj.base import uninstall as uninstall_projections
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -66,9 +67,9 @@ class Decoder:
         self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
         self.num_layers = len(_compat.decoder_layers(model))
         self.runtime = Runtime(policy=kv if kv is not None else Dense())
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
         for layer, attn in enumerate(_compat.attention_modules(model)):
             attn._policyzoo = (self.runtime, layer)
+        uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if proj is not None:
             proj.install(model, self.runtime)
         self.tokenizer: Any = None
@@ -150,32 +151,33 @@ class Decoder:
         from .eval.audit import Audit
 
         self.runtime.audit = Audit() if audit else None
-        start = (attention_mask == 0).sum(1)
-        self._prepare_cache(b, t + max_new_tokens, start, t)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        logits = self._prefill(input_ids, start)
+        step = self._step if self.runtime.audit is None else self._decode_step
         out, scores = [input_ids], []
         finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-        step = self._decode_step if audit else self._step
         bar = tqdm(total=max_new_tokens, desc="decode", disable=not progress, leave=False)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         try:
-            for i in range(max_new_tokens):
-                if output_logits:
-                    scores.append(logits.float().clone())  # a CUDA-graph output is reused next step
-                token = sample_next(logits, do_sample, temperature, top_p, generator)
-                token = torch.where(finished, torch.full_like(token, pad), token)
-                out.append(token[:, None])
-                if streamer is not None:
-                    streamer.put(token.cpu())
-                bar.update(1)
-                if eos:
-                    finished |= torch.isin(token, torch.tensor(eos, device=token.device))
-                    if bool(finished.all()):
-                        break
-                if i + 1 < max_new_tokens:
-                    self.runtime.phase = "decode"
-                    logits = step(token[:, None])
+            with _compat.attn_implementation(self.model, ATTN_IMPLEMENTATION):
+                start = (attention_mask == 0).sum(1)
+                self._prepare_cache(b, t + max_new_tokens, start, t)
+                logits = self._prefill(input_ids, start)
+                for i in range(max_new_tokens):
+                    if output_logits:
+                        scores.append(logits.float().clone())  # a CUDA-graph output is reused next step
+                    token = sample_next(logits, do_sample, temperature, top_p, generator)
+                    token = torch.where(finished, torch.full_like(token, pad), token)
+                    out.append(token[:, None])
+                    if streamer is not None:
+                        streamer.put(token.cpu())
+                    bar.update(1)
+                    if eos:
+                        finished |= torch.isin(token, torch.tensor(eos, device=token.device))
+                        if bool(finished.all()):
+                            break
+                    if i + 1 < max_new_tokens:
+                        self.runtime.phase = "decode"
+                        logits = step(token[:, None])
         finally:
             bar.close()
             self.runtime.phase = "idle"

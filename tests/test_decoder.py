@@ -63,13 +63,26 @@ def test_sparse_policy_changes_output_and_audit_reports_it():
     assert float(audit.per_layer("kv_keep").max()) <= 8 / 61 + 1e-6  # row 1 has 61 real prompt tokens
 
 
-def test_rewrapping_the_same_model():
+def test_rewrapping_the_same_model_drops_the_old_wrappers():
+    from policyzoo.proj.base import SparseLinear
+
     model = tiny_model("llama")
     ids, mask = padded_batch(1, 16)
-    first = Decoder(model, proj=TopK(0.25)).generate(ids, 5, attention_mask=mask)
-    again = Decoder(model).generate(ids, 5, attention_mask=mask)  # drops the earlier TopK wrappers
+    Decoder(model, proj=TopK(0.25)).generate(ids, 5, attention_mask=mask)
+    again = Decoder(model).generate(ids, 5, attention_mask=mask)
+    assert not any(isinstance(m, SparseLinear) for m in model.modules())
     assert torch.equal(again, Decoder(copy.deepcopy(model)).generate(ids, 5, attention_mask=mask))
-    assert first.shape == again.shape
+
+
+def test_wrapped_model_stays_a_plain_hf_model_outside_generate():
+    model = tiny_model("qwen3")
+    ref = copy.deepcopy(model)
+    ids, mask = padded_batch(2, 14)
+    dec = Decoder(model, kv=Quest(0.5, page=4), proj=TopK(0.5))
+    dec.generate(ids, 3, attention_mask=mask)
+    assert model.config._attn_implementation == ref.config._attn_implementation
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
 
 
 def test_sampling_is_reproducible_with_a_generator_and_respects_top_p():

@@ -6,6 +6,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .._compat import attn_implementation
+from ..attention import ATTN_IMPLEMENTATION
 from .audit import Audit
 from .metrics import logits_kl, top1_agreement
 
@@ -24,17 +26,19 @@ def compare(dec, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor 
     b, t = input_ids.shape
     runtime = dec.runtime
     audit = Audit()
-    dec._prepare_cache(b, t + max_new_tokens, (attention_mask == 0).sum(1), t)
-    logits = dec._prefill(input_ids, (attention_mask == 0).sum(1))
+    start = (attention_mask == 0).sum(1)
     try:
-        for _ in tqdm(range(max_new_tokens - 1), desc="compare", disable=not progress, leave=False):
-            token = logits.argmax(-1)[:, None]
-            runtime.phase, runtime.audit = "decode", audit
-            sparse = dec._decode_step(token)
-            runtime.phase, runtime.audit = "dense_decode", None
-            logits = dec._decode_step(token, advance=False)
-            audit.logits_kl.append(logits_kl(logits, sparse).cpu())
-            audit.top1_agree.append(top1_agreement(logits, sparse).cpu())
+        with attn_implementation(dec.model, ATTN_IMPLEMENTATION):
+            dec._prepare_cache(b, t + max_new_tokens, start, t)
+            logits = dec._prefill(input_ids, start)
+            for _ in tqdm(range(max_new_tokens - 1), desc="compare", disable=not progress, leave=False):
+                token = logits.argmax(-1)[:, None]
+                runtime.phase, runtime.audit = "decode", audit
+                sparse = dec._decode_step(token)
+                runtime.phase, runtime.audit = "dense_decode", None
+                logits = dec._decode_step(token, advance=False)
+                audit.logits_kl.append(logits_kl(logits, sparse).cpu())
+                audit.top1_agree.append(top1_agreement(logits, sparse).cpu())
     finally:
         runtime.phase, runtime.audit = "idle", None
     return audit
