@@ -129,7 +129,7 @@ def attention_cases(draw, dtypes=(torch.float32, torch.bfloat16)):
     keys = randn(g_rand, b, h_kv, n, d, dtype=dtype)
     values = randn(g_rand, b, h_kv, n, d, dtype=dtype)
     sel = Selection(indices.to(DEVICE), count.to(DEVICE), log_weight, block)
-    chunk = draw(st.sampled_from([0, 2, 3, 7]))
+    chunk = draw(st.sampled_from([0, 1, 2, 3, 7]))  # entries per program; 1 gives > 32 chunks to merge
     return dict(
         q=q, keys=keys, values=values, sel=sel,
         start=torch.tensor(start, dtype=torch.int64, device=DEVICE),
@@ -260,7 +260,8 @@ def test_entmax15_reference_attention_matches_plain_entmax():
     """`decode_attention_entmax15` with a dense token selection is entmax over z/2 with z = scale·q·k."""
     g_rand = gen(3)
     b, h_kv, group, n, d = 2, 2, 3, 20, 16
-    q, keys, values = randn(g_rand, b, h_kv * group, d) * 3, randn(g_rand, b, h_kv, n, d), randn(g_rand, b, h_kv, n, d)
+    q = torch.randn(b, h_kv * group, d, generator=g_rand) * 3
+    keys, values = (torch.randn(b, h_kv, n, d, generator=g_rand) for _ in range(2))
     indices = torch.arange(n, dtype=torch.int32).expand(b, h_kv, n).contiguous()
     sel = Selection(indices, torch.full((b, h_kv), n, dtype=torch.int32))
     start, length = torch.tensor([0, 4]), torch.tensor(n - 1)
@@ -333,7 +334,7 @@ def gemv_cases(draw):
     g_rand = gen(draw(st.integers(0, 2**31 - 1)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     b = draw(st.integers(1, 3))
-    d_in = draw(st.integers(1, 150))
+    d_in = draw(st.integers(1, 300))  # > BLOCK_K (128), so that split-K has slices to split
     d_out = draw(st.integers(1, 130))
     x = randn(g_rand, b, d_in, dtype=dtype)
     if draw(st.booleans()):
@@ -341,7 +342,8 @@ def gemv_cases(draw):
     else:
         w_t = randn(g_rand, d_out, d_in, dtype=dtype).t()  # an nn.Linear weight read through .t()
     bias = randn(g_rand, d_out, dtype=dtype) if draw(st.booleans()) else None
-    return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in)
+    split = draw(st.sampled_from([0, 1, 2, 5]))  # slices of the inputs (split-K); 0 picks from the shapes
+    return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split)
 
 
 def assert_gemv_close(got, expected, case):
@@ -358,7 +360,7 @@ def test_sparse_gemv_index(case, frac):
     k = round(frac * d_in)
     idx = torch.stack([torch.randperm(d_in, generator=case["g"])[:k] for _ in range(b)]).to(torch.int32).to(DEVICE)
     with poisoned():
-        got = dispatch.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"])
+        got = dispatch.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"], split=case["split"])
     assert_gemv_close(got, ref.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"]), case)
 
 
@@ -371,7 +373,7 @@ def test_sparse_gemv_threshold(case, quantile):
     t = float("inf") if quantile is None else torch.quantile(x.float().abs(), quantile).item()
     t_arg = torch.tensor(t, device=DEVICE) if quantile == 0.5 else t
     with poisoned():
-        got = dispatch.sparse_gemv_threshold(x, t_arg, case["w_t"], case["bias"])
+        got = dispatch.sparse_gemv_threshold(x, t_arg, case["w_t"], case["bias"], split=case["split"])
     assert_gemv_close(got, ref.sparse_gemv_threshold(x, t, case["w_t"], case["bias"]), case)
 
 
@@ -383,9 +385,11 @@ def test_sparse_linear_mask(case, p_keep):
     keep = (torch.rand(x.shape, generator=case["g"]) < p_keep).to(DEVICE)
     weight = w_t.t()  # nn.Linear layout [d_out, d_in]
     with poisoned():
-        got = dispatch.sparse_linear(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1))  # [B, 1, d_in]
-    expected = ref.sparse_linear(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1))
-    assert_gemv_close(got, expected, case)
+        if case["split"] == 0:  # through sparse_linear: x [B, 1, d_in] and the nn.Linear weight
+            got = dispatch.sparse_linear(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1)).squeeze(1)
+        else:
+            got = dispatch.sparse_gemv_mask(x, keep, w_t, case["bias"], split=case["split"])
+    assert_gemv_close(got, ref.sparse_linear(x, weight, case["bias"], keep), case)
 
 
 # --------------------------------------------------------------------------------------------------

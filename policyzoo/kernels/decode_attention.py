@@ -45,9 +45,15 @@ from torch import Tensor
 # fp32, so this is the same arithmetic as a bf16 tensor-core dot with fp32 accumulation.
 INTERPRET = bool(triton.knobs.runtime.interpret)
 
-BLOCK_T = 32  # tokens per tile
+# Launch parameters, from a sweep on an H200 (bf16, D=128, GQA 4, 2k–32k selected tokens): tiles of
+# 64 tokens and 4 warps read ~2.5 TB/s at B=4 with 2k tokens and ~4 TB/s at B=4 with 32k.
+BLOCK_T = 64  # tokens per tile
+NUM_WARPS = 4  # of the kernels that read keys or values
 BLOCK_C = 32  # chunk partials per merge step
-BLOCK_M = 128  # scratch entries per step of the entmax threshold search
+# The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
+# selection is then one step per pass).
+BLOCK_M = 4096  # scratch entries per step of the entmax threshold search
+TAU_WARPS = 8
 # Bisection steps for the entmax threshold. They only have to find the support: the bracket starts
 # < 1 wide, so an entry misplaced after 16 halvings lies within 2^-16 of tau, weighs < 2^-32, and
 # the closed form then gives tau to fp32 precision anyway.
@@ -112,9 +118,9 @@ def _softmax_chunk_kernel(
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
-    n, k_max, n_chunks, scale,
+    n, k_max, chunk, n_chunks, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -127,9 +133,9 @@ def _softmax_chunk_kernel(
     start = tl.load(start_ptr + b)
     length = tl.load(len_ptr)
     count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    # This chunk's tokens: entries [c·CHUNK, min((c+1)·CHUNK, count)), expanded to pages.
-    f_begin = c * CHUNK * BLOCK
-    f_end = tl.minimum((c + 1) * CHUNK, count) * BLOCK
+    # This chunk's tokens: entries [c·chunk, min((c+1)·chunk, count)), expanded to pages.
+    f_begin = c * chunk * BLOCK
+    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
@@ -221,9 +227,9 @@ def _entmax_logits_kernel(
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
-    n, k_max, scale,
+    n, k_max, chunk, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -236,8 +242,8 @@ def _entmax_logits_kernel(
     start = tl.load(start_ptr + b)
     length = tl.load(len_ptr)
     count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    f_begin = c * CHUNK * BLOCK
-    f_end = tl.minimum((c + 1) * CHUNK, count) * BLOCK
+    f_begin = c * chunk * BLOCK
+    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
@@ -317,9 +323,9 @@ def _entmax_out_kernel(
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
-    n, k_max, n_chunks,
+    n, k_max, chunk, n_chunks,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -333,8 +339,8 @@ def _entmax_out_kernel(
     start = tl.load(start_ptr + b)
     length = tl.load(len_ptr)
     count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    f_begin = c * CHUNK * BLOCK
-    f_end = tl.minimum((c + 1) * CHUNK, count) * BLOCK
+    f_begin = c * chunk * BLOCK
+    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
 
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
     # A head without visible tokens has tau = -inf and only x = -inf: use tau = 0 there (and for the
@@ -418,7 +424,7 @@ def decode_attention(
     common = dict(
         G=g, G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot wants M >= 16
         D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK=block, CHUNK=chunk, BLOCK_T=BLOCK_T, UPCAST=upcast, PRECISION=dtype_precision,
+        BLOCK=block, BLOCK_T=BLOCK_T, UPCAST=upcast, PRECISION=dtype_precision, num_warps=NUM_WARPS,
     )
     grid = (n_chunks, h_kv, b)
     out = _alloc(b, h, d, dtype=q.dtype, device=q.device)
@@ -439,7 +445,7 @@ def decode_attention(
             indices.stride(0), indices.stride(1), indices.stride(2),
             count.stride(0), count.stride(1),
             lw.stride(0), lw.stride(1), lw.stride(2),
-            n, k_max, n_chunks, float(scale),
+            n, k_max, chunk, n_chunks, float(scale),
             HAS_LW=has_lw, **common,
         )
         _merge_kernel[(h, b)](
@@ -457,19 +463,19 @@ def decode_attention(
         indices.stride(0), indices.stride(1), indices.stride(2),
         count.stride(0), count.stride(1),
         lw.stride(0), lw.stride(1), lw.stride(2),
-        n, k_max, float(scale),
+        n, k_max, chunk, float(scale),
         HAS_LW=has_lw, **common,
     )
     _entmax_tau_kernel[(h, b)](
         x, count, second, count.stride(0), count.stride(1), k_max,
-        G=g, BLOCK=block, BLOCK_M=BLOCK_M, N_BISECT=N_BISECT,
+        G=g, BLOCK=block, BLOCK_M=BLOCK_M, N_BISECT=N_BISECT, num_warps=TAU_WARPS,
     )
     _entmax_out_kernel[grid](
         values, indices, count, start, length, x, second, o_part,
         values.stride(0), values.stride(1), values.stride(2),
         indices.stride(0), indices.stride(1), indices.stride(2),
         count.stride(0), count.stride(1),
-        n, k_max, n_chunks,
+        n, k_max, chunk, n_chunks,
         **common,
     )
     out.copy_(o_part.sum(2))

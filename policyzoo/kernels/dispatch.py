@@ -140,47 +140,56 @@ def _gemv_fake(x: Tensor, w_t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_index", mutates_args=())
-def _sparse_gemv_index_op(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+def _sparse_gemv_index_op(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_index(x, idx, w_t, bias)
+    return _gemv.sparse_gemv_index(x, idx, w_t, bias, split=split)
 
 
 @_sparse_gemv_index_op.register_fake
-def _(x, idx, w_t, bias):
+def _(x, idx, w_t, bias, split=0):
     return _gemv_fake(x, w_t)
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_threshold", mutates_args=())
-def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_threshold(x, t, w_t, bias)
+    return _gemv.sparse_gemv_threshold(x, t, w_t, bias, split=split)
 
 
 @_sparse_gemv_threshold_op.register_fake
-def _(x, t, w_t, bias):
+def _(x, t, w_t, bias, split=0):
     return _gemv_fake(x, w_t)
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_mask", mutates_args=())
-def _sparse_gemv_mask_op(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+def _sparse_gemv_mask_op(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_mask(x, keep, w_t, bias)
+    return _gemv.sparse_gemv_mask(x, keep, w_t, bias, split=split)
 
 
 @_sparse_gemv_mask_op.register_fake
-def _(x, keep, w_t, bias):
+def _(x, keep, w_t, bias, split=0):
     return _gemv_fake(x, w_t)
 
 
-def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`reference.sparse_gemv_index` on Triton (``x [B, d_in]``, ``w_t [d_in, d_out]``)."""
-    return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias)
+def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0) -> Tensor:
+    """`reference.sparse_gemv_index` on Triton (``x [B, d_in]``, ``w_t [d_in, d_out]``).
+
+    ``split``: slices of the kept features per output block (split-K; 0 picks from the shapes)."""
+    return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias, split)
 
 
-def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+def sparse_gemv_threshold(
+    x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None, split: int = 0
+) -> Tensor:
     """`reference.sparse_gemv_threshold` on Triton; a 0-dim tensor ``t`` on x's device avoids a copy."""
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
-    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias)
+    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias, split)
+
+
+def sparse_gemv_mask(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0) -> Tensor:
+    """`reference.sparse_linear` with ``weight = w_t.t()`` on Triton (``keep [B, d_in]`` bool)."""
+    return torch.ops.policyzoo.sparse_gemv_mask(x, keep, w_t, bias, split)
 
 
 def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) -> Tensor:
@@ -199,5 +208,6 @@ __all__ = [
     "quest_page_bound_grouped",
     "sparse_gemv_index",
     "sparse_gemv_threshold",
+    "sparse_gemv_mask",
     "sparse_linear",
 ]
