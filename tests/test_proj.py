@@ -103,3 +103,14 @@ def test_threshold_without_calibration_is_a_clear_error(tmp_path):
         Threshold(0.5).save(tmp_path / "x.safetensors")
     with pytest.raises(ValueError, match="texts are strings"):
         Threshold(0.5).calibrate(tiny_model("llama"), ["some text"])
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.3), lambda: Threshold(0.5, thresholds={"0.q": 0.7})], ids=["topk", "threshold"])
+def test_kernel_path_project_equals_the_masked_reference(make):
+    # `project` is what SparseLinear calls where the sparse GEMV kernel runs (input-major weights);
+    # on CPU it dispatches to the reference, so this pins its semantics to keep_mask's.
+    sparsifier = make()
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(4, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    expected = sparse_linear(x, w, b, sparsifier.keep_mask("0.q", x))
+    torch.testing.assert_close(sparsifier.project("0.q", x, w.t().contiguous(), b), expected, atol=1e-5, rtol=1e-5)

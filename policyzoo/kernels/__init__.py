@@ -35,4 +35,27 @@ def sparse_linear(x, weight, bias, keep):
     return reference.sparse_linear(x, weight, bias, keep)
 
 
-__all__ = ["reference", "dispatch", "decode_attention", "dense_probs", "quest_page_bound", "sparse_linear"]
+def sparse_gemv_index(x, idx, w_t, bias=None):
+    """``[B, d_out]`` from the kept features ``idx [B, k]`` and input-major ``w_t [d_in, d_out]``."""
+    if dispatch.use_triton(x):
+        return dispatch.sparse_gemv_index(x, idx, w_t, bias)
+    return reference.sparse_gemv_index(x, idx, w_t, bias)
+
+
+def sparse_gemv_threshold(x, t, w_t, bias=None):
+    """``[B, d_out]`` over the inputs with ``|x| >= t``, input-major ``w_t [d_in, d_out]``."""
+    if dispatch.use_triton(x):
+        return dispatch.sparse_gemv_threshold(x, t, w_t, bias)
+    return reference.sparse_gemv_threshold(x, t, w_t, bias)
+
+
+__all__ = [
+    "reference",
+    "dispatch",
+    "decode_attention",
+    "dense_probs",
+    "quest_page_bound",
+    "sparse_gemv_index",
+    "sparse_gemv_threshold",
+    "sparse_linear",
+]

@@ -50,6 +50,15 @@ class ProjectionSparsifier:
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         raise NotImplementedError  # abstract
 
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+        """The sparse projection of ``x [B, d_in]`` through input-major ``w_t`` (the kernel path).
+
+        Subclasses override it with a cheaper way to name the kept features (an index list, an
+        in-kernel threshold); the default goes through the mask.
+        """
+        keep = self.keep_mask(name, x)
+        return kernels.sparse_linear(x, w_t.t(), bias, keep)
+
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
         """Replace the target linears of every decoder layer by `SparseLinear` wrappers."""
         for i, layer in enumerate(decoder_layers(model)):
@@ -73,7 +82,13 @@ def uninstall(model: nn.Module) -> None:
 
 
 class SparseLinear(nn.Module):
-    """An `nn.Linear` that reads only the kept input features during decode."""
+    """An `nn.Linear` that reads only the kept input features during decode.
+
+    Where the sparse GEMV kernel runs (CUDA), the weight is stored input-major once, at wrap time:
+    ``w_t [d_in, d_out]``, so each kept input feature is one contiguous row read. The linear's own
+    weight becomes a transposed view of it (same values, no second copy; dense matmuls take either
+    layout).
+    """
 
     def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier, runtime: "Runtime") -> None:
         super().__init__()
@@ -81,14 +96,22 @@ class SparseLinear(nn.Module):
         self.name = name
         self.sparsifier = sparsifier
         self.runtime = runtime
+        self.w_t: Tensor | None = None
+        if kernels.dispatch.use_triton(linear.weight):
+            w_t = linear.weight.detach().t().contiguous()  # no copy when the weight already is such a view
+            linear.weight = nn.Parameter(w_t.t(), requires_grad=False)
+            self.register_buffer("w_t", w_t, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.runtime.phase != "decode":
             return self.linear(x)
-        keep = self.sparsifier.keep_mask(self.name, x)
         if self.runtime.audit is not None:
-            self.runtime.audit.record_projection(self.name, keep)
-        return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep)
+            self.runtime.audit.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
+        if self.w_t is None:
+            keep = self.sparsifier.keep_mask(self.name, x)
+            return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep)
+        y = self.sparsifier.project(self.name, x.reshape(-1, x.shape[-1]), self.w_t, self.linear.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def kept_features(keep: float, d: int) -> int:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .. import kernels
 from .._compat import PROJECTIONS, check_supported, decoder_layers
 from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets
 
@@ -36,13 +37,20 @@ class Threshold(ProjectionSparsifier):
         self.targets = check_targets(self.targets)
         self._cache: dict[str, Tensor] = {}
 
-    def keep_mask(self, name: str, x: Tensor) -> Tensor:
+    def threshold(self, name: str, device: torch.device) -> Tensor:
+        """Projection ``name``'s threshold as a 0-dim fp32 tensor on ``device`` (made once)."""
         if name not in self.thresholds:
             raise ValueError(f"Threshold has no threshold for projection {name!r}: call calibrate() or load() first")
         t = self._cache.get(name)
-        if t is None or t.device != x.device:
-            t = self._cache[name] = torch.tensor(self.thresholds[name], device=x.device, dtype=torch.float32)
-        return x.abs().float() >= t
+        if t is None or t.device != device:
+            t = self._cache[name] = torch.tensor(self.thresholds[name], device=device, dtype=torch.float32)
+        return t
+
+    def keep_mask(self, name: str, x: Tensor) -> Tensor:
+        return x.abs().float() >= self.threshold(name, x.device)
+
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+        return kernels.sparse_gemv_threshold(x, self.threshold(name, x.device), w_t, bias)
 
     @torch.no_grad()
     def calibrate(

@@ -7,7 +7,8 @@ from typing import Sequence
 
 from torch import Tensor
 
-from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, topk_mask
+from .. import kernels
+from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, kept_features, topk_mask
 
 
 @dataclass
@@ -23,3 +24,7 @@ class TopK(ProjectionSparsifier):
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         return topk_mask(x, self.keep)
+
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+        idx = x.abs().topk(kept_features(self.keep, x.shape[-1]), dim=-1, sorted=False).indices
+        return kernels.sparse_gemv_index(x, idx, w_t, bias)
