@@ -123,9 +123,11 @@ def check_count(value: object, name: str, minimum: int = 0) -> None:
 def exact_scores(state: KVState, q: Tensor) -> Tensor:
     """``float32[B, H, N]``: exact ``scale·q·k`` for every cache slot (reads all keys)."""
     b, h, d = q.shape
-    h_kv = state.keys.shape[1]
-    qg = q.float().view(b, h_kv, h // h_kv, d)
-    s = torch.einsum("bkgd,bknd->bkgn", qg, state.keys.float()) * state.scale
+    keys = state.keys
+    qg = q.to(keys.dtype).view(b, keys.shape[1], h // keys.shape[1], d)
+    # In the cache's dtype (matmuls accumulate in fp32): upcasting the keys first would write and
+    # re-read a float copy of the whole cache every step.
+    s = torch.matmul(qg, keys.transpose(-1, -2)).float() * state.scale
     return s.reshape(b, h, -1)
 
 
