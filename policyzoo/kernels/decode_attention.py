@@ -39,10 +39,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# The interpreter (TRITON_INTERPRET=1, read by triton.jit when this module is imported) runs these
-# kernels on CPU tensors. Its tl.dot multiplies bfloat16 operands as their raw uint16 bits (triton
-# 3.9), so under the interpreter the operands are widened to fp32 first: bf16 products are exact in
-# fp32, so this is the same arithmetic as a bf16 tensor-core dot with fp32 accumulation.
+# The interpreter runs these kernels on CPU tensors when TRITON_INTERPRET=1 was set before triton was
+# first imported (triton.jit reads it as each kernel, its own standard library's included, is
+# defined). Its tl.dot multiplies bfloat16 operands as their raw uint16 bits (triton 3.9), so under
+# the interpreter the operands are widened to fp32 first: bf16 products are exact in fp32, so this is
+# the same arithmetic as a bf16 tensor-core dot with fp32 accumulation. (Its fp32 -> bf16 casts also
+# truncate instead of rounding to nearest: a bf16 output can differ from the GPU's by one ulp.)
 INTERPRET = bool(triton.knobs.runtime.interpret)
 
 # Launch parameters, from a sweep on an H200 (bf16, D=128, GQA 4, 2k–32k selected tokens): tiles of
@@ -407,7 +409,7 @@ def decode_attention(
     if mode not in ("softmax", "entmax15"):
         raise ValueError(f"mode must be 'softmax' or 'entmax15', got {mode!r}")
     if q.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before importing policyzoo")
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     b, h, d = q.shape
     _, h_kv, n, _ = keys.shape
     g = h // h_kv

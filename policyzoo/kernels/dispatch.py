@@ -12,9 +12,11 @@ eagerly, for a second reason: ``kernels/decode_attention.py`` shares its name wi
 of that name to the module, so the first import must happen before ``kernels/__init__.py`` defines
 the function (any later import finds the module in ``sys.modules`` and rebinds nothing).
 
-Interpret mode: `triton.jit` reads ``TRITON_INTERPRET`` when the kernel modules are imported. To run
-the kernels on CPU tensors set ``TRITON_INTERPRET=1`` before importing policyzoo, and
-``POLICYZOO_TRITON=1`` so that `use_triton` routes CPU tensors to them.
+Interpret mode: `triton.jit` reads ``TRITON_INTERPRET`` as each kernel is defined, triton's own
+standard library included, so the variable must be set before triton is first imported (importing
+transformers or torch._dynamo imports it). To run the kernels on CPU tensors, start the process with
+``TRITON_INTERPRET=1`` and ``POLICYZOO_TRITON=1`` (the latter makes `use_triton` route CPU tensors
+to them).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def use_triton(t: Tensor) -> bool:
     """Whether calls on tensor ``t`` should go to the Triton kernels.
 
     True for CUDA tensors when triton imported, and for any tensor when ``POLICYZOO_TRITON=1`` (CPU
-    tensors then need ``TRITON_INTERPRET=1``, set before importing policyzoo).
+    tensors then need ``TRITON_INTERPRET=1``, set before triton is first imported).
     """
     if not HAS_TRITON:
         return False

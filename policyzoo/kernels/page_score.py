@@ -84,7 +84,7 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
     if agg not in AGG_CODES:
         raise ValueError(f"agg must be one of {sorted(AGG_CODES)}, got {agg!r}")
     if q.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before importing policyzoo")
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     b, h, d = q.shape
     _, h_kv, n_pages, _ = page_min.shape
     g = h // h_kv

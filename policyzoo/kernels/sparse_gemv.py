@@ -126,7 +126,7 @@ def _gemv_scan_kernel(
 
 def _check(x: Tensor, w_t: Tensor) -> tuple[Tensor, int, int]:
     if x.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before importing policyzoo")
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     if x.dim() != 2 or w_t.dim() != 2 or x.shape[1] != w_t.shape[0]:
         raise ValueError(f"expected x [B, d_in] and w_t [d_in, d_out], got {tuple(x.shape)} and {tuple(w_t.shape)}")
     return (x if x.stride(-1) == 1 else x.contiguous()), x.shape[0], w_t.shape[1]
