@@ -198,6 +198,7 @@ def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None =
 
 
 def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`sparse_linear` over the inputs with ``|x| >= t`` (compared in x's dtype; t a scalar)."""
-    t = torch.as_tensor(t, device=x.device).to(x.dtype)
-    return sparse_linear(x, w_t.t(), bias, x.abs() >= t)
+    """`sparse_linear` over the inputs with ``|x| >= t``, compared in fp32 (``t`` a scalar), like
+    `Threshold.keep_mask`."""
+    t = torch.as_tensor(t, device=x.device, dtype=torch.float32)
+    return sparse_linear(x, w_t.t(), bias, x.abs().float() >= t)

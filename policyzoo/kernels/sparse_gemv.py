@@ -7,7 +7,7 @@ and the result is cast to x's dtype. Three ways to say which features are kept, 
 - `sparse_gemv_index`: an index list ``idx int[B, k]`` (TopK; distinct indices in ``[0, d_in)``),
   specification `reference.sparse_gemv_index`;
 - `sparse_gemv_threshold`: ``|x| >= t`` decided inside the kernel (TEAL-style Threshold; ``t`` a
-  scalar compared in x's dtype), specification `reference.sparse_gemv_threshold`;
+  scalar, compared in fp32), specification `reference.sparse_gemv_threshold`;
 - `sparse_gemv_mask`: a bool mask ``keep [B, d_in]``, specification `reference.sparse_linear`.
 
 Grid ``(cdiv(d_out, BLOCK_N), split, B)``: a program computes ``BLOCK_N`` outputs of one row over
@@ -99,9 +99,7 @@ def _gemv_scan_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < d_out
     if not FROM_MASK:
-        # t arrives rounded to x's dtype (by torch, on the host side), like the reference's
-        # comparison in x's dtype; both sides widen exactly to fp32 here.
-        t = tl.load(t_ptr).to(tl.float32)
+        t = tl.load(t_ptr)  # fp32: |x| is compared in fp32, as in Threshold.keep_mask
     k_end = tl.minimum((s + 1) * k_per, d_in)
     acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
     for k0 in range(s * k_per, k_end, BLOCK_K):
@@ -197,7 +195,7 @@ def sparse_gemv_threshold(
 ) -> Tensor:
     """``[B, d_out]`` over the features with ``|x| >= t``; ``t`` a float or a 0-dim tensor (a tensor
     on x's device avoids a host-to-device copy per call)."""
-    t = torch.as_tensor(t, device=x.device).to(x.dtype).reshape(())
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
     return _scan(x, None, t, w_t, bias, split, block_n)
 
 
