@@ -17,11 +17,19 @@ Tests get the strategy through the session fixture ``cases`` and draw from it wi
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported (transformers and torch._dynamo import it):
+# without a GPU, the kernel tests run the Triton kernels in its interpreter, so set it before anything.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import math
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 from hypothesis import strategies as st
 from torch import Tensor
 

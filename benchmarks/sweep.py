@@ -1,0 +1,414 @@
+"""Device sweep: decode speed of policyzoo settings on the Llama-3.1-8B shape, against the byte account.
+
+Run on a CUDA machine (random bf16 weights: speed does not depend on weight values at fixed budgets):
+
+    python benchmarks/sweep.py --out benchmarks/results            # everything
+    python benchmarks/sweep.py --only kernel --contexts 32768,131072  # one section
+    python benchmarks/sweep.py --deadline 500     # start nothing new after 500 s (results so far are kept)
+
+Sections (each writes its rows into one JSON and one markdown table, plus PNG plots):
+  bandwidth  device-to-device copy bandwidth: the byte floor's denominator
+  kernel     one layer's decode attention (32 q / 8 KV heads, head dim 128, pages of 16): policyzoo's
+             split-K kernel in dense mode, with 1/16 of the pages selected, and torch SDPA on the same cache
+  step       the whole decode step per setting and context, captured in a CUDA graph (`graph`: the
+             eager step, policyzoo's kernels, no torch.compile), next to its byte floor and ideal
+             bound, and its speedup over dense decoding through the same kernel
+  compiled   the same step under torch.compile (reduce-overhead: fused and CUDA-graphed) at 32K
+  batch      dense and KV keep 0.2 at 32K for batch 1/4/16 (batch 32 at 32K needs 137 GB of KV
+             beside 16 GB of weights: it does not fit one H200)
+  hf         Hugging Face decoding of the same model: eager (dynamic cache) and static cache compiled
+
+The cache is filled with random keys and values (no prefill: timing does not depend on the values for
+fixed budgets, and a 128K prefill would cost more device time than the sweep itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from policyzoo import AttentionTopK, Decoder, Quest, TopK  # noqa: E402
+from policyzoo._compat import attn_implementation  # noqa: E402
+from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
+from policyzoo.bytes import ByteAccount  # noqa: E402
+from policyzoo.selection import Selection  # noqa: E402
+
+MODEL = "llama-3.1-8b"
+CONTEXTS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
+PAGE = 16
+DEVICE = "cuda"  # --device cpu runs a smoke test of the sweep's logic (eager steps, wall-clock timing)
+
+
+def settings() -> dict[str, tuple]:
+    """name -> (kv policy factory, proj factory, r_p, r_kv)."""
+    return {
+        "dense": (None, None, 1.0, 1.0),
+        "topk0.5": (None, lambda: TopK(0.5), 0.5, 1.0),
+        "attn-topk0.1": (lambda: AttentionTopK(0.1, window=64), None, 1.0, 0.1),
+        "attn-topk0.3": (lambda: AttentionTopK(0.3, window=64), None, 1.0, 0.3),
+        "quest0.1": (lambda: Quest(0.1, page=PAGE, window=64), None, 1.0, 0.1),
+        "quest0.3": (lambda: Quest(0.3, page=PAGE, window=64), None, 1.0, 0.3),
+        "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
+        "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
+        "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
+        "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
+    }
+
+
+# ------------------------------------------------------------------------------------- timing
+def cuda_time_ms(fn, steps: int = 10, reps: int = 15, warmup: int = 3) -> float:
+    """Median over ``reps`` of the mean time of ``steps`` back-to-back calls, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    if DEVICE == "cpu":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / steps)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / steps)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (bytes read + written)."""
+    n = 1 << 30 if DEVICE == "cuda" else 1 << 24
+    src = torch.randn(n // 2, device=DEVICE, dtype=torch.bfloat16).view(torch.uint8)
+    src = torch.cat([src, src])
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), steps=5, reps=10)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+# ------------------------------------------------------------------------------------- model
+def llama8b(layers: int | None = None, tiny: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=128256)
+    if tiny:  # the smoke test's stand-in: same structure, toy sizes
+        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, vocab_size=1024)
+    cfg = LlamaConfig(
+        **dims, num_hidden_layers=layers or 32, max_position_embeddings=262144,
+        rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def fill_cache(dec: Decoder, batch: int, n: int, margin: int) -> None:
+    """Allocate the Decoder's cache for ``n + margin`` tokens and fill ``n`` with random K/V."""
+    dec._prepare_cache(batch, n + margin, torch.zeros(batch, dtype=torch.long, device=DEVICE), n)
+    cache = dec.runtime.cache
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    for layer in range(cache.num_layers):
+        cache.keys[layer][:, :, :n].normal_(generator=g)
+        cache.values[layer][:, :, :n].normal_(generator=g)
+        cache._summarise(layer, slice(0, math.ceil(n / cache.page_size)))
+
+
+def time_step(dec: Decoder, batch: int, n: int, steps: int, reps: int, mode: str) -> tuple[float, float]:
+    """(ms per decode step, seconds spent compiling or capturing) at context ``n``.
+
+    ``graph``: the eager step captured once in a CUDA graph and replayed (launch overhead gone, no
+    fusion); ``compiled``: the Decoder's torch.compile step (reduce-overhead). Each step appends a
+    token, so ``length`` is reset to ``n`` before timing and the cache has room for every step.
+    """
+    cache = dec.runtime.cache
+    token = torch.randint(1, 1000, (batch, 1), device=DEVICE)
+    dec.runtime.phase = "decode"
+    t0 = time.perf_counter()
+    if mode == "graph" and DEVICE == "cpu":  # smoke test: no graphs on CPU
+
+        def run():
+            dec._decode_step(token)
+
+    elif mode == "graph":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton JIT, cuBLAS handles
+            for _ in range(2):
+                dec._decode_step(token)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dec._decode_step(token)
+        run = graph.replay
+    else:
+        dec.compile()
+        for _ in range(3):  # compile, record the CUDA graph, replay once
+            dec._step(token)
+
+        def run():
+            dec._step(token)
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+    cache.length.fill_(n)
+    ms = cuda_time_ms(run, steps=steps, reps=reps, warmup=2)
+    dec.runtime.phase = "idle"
+    return ms, setup_s
+
+
+# ------------------------------------------------------------------------------------- sections
+def section_kernel(contexts, rows, check=True):
+    """One layer's decode attention: split-K kernel dense and 1/16 pages, and torch SDPA."""
+    import torch.nn.functional as F
+
+    from policyzoo import kernels
+    from policyzoo.kernels import reference
+
+    b, h, h_kv, d = 1, 32, 8, 128
+    for n in contexts:
+        q = torch.randn(b, h, d, device=DEVICE, dtype=torch.bfloat16)
+        keys = torch.randn(b, h_kv, n, d, device=DEVICE, dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        start = torch.zeros(b, dtype=torch.long, device=DEVICE)
+        length = torch.tensor(n, device=DEVICE)
+        pages = n // PAGE
+        dense = Selection(torch.arange(pages, device=DEVICE, dtype=torch.int32).expand(b, h_kv, -1).contiguous(),
+                          torch.full((b, h_kv), pages, device=DEVICE, dtype=torch.int32), block=PAGE)
+        k16 = pages // 16
+        perm = torch.stack([torch.randperm(pages, device=DEVICE)[:k16] for _ in range(h_kv)]).int()[None]
+        sparse = Selection(perm.contiguous(), torch.full((b, h_kv), k16, device=DEVICE, dtype=torch.int32), block=PAGE)
+        scale = d**-0.5
+        if check:
+            for sel in (dense, sparse):
+                out, lse = kernels.decode_attention(q, keys, values, sel, start, length, scale)
+                ref, ref_lse = reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, scale)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert err < 2e-2 and torch.isfinite(out).all(), f"decode attention mismatch at n={n}: {err}"
+        kv_bytes = 2 * h_kv * n * d * 2
+        t_dense = cuda_time_ms(lambda: kernels.decode_attention(q, keys, values, dense, start, length, scale), steps=20)
+        t_sparse = cuda_time_ms(lambda: kernels.decode_attention(q, keys, values, sparse, start, length, scale), steps=20)
+        qs = q[:, :, None, :]
+        t_sdpa = cuda_time_ms(lambda: F.scaled_dot_product_attention(qs, keys, values, scale=scale, enable_gqa=True), steps=20)
+        for name, t, frac in (("split-K dense", t_dense, 1.0), ("split-K 1/16 pages", t_sparse, 1 / 16), ("torch SDPA", t_sdpa, 1.0)):
+            rows.append({"section": "kernel", "setting": name, "context": n, "us": t * 1e3,
+                         "TB/s": kv_bytes * frac / (t * 1e-3) / 1e12, "vs_dense_kernel": t_dense / t})
+            print(f"kernel n={n:>7} {name:<20} {t*1e3:8.1f} us  {kv_bytes*frac/(t*1e-3)/1e12:5.2f} TB/s  x{t_dense/t:5.2f}", flush=True)
+
+
+class Deadline(Exception):
+    pass
+
+
+def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
+                 section="step", mode="graph"):
+    """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense."""
+    dense_ms = {}
+    for name in names:
+        kv_f, proj_f, r_p, r_kv = settings()[name]
+        for n in contexts:
+            if time.perf_counter() > deadline:
+                raise Deadline
+            row = {"section": section, "mode": mode, "setting": name, "context": n, "batch": batch}
+            try:
+                torch._dynamo.reset()
+                dec = Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
+                with attn_implementation(model, ATTN_IMPLEMENTATION):
+                    fill_cache(dec, batch, n, margin=steps * (reps + 3) + 64)
+                    ms, setup_s = time_step(dec, batch, n, steps, reps, mode)
+                if name == "dense":
+                    dense_ms[n] = ms
+                union = None if batch == 1 or r_p == 1 else 1.0  # batched TopK: assume the union is all columns
+                floor = acct.floor_ms(n, bw, r_p, r_kv, batch=batch, union_keep=union)
+                bound = acct.bound(n, r_p, r_kv, batch=batch, union_keep=union)
+                speedup = dense_ms.get(n, float("nan")) / ms
+                row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
+                            "bound": bound, "speedup": speedup, "speedup/bound": speedup / bound, "setup_s": setup_s})
+                print(f"{section}/{mode} b={batch} n={n:>7} {name:<22} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f}) "
+                      f"speedup {speedup:5.2f} / bound {bound:5.2f}  setup {setup_s:5.1f}s", flush=True)
+            except Exception as err:  # keep the sweep going; the row says what failed
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+                print(f"{section}/{mode} b={batch} n={n} {name}: FAILED {row['error']}", flush=True)
+                traceback.print_exc()
+            rows.append(row)
+            save()
+            dec = None
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
+def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
+    """HF generate: per-step wall time from a logits processor's timestamps (HF syncs every step)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            self.t.append(time.perf_counter())
+            return scores
+
+    Decoder(model)  # drops projection wrappers a previous setting left on the model
+    for n in contexts:
+        ids = torch.randint(1, 1000, (1, n), device=DEVICE)
+        for label, kwargs in (("HF eager (dynamic cache)", {}), ("HF static cache compiled", {"cache_implementation": "static"})):
+            if time.perf_counter() > deadline:
+                raise Deadline
+            row = {"section": "hf", "mode": "hf", "setting": label, "context": n, "batch": 1}
+            try:
+                t0 = time.perf_counter()
+                for _ in range(2):  # the first run compiles
+                    stamp = Stamp()
+                    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                   logits_processor=LogitsProcessorList([stamp]), pad_token_id=0, **kwargs)
+                per_step = [b - a for a, b in zip(stamp.t[1:], stamp.t[2:])]
+                ms = statistics.median(per_step) * 1e3
+                floor = acct.floor_ms(n, bw)
+                row.update({"ms": ms, "tok/s": 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
+                            "setup_s": time.perf_counter() - t0})
+                print(f"hf n={n:>7} {label:<26} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f})", flush=True)
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+                print(f"hf n={n} {label}: FAILED {row['error']}", flush=True)
+                traceback.print_exc()
+            rows.append(row)
+            save()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------- output
+def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# policyzoo device sweep — {meta['gpu']}, {meta['date']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
+             f"model shape {MODEL} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
+             "byte floor = step bytes (policyzoo.bytes) / copy bandwidth; bound = ideal speedup from bytes.", ""]
+    for section in ("kernel", "step", "compiled", "batch", "hf"):
+        sec = [r for r in rows if r["section"] == section]
+        if not sec:
+            continue
+        cols = list(dict.fromkeys(k for r in sec for k in r if k != "section"))
+        lines += [f"## {section}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in sec:
+            cells = (r.get(c, "") for c in cols)
+            lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells) + " |")
+        lines.append("")
+    (out / "sweep.md").write_text("\n".join(lines))
+    step = [r for r in rows if r["section"] == "step" and r["setting"] != "dense" and "speedup" in r]
+    if step:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for i, name in enumerate(sorted({r["setting"] for r in step})):
+            rs = sorted((r for r in step if r["setting"] == name), key=lambda r: r["context"])
+            xs = [r["context"] / 1024 for r in rs]
+            line, = ax.plot(xs, [r["speedup"] for r in rs], marker="o", label=name)
+            ax.plot(xs, [r["bound"] for r in rs], linestyle="--", color=line.get_color(), alpha=0.6)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (K tokens)")
+        ax.set_ylabel("speedup over dense (same kernel)")
+        ax.set_title(f"{MODEL} shape, batch 1, {meta['gpu']}: measured (solid) vs byte bound (dashed)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "sweep.png", dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--only", default="kernel,step,batch,compiled,hf")
+    p.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--settings", default="dense,topk0.5,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5+attn-topk0.2,topk0.5+quest0.2")
+    p.add_argument("--hf-contexts", default="32768")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use 32)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
+    p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (smoke tests)")
+    args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    only = set(args.only.split(","))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    import transformers
+    import triton
+
+    meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)", "date": dt.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "model": MODEL, "layers": args.layers or 32}
+    rows: list[dict] = []
+    out = Path(args.out)
+    deadline = time.perf_counter() + args.deadline
+
+    def save():
+        write_outputs(out, meta, rows)
+
+    bw = copy_bandwidth()
+    meta["bandwidth_TBps"] = bw / 1e12
+    print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
+    acct = ByteAccount.from_config(MODEL)
+    if args.tiny:
+        acct = ByteAccount.from_config(llama8b(args.layers or 2, tiny=True).config, dtype=torch.float32)
+    elif args.layers:
+        acct = ByteAccount(**{**acct.__dict__, "layers": args.layers})
+    names = args.settings.split(",")
+    try:
+        if "kernel" in only:
+            section_kernel(contexts, rows)
+            save()
+        model = llama8b(args.layers, args.tiny) if only & {"step", "compiled", "batch", "hf"} else None
+        if "step" in only:
+            section_step(model, contexts, names, rows, bw, acct, save, deadline)
+        if "batch" in only:
+            for b in (1, 4, 16):
+                section_step(model, [32768], ["dense", "quest0.2", "attn-topk0.2"], rows, bw, acct, save, deadline,
+                             batch=b, section="batch")
+        if "compiled" in only:
+            section_step(model, [32768], ["dense", "topk0.5", "quest0.1", "topk0.5+quest0.2"], rows, bw, acct, save,
+                         deadline, section="compiled", mode="compiled")
+        if "hf" in only:
+            section_hf(model, [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline)
+    except Deadline:
+        print("deadline reached: later rows not run", flush=True)
+        meta["stopped_at_deadline"] = True
+    finally:
+        save()
+
+
+if __name__ == "__main__":
+    main()
