@@ -355,7 +355,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", default="kernel,step,batch,compiled,hf")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    p.add_argument("--settings", default="dense,topk0.5,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5+attn-topk0.2,topk0.5+quest0.2")
+    p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
     p.add_argument("--hf-contexts", default="32768")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use 32)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
@@ -399,7 +399,7 @@ def main(argv=None) -> None:
                 section_step(model, [32768], ["dense", "quest0.2", "attn-topk0.2"], rows, bw, acct, save, deadline,
                              batch=b, section="batch")
         if "compiled" in only:
-            section_step(model, [32768], ["dense", "topk0.5", "quest0.1", "topk0.5+quest0.2"], rows, bw, acct, save,
+            section_step(model, [32768], ["dense", "topk0.5+quest0.2"], rows, bw, acct, save,
                          deadline, section="compiled", mode="compiled")
         if "hf" in only:
             section_hf(model, [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline)

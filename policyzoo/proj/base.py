@@ -72,12 +72,14 @@ class ProjectionSparsifier:
 
 
 def uninstall(model: nn.Module) -> None:
-    """Put back the original linears (a no-op where nothing was wrapped)."""
+    """Put back the original linears, weights in their original layout (a no-op where nothing was wrapped)."""
     for layer in decoder_layers(model):
         for parent_name, linear_name in PROJECTIONS.values():
             parent = getattr(layer, parent_name)
             linear = getattr(parent, linear_name)
             if isinstance(linear, SparseLinear):
+                if not linear.linear.weight.is_contiguous():  # an input-major view made at wrap time
+                    linear.linear.weight = nn.Parameter(linear.linear.weight.contiguous(), requires_grad=False)
                 setattr(parent, linear_name, linear.linear)
 
 
