@@ -94,6 +94,22 @@ def cuda_time_ms(fn, steps: int = 10, reps: int = 15, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, calls: int = 20) -> float:
+    """Per-call time of ``fn`` captured ``calls`` times in one CUDA graph (no launch overhead)."""
+    if DEVICE == "cpu":
+        return cuda_time_ms(fn, steps=calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # Triton JIT and allocator warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(graph.replay, steps=1, reps=15, warmup=2) / calls
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a 4 GiB device-to-device copy (bytes read + written)."""
     n = 1 << 30 if DEVICE == "cuda" else 1 << 24
@@ -213,10 +229,10 @@ def section_kernel(contexts, rows, check=True):
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 assert err < 2e-2 and torch.isfinite(out).all(), f"decode attention mismatch at n={n}: {err}"
         kv_bytes = 2 * h_kv * n * d * 2
-        t_dense = cuda_time_ms(lambda: kernels.decode_attention(q, keys, values, dense, start, length, scale), steps=20)
-        t_sparse = cuda_time_ms(lambda: kernels.decode_attention(q, keys, values, sparse, start, length, scale), steps=20)
+        t_dense = graph_time_ms(lambda: kernels.decode_attention(q, keys, values, dense, start, length, scale))
+        t_sparse = graph_time_ms(lambda: kernels.decode_attention(q, keys, values, sparse, start, length, scale))
         qs = q[:, :, None, :]
-        t_sdpa = cuda_time_ms(lambda: F.scaled_dot_product_attention(qs, keys, values, scale=scale, enable_gqa=True), steps=20)
+        t_sdpa = graph_time_ms(lambda: F.scaled_dot_product_attention(qs, keys, values, scale=scale, enable_gqa=True))
         for name, t, frac in (("split-K dense", t_dense, 1.0), ("split-K 1/16 pages", t_sparse, 1 / 16), ("torch SDPA", t_sdpa, 1.0)):
             rows.append({"section": "kernel", "setting": name, "context": n, "us": t * 1e3,
                          "TB/s": kv_bytes * frac / (t * 1e-3) / 1e12, "vs_dense_kernel": t_dense / t})
@@ -228,9 +244,9 @@ class Deadline(Exception):
 
 
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
-                 section="step", mode="graph"):
+                 section="step", mode="graph", dense_ms=None):
     """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense."""
-    dense_ms = {}
+    dense_ms = {} if dense_ms is None else dense_ms
     for name in names:
         kv_f, proj_f, r_p, r_kv = settings()[name]
         for n in contexts:
@@ -347,6 +363,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "sweep.png", dpi=120)
+        plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -357,6 +374,9 @@ def main(argv=None) -> None:
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
     p.add_argument("--hf-contexts", default="32768")
+    p.add_argument("--compiled", default="dense@32768,topk0.5@32768,quest0.2@32768,topk0.5+quest0.2@32768,"
+                   "dense@131072,quest0.1@131072,dense@4096,topk0.5@4096",
+                   help="setting@context pairs for the compiled section (dense first: speedups divide by it)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use 32)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (smoke tests)")
@@ -387,6 +407,7 @@ def main(argv=None) -> None:
     elif args.layers:
         acct = ByteAccount(**{**acct.__dict__, "layers": args.layers})
     names = args.settings.split(",")
+    compiled_dense: dict[int, float] = {}  # dense ms per context, shared across the compiled rows
     try:
         if "kernel" in only:
             section_kernel(contexts, rows)
@@ -399,8 +420,10 @@ def main(argv=None) -> None:
                 section_step(model, [32768], ["dense", "quest0.2", "attn-topk0.2"], rows, bw, acct, save, deadline,
                              batch=b, section="batch")
         if "compiled" in only:
-            section_step(model, [32768], ["dense", "topk0.5+quest0.2"], rows, bw, acct, save,
-                         deadline, section="compiled", mode="compiled")
+            for item in args.compiled.split(","):
+                name, n = item.split("@")
+                section_step(model, [int(n)], [name], rows, bw, acct, save, deadline, section="compiled",
+                             mode="compiled", dense_ms=compiled_dense)
         if "hf" in only:
             section_hf(model, [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline)
     except Deadline:

@@ -188,6 +188,7 @@ class Decoder:
         return (sequences, torch.stack(scores, dim=1)) if output_logits else sequences
 
     # ------------------------------------------------------------------------------ internals
+    @torch.no_grad()
     def _prefill(self, input_ids: Tensor, start: Tensor) -> Tensor:
         t = input_ids.shape[1]
         positions = (torch.arange(t, device=input_ids.device)[None, :] - start[:, None]).clamp(min=0)
@@ -198,6 +199,7 @@ class Decoder:
             self.runtime.phase = "idle"
         return logits[:, -1]
 
+    @torch.no_grad()
     def _decode_step(self, tokens: Tensor, advance: bool = True) -> Tensor:
         """One decode step for ``tokens [B, 1]``; returns next-token logits ``[B, V]``.
 

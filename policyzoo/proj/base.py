@@ -98,11 +98,11 @@ class SparseLinear(nn.Module):
         self.name = name
         self.sparsifier = sparsifier
         self.runtime = runtime
-        self.w_t: Tensor | None = None
+        w_t = None
         if kernels.dispatch.use_triton(linear.weight):
             w_t = linear.weight.detach().t().contiguous()  # no copy when the weight already is such a view
             linear.weight = nn.Parameter(w_t.t(), requires_grad=False)
-            self.register_buffer("w_t", w_t, persistent=False)
+        self.register_buffer("w_t", w_t, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.runtime.phase != "decode":
