@@ -144,3 +144,128 @@ class ByteAccount:
 def _check_ratio(value: float, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
         raise ValueError(f"{name} must be a keep ratio in (0, 1], got {value!r}")
+
+
+# ------------------------------------------------------------------------------------ reports
+K = 1024
+DEFAULT_BANDWIDTH = 4.27e12  # bytes/s: the copy bandwidth measured on the lent H200 (DESIGN.md)
+SETTINGS = ("dense", "proj", "kv", "both")  # the four settings a step can run (and the gate chooses from)
+
+
+def parse_tokens(text: str) -> int:
+    """A token count: ``"4096"``, ``"4k"``/``"4K"`` (× 1024) or ``"1m"`` (× 1024²); must be positive."""
+    s = str(text).strip().lower()
+    scale = {"k": K, "m": K * K}.get(s[-1:], 1)
+    digits = s[:-1] if scale > 1 else s
+    try:
+        value = float(digits)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a token count (examples: 4096, 4k, 128k, 1m)") from None
+    n = value * scale
+    if not (math.isfinite(n) and n >= 1 and n == int(n)):
+        raise ValueError(f"{text!r} is not a positive whole number of tokens")
+    return int(n)
+
+
+def format_k(tokens: float) -> str:
+    """Tokens in K = 1024 with one decimal (``76_087 -> "74.3K"``); ``"never"`` for ``inf``."""
+    if math.isinf(tokens):
+        return "never"
+    return f"{tokens / K:.1f}K"
+
+
+def format_context(tokens: int) -> str:
+    """A context length for a table: ``"32K"`` for whole multiples of 1024, else one decimal."""
+    return f"{tokens // K}K" if tokens % K == 0 else format_k(tokens)
+
+
+def setting_ratios(setting: str, r_p: float, r_kv: float) -> tuple[float, float]:
+    """``(r_P, r_KV)`` a setting runs with: ``dense`` keeps everything, ``both`` applies both ratios."""
+    if setting not in SETTINGS:
+        raise ValueError(f"setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    return (r_p if setting in ("proj", "both") else 1.0, r_kv if setting in ("kv", "both") else 1.0)
+
+
+def report(
+    acct: ByteAccount,
+    r_p: float,
+    r_kv: float,
+    contexts: list[int],
+    batch: int = 1,
+    union_keep: float | None = None,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    model: str | None = None,
+    dtype: str | None = None,
+) -> dict:
+    """The byte account of one pair of keep ratios, as a JSON-ready dict (what ``policyzoo bytes`` prints).
+
+    ``crossover`` holds the crossover in tokens and in K for all seven projections (``all``) and for
+    the feed-forward projections only (``ff_only``; ``None`` when the KV branch saves nothing). ``rows``
+    holds, per context and setting (``dense``, ``proj``, ``kv``, ``both``), the step bytes, the byte
+    floor in ms at ``bandwidth`` bytes/s and the ideal speedup bound over dense. With ``batch > 1`` a
+    setting with sparse projections reads ``union_keep`` of the weight columns.
+    """
+    _check_ratio(r_p, "r_p")
+    _check_ratio(r_kv, "r_kv")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if union_keep is not None:
+        _check_ratio(union_keep, "union_keep")
+        if batch == 1:
+            raise ValueError("union_keep applies to batch > 1 only (at batch 1 the projection reads r_p of the columns)")
+        if union_keep < r_p:
+            raise ValueError(f"union_keep ({union_keep}) cannot be below r_p ({r_p}): the union of the rows' columns holds each row's")
+    elif batch > 1 and r_p < 1:
+        raise ValueError("union_keep: a batched sparse projection reads the union of the rows' kept columns; give it (in [r_p, 1])")
+    if not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0):
+        raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+    if not contexts:
+        raise ValueError("contexts: give at least one context length")
+    crossover = {}
+    for key, ff_only in (("all", False), ("ff_only", True)):
+        n = acct.crossover(r_p, r_kv, ff_only=ff_only, batch=batch, union_keep=union_keep)
+        crossover[key] = {"tokens": None if math.isinf(n) else n, "K": None if math.isinf(n) else n / K}
+    rows = []
+    for n in contexts:
+        for setting in SETTINGS:
+            sp, skv = setting_ratios(setting, r_p, r_kv)
+            union = union_keep if sp < 1 else None  # a dense projection reads every column
+            step = acct.step_bytes(n, sp, skv, batch, union)
+            rows.append({
+                "context": n, "setting": setting, "r_p": sp, "r_kv": skv, "step_bytes": step,
+                "floor_ms": step / bandwidth * 1e3, "bound": acct.step_bytes(n, batch=batch) / step,
+            })  # fmt: skip
+    return {
+        "model": model, "dtype": dtype, "element_size": acct.element_size, "r_p": r_p, "r_kv": r_kv, "batch": batch,
+        "union_keep": union_keep, "bandwidth_TBps": bandwidth / 1e12, "crossover": crossover, "rows": rows,
+    }  # fmt: skip
+
+
+def format_report(rep: dict) -> str:
+    """`report` as the text ``policyzoo bytes`` prints."""
+
+    def size(b: float) -> str:
+        return f"{b / 1e9:.2f} GB" if b >= 1e9 else f"{b / 1e6:.1f} MB"
+
+    cross = {k: (format_k(v["tokens"]) if v["tokens"] is not None else "never") for k, v in rep["crossover"].items()}
+    batch = f", batch {rep['batch']}" + (f", union keep {rep['union_keep']}" if rep["union_keep"] is not None else "")
+    label = {"dense": "dense", "proj": f"proj (r_P {rep['r_p']:g})", "kv": f"kv (r_KV {rep['r_kv']:g})", "both": "both"}
+    lines = [
+        f"byte account: {rep['model']}, {rep.get('dtype') or 'elements of'} ({rep['element_size']} bytes per element){batch}",
+        f"keep ratios: projections r_P = {rep['r_p']:g}, KV cache r_KV = {rep['r_kv']:g}",
+        "",
+        "crossover (K = 1024 tokens; below it the projection branch saves more bytes, above it the KV branch):",
+        f"  all seven projections  {cross['all']:>8}",
+        f"  feed-forward only      {cross['ff_only']:>8}",
+        "",
+        f"per decode step: bytes read, byte floor at {rep['bandwidth_TBps']:g} TB/s, ideal speedup bound over dense:",
+    ]
+    width = max(len(v) for v in label.values())
+    head = f"{'context':>8}  {'setting':<{width}}  {'step bytes':>10}  {'floor ms':>9}  {'bound':>6}"
+    lines += [head, "-" * len(head)]
+    previous = None
+    for r in rep["rows"]:
+        ctx = format_context(r["context"]) if r["context"] != previous else ""
+        previous = r["context"]
+        lines.append(f"{ctx:>8}  {label[r['setting']]:<{width}}  {size(r['step_bytes']):>10}  {r['floor_ms']:>9.3f}  {r['bound']:>5.2f}x")
+    return "\n".join(lines)

@@ -167,6 +167,76 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------------- bytes
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _keep_ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a keep ratio in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a keep ratio in (0, 1], got {value:g}")
+    return value
+
+
+def _contexts(text: str) -> list[int]:
+    from .bytes import parse_tokens
+
+    try:
+        return [parse_tokens(item) for item in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def cmd_bytes(args: argparse.Namespace) -> int:
+    """``policyzoo bytes``: the byte crossover, step bytes, byte floor and ideal bound of two keep ratios."""
+    from .bytes import ByteAccount, format_report, report
+
+    if args.union_keep is not None and args.batch == 1:
+        raise ValueError("--union-keep applies with --batch > 1 only")
+    if args.batch > 1 and args.rp < 1 and args.union_keep is None:
+        raise ValueError("--batch > 1 with --rp < 1 needs --union-keep: the fraction of weight columns the rows keep together")
+    acct = ByteAccount.from_config(args.model, dtype=_DTYPES[args.dtype])
+    rep = report(acct, args.rp, args.rkv, args.contexts, batch=args.batch, union_keep=args.union_keep,
+                 bandwidth=args.bandwidth * 1e12, model=args.model, dtype=args.dtype)  # fmt: skip
+    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    return 0
+
+
+def _add_bytes_parser(sub: Any) -> None:
+    from .bytes import BUILTIN
+
+    p = sub.add_parser(
+        "bytes",
+        help="byte account: crossover context, step bytes, byte floor and ideal speedup bound",
+        description="Bytes a decode step reads with projection keep r_P and KV keep r_KV (DESIGN.md, 'The byte "
+        "account'): the crossover context in K = 1024 tokens (all seven projections, and feed-forward only), and "
+        "per context the step bytes, byte floor and ideal speedup bound of dense, proj, kv and both.",
+    )
+    p.add_argument("--model", required=True, help=f"a built-in name ({', '.join(BUILTIN)}) or a config.json path (or its folder)")
+    p.add_argument("--rp", type=_keep_ratio, required=True, help="projection keep ratio r_P in (0, 1]")
+    p.add_argument("--rkv", type=_keep_ratio, required=True, help="KV keep ratio r_KV in (0, 1]")
+    p.add_argument("--contexts", type=_contexts, default=[4096, 32768, 131072], help="comma-separated contexts (default 4k,32k,128k)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="rows per step (default 1)")
+    p.add_argument("--union-keep", type=_keep_ratio, default=None, help="with --batch > 1: fraction of weight columns the rows keep together")
+    p.add_argument("--bandwidth", type=_positive_float, default=4.27, help="memory bandwidth in TB/s for the byte floor (default 4.27)")
+    p.add_argument("--dtype", choices=list(_DTYPES), default="bf16", help="element type of weights and KV (default bf16)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the text report")
+    p.set_defaults(func=cmd_bytes)
+
+
 # --------------------------------------------------------------------------------- argparse
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -203,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
+    _add_bytes_parser(sub)
     return parser
 
 
