@@ -274,7 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
     _add_bytes_parser(sub)
+    _add_eval_parser(sub)
     return parser
+
+
+def _add_eval_parser(sub: Any) -> None:
+    """``policyzoo eval``: the quality grid (defined with the harness, `policyzoo.eval.harness`)."""
+    from .eval.harness import add_parser
+
+    add_parser(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
