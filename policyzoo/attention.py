@@ -32,7 +32,12 @@ _DENSE = Dense()
 
 @dataclass
 class Runtime:
-    """Mutable decode state shared by the attention function and the projection wrappers."""
+    """Mutable decode state shared by the attention function and the projection wrappers.
+
+    ``policy`` is the KV policy decode steps use and ``sparse_proj`` says whether the projection
+    wrappers sparsify them: `Decoder.use` sets both per request (a gated Decoder picks ``dense``,
+    ``proj``, ``kv`` or ``both``).
+    """
 
     policy: KVSelector
     # "dense_decode" decodes with every page and dense projections (the reference pass of an audit)
@@ -40,6 +45,7 @@ class Runtime:
     cache: PagedKVCache | None = None
     states: list[KVState] = field(default_factory=list)
     audit: "Audit | None" = None
+    sparse_proj: bool = True
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float) -> Tensor:

@@ -38,6 +38,18 @@ class Decoder:
         page_size: cache page size; defaults to the policy's page (e.g. ``Quest(page=32)``) or 16.
         compile: compile the decode step with ``torch.compile`` (``"reduce-overhead"`` on CUDA).
         dtype, device: of the KV cache; default to the model's. They must match the model.
+        gate: a calibrated `policyzoo.gate.Gate`: each `generate` call then decodes with the setting
+            it chooses among those this Decoder offers (`available_settings`: ``dense``, ``proj``,
+            ``kv``, ``both``) for the request's context, taken as the prompt length (the padded
+            ``input_ids.shape[1]``) plus ``max_new_tokens // 2``: the mean context of the request's
+            decode steps (where the predicted step time of a curve linear over the request is its
+            mean, so the choice minimises the predicted decode time). The whole batch of one call
+            shares the setting; ``last_choice`` records it. A compiled step recompiles once per
+            distinct setting (the KV policy and the projection switch are guarded constants), then
+            replays.
+
+    ``setting`` is what the next request decodes with (`use` changes it; it starts as everything
+    the Decoder was given) and ``last_choice`` what the last `generate` call decoded with.
     """
 
     def __init__(
@@ -50,6 +62,7 @@ class Decoder:
         compile: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        gate: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (nn.Module), got {type(model).__name__}")
@@ -72,6 +85,16 @@ class Decoder:
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if proj is not None:
             proj.install(model, self.runtime)
+        self._dense = self.runtime.policy if kv is None else Dense()  # one instance: a compiled step guards on it
+        self.setting = ("both" if proj is not None else "kv") if kv is not None else ("proj" if proj is not None else "dense")
+        self.last_choice: str | None = None
+        if gate is not None:
+            from .gate import Gate
+
+            if not isinstance(gate, Gate):
+                raise TypeError(f"gate must be a policyzoo.gate.Gate (e.g. Gate.load(path)) or None, got {type(gate).__name__}")
+            gate.warn_if_mismatched(kv, proj, self.device)
+        self.gate = gate
         self.tokenizer: Any = None
         self.last_audit = None
         self._step = self._decode_step
@@ -102,6 +125,27 @@ class Decoder:
         if mode is None and self.device.type == "cuda":
             mode = "reduce-overhead"
         self._step = torch.compile(self._decode_step, mode=mode, dynamic=False)
+        return self
+
+    def available_settings(self) -> tuple[str, ...]:
+        """The settings this Decoder can decode with: ``dense`` always, ``proj`` with a projection
+        sparsifier, ``kv`` with a KV policy, ``both`` with both."""
+        have = {"dense": True, "proj": self.proj is not None, "kv": self.kv is not None}
+        have["both"] = have["proj"] and have["kv"]
+        return tuple(s for s, ok in have.items() if ok)
+
+    def use(self, setting: str) -> "Decoder":
+        """Decode the next requests with ``setting``: ``dense`` (every KV page, dense projections),
+        ``proj`` (sparse projections only), ``kv`` (the KV policy only) or ``both``.
+
+        A Decoder without a gate keeps the setting (it starts as everything it was given); a gated
+        Decoder sets it at every `generate` call.
+        """
+        if setting not in self.available_settings():
+            raise ValueError(f"setting must be one of {', '.join(self.available_settings())} for this Decoder, got {setting!r}")
+        self.runtime.policy = self.kv if setting in ("kv", "both") else self._dense
+        self.runtime.sparse_proj = setting in ("proj", "both")
+        self.setting = setting
         return self
 
     def __repr__(self) -> str:
@@ -147,6 +191,10 @@ class Decoder:
                 f"input_ids: prompt + max_new_tokens = {t + max_new_tokens} exceeds the model's sliding window "
                 f"({window}); sliding-window attention is not supported"
             )
+
+        if self.gate is not None:
+            self.use(self.gate.choose(t + max_new_tokens // 2, self.available_settings()))
+        self.last_choice = self.setting
 
         from .eval.audit import Audit
 

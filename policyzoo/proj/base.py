@@ -105,7 +105,7 @@ class SparseLinear(nn.Module):
         self.register_buffer("w_t", w_t, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.runtime.phase != "decode":
+        if self.runtime.phase != "decode" or not self.runtime.sparse_proj:
             return self.linear(x)
         if self.runtime.audit is not None:
             self.runtime.audit.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
