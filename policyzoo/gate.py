@@ -107,7 +107,13 @@ def _curve(setting: str, points: object) -> tuple[tuple[int, ...], tuple[float, 
     return contexts, tuple(out[c] for c in contexts)
 
 
-def load_quality(source: str | Path | Mapping[str, Any] | Sequence[Mapping[str, Any]], names: Mapping[str, str] | None = None) -> dict[str, float]:
+def load_quality(
+    source: str | Path | Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    names: Mapping[str, str] | None = None,
+    *,
+    kv_spec: str | None = None,
+    proj_spec: str | None = None,
+) -> dict[str, float]:
     """Perplexity increase per gate setting, from an evaluation results file or records.
 
     ``source`` is a path to a JSON file, or the parsed JSON: a list of records, or an object whose
@@ -118,13 +124,16 @@ def load_quality(source: str | Path | Mapping[str, Any] | Sequence[Mapping[str, 
     ``{"kv": "quest:budget=0.25", "proj": "topk:0.5", "both": "quest:budget=0.25 + topk:0.5"}``.
     Where several records name one setting (several lengths or texts), the largest increase counts.
     Labels that name no gate setting are ignored.
+
+    ``policyzoo eval`` results (``results.json``) also list their ``"settings"`` with ``label``,
+    ``kv_policy`` and ``proj_policy`` (the policies' ``repr``); given the gate's ``kv_spec`` and
+    ``proj_spec`` (a gate passes its own), the labels are matched to gate settings through them
+    when ``names`` is not given: ``kv`` is the row whose KV policy is ``kv_spec`` and whose
+    projections are dense, ``both`` the one with both, and so on (``Dense()`` and ``None`` are
+    dense).
     """
-    label_of = {s: s for s in SETTINGS}
-    if names is not None:
-        for s in names:
-            _check_setting(s, "names key")
-        label_of.update(names)
-    setting_of = {label: s for s, label in label_of.items()}
+    for s in names or {}:
+        _check_setting(s, "names key")
     where = "quality"
     if isinstance(source, (str, Path)):
         where = str(source)
@@ -132,6 +141,11 @@ def load_quality(source: str | Path | Mapping[str, Any] | Sequence[Mapping[str, 
             source = json.loads(Path(source).read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not JSON ({e})") from None
+    label_of = {s: s for s in SETTINGS}
+    if names is None and isinstance(source, Mapping) and isinstance(source.get("settings"), Sequence):
+        label_of.update(_names_from_settings(source["settings"], kv_spec, proj_spec))
+    label_of.update(names or {})
+    setting_of = {label: s for s, label in label_of.items()}
     records = source
     if isinstance(source, Mapping) and "rows" not in source and "results" not in source and source and set(source) <= set(SETTINGS):
         return _check_quality(source)  # a plain {setting: ppl increase} table
@@ -152,6 +166,23 @@ def load_quality(source: str | Path | Mapping[str, Any] | Sequence[Mapping[str, 
         value = _finite(value, f"{where}: record {i} ppl_increase")
         quality[setting] = max(value, quality.get(setting, -math.inf))
     return quality
+
+
+def _names_from_settings(settings: Sequence[Any], kv_spec: str | None, proj_spec: str | None) -> dict[str, str]:
+    """Gate setting -> eval label, matching each eval setting's policies against the gate's specs."""
+    dense_kv, dense_proj = ("Dense()", "None", None), ("None", None)
+    names: dict[str, str] = {}
+    for rec in settings:
+        if not isinstance(rec, Mapping) or "label" not in rec:
+            continue
+        kv, proj = rec.get("kv_policy"), rec.get("proj_policy")
+        kv_match = "dense" if kv in dense_kv else ("kv" if kv_spec is not None and kv == kv_spec else None)
+        proj_match = "dense" if proj in dense_proj else ("proj" if proj_spec is not None and proj == proj_spec else None)
+        if kv_match is None or proj_match is None:
+            continue
+        setting = {("dense", "dense"): "dense", ("dense", "proj"): "proj", ("kv", "dense"): "kv", ("kv", "proj"): "both"}[(kv_match, proj_match)]
+        names.setdefault(setting, rec["label"])
+    return names
 
 
 def _check_quality(quality: Mapping[str, Any]) -> dict[str, float]:
@@ -241,7 +272,7 @@ class Gate:
         if quality is None:
             table = None
         elif isinstance(quality, (str, Path, Sequence)) or (isinstance(quality, Mapping) and ("rows" in quality or "results" in quality)):
-            table = load_quality(quality, names)
+            table = load_quality(quality, names, kv_spec=self.kv_spec, proj_spec=self.proj_spec)
         elif names is not None:
             raise ValueError("names maps the labels of a results file; a plain {setting: ppl increase} dict needs none")
         else:

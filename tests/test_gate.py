@@ -208,6 +208,29 @@ def test_load_quality_from_eval_results(tmp_path):
         load_quality([], names={"quest": "x"})
 
 
+def test_quality_from_policyzoo_eval_results_matches_settings_by_policy(tmp_path):
+    from policyzoo.spec import parse_kv, parse_proj, spec_label
+
+    # What `policyzoo eval` writes (results.json): "settings" with the policies' repr, "rows" per
+    # setting × task × length with ppl_increase (None for retrieval tasks).
+    grid = [("dense", "none"), ("dense", "topk:0.5"), ("quest:budget=0.25,page=16", "none"),
+            ("quest:budget=0.25,page=16", "topk:0.5"), ("window:sinks=4,window=64", "none")]  # fmt: skip
+    settings = [{"label": spec_label(k, p), "kv": k, "proj": p, "kv_policy": repr(parse_kv(k)), "proj_policy": repr(parse_proj(p))}
+                for k, p in grid]  # fmt: skip
+    increases = [0.0, 0.4, 0.01, 0.5, 2.0]
+    rows = [{"setting": rec["label"], "task": "ppl", "length": 1024, "ppl_increase": inc} for rec, inc in zip(settings, increases)]
+    rows += [{"setting": rec["label"], "task": "passkey", "length": 1024, "ppl_increase": None} for rec in settings]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"settings": settings, "rows": rows, "items": []}))
+    kv, proj = parse_kv("quest:budget=0.25,page=16"), parse_proj("topk:0.5")
+    assert load_quality(path, kv_spec=repr(kv), proj_spec=repr(proj)) == QUALITY
+    gate = Gate(CURVES, quality=path, max_ppl_increase=0.45, kv_spec=repr(kv), proj_spec=repr(proj))
+    assert gate.quality == QUALITY and gate.choose(64 * K) == "kv"
+    # a gate calibrated with other policies finds only the dense row
+    other = Gate(CURVES, quality=path, max_ppl_increase=0.45, kv_spec=repr(Quest(0.5, page=16)), proj_spec=repr(TopK(0.25)))
+    assert other.quality == {"dense": 0.0} and other.choose(64 * K) == "dense"
+
+
 # ------------------------------------------------------------------------------ files
 def test_save_load_round_trip(tmp_path):
     gate = Gate(CURVES, quality=QUALITY, max_ppl_increase=0.45, device="NVIDIA H200",
