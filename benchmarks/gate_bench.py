@@ -90,6 +90,7 @@ def fill(dec: Decoder, n: int, capacity: int, gen: torch.Generator) -> None:
         cache._summarise(layer, slice(0, -(-n // cache.page_size)))
 
 
+@torch.no_grad()  # as in generate: the compiled step's entries are shared with it (grad mode is guarded)
 def decode_ms(dec: Decoder, steps: int, token: torch.Tensor) -> float:
     """Milliseconds of ``steps`` decode steps from the current cache length (the context grows)."""
     dec.runtime.phase = "decode"

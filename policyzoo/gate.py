@@ -477,7 +477,7 @@ class Gate:
 
         bar = tqdm(total=len(contexts) * len(curves), desc="gate calibration", disable=not progress, leave=False)
         try:
-            with attn_implementation(model, ATTN_IMPLEMENTATION):
+            with torch.no_grad(), attn_implementation(model, ATTN_IMPLEMENTATION):  # as in generate: one compiled entry per setting
                 for n in contexts:
                     dec._prepare_cache(batch, contexts[-1] + margin, torch.zeros(batch, dtype=torch.long, device=device), n)
                     cache = runtime.cache
