@@ -180,3 +180,19 @@ def test_cli_eval_rejects_a_bad_spec_with_the_accepted_names(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["eval", "--tasks", "passkey,needles", "--out", str(tmp_path)])
     assert "accepted: passkey, multikey, ppl" in capsys.readouterr().err
+
+
+def test_cli_eval_runs_a_saved_dataset(tmp_path, monkeypatch):
+    """Users bring their own records (same fields) with --dataset: here a save_to_disk folder."""
+    from datasets import Dataset
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(assets, "load_model", lambda name, **kw: (model, None))
+    Dataset.from_list([_ppl_record(48, 6, seed=s) for s in range(3)]).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "run"
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(["eval", "--dataset", str(tmp_path / "data"), "--kv", "attn-topk:16,sinks=2,window=4", "--out", str(out), "--no-plots", "--no-progress"])
+    res = json.loads((out / "results.json").read_text())
+    (row,) = res["rows"]
+    assert (row["setting"], row["task"], row["length"], row["n"], row["steps"]) == ("attn-topk:16,sinks=2,window=4", "ppl", 48, 3, 6)
+    assert not (out / "accuracy.png").exists()

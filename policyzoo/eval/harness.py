@@ -198,6 +198,7 @@ def make_settings(kv_specs: Sequence[str], proj_specs: Sequence[str]) -> list[Se
     """Every ``kv × proj`` pair of specs (`policyzoo.spec`), in the given order (kv outer)."""
     from ..spec import parse_kv, parse_proj, spec_label
 
+    projs = {spec: parse_proj(spec) for spec in proj_specs}  # one instance per spec (calibrated once)
     settings, seen = [], set()
     for kv_spec in kv_specs:
         for proj_spec in proj_specs:
@@ -205,7 +206,7 @@ def make_settings(kv_specs: Sequence[str], proj_specs: Sequence[str]) -> list[Se
             if label in seen:
                 raise ValueError(f"setting {label!r} appears twice in the grid")
             seen.add(label)
-            settings.append(Setting(label, parse_kv(kv_spec), parse_proj(proj_spec), kv_spec, proj_spec))
+            settings.append(Setting(label, parse_kv(kv_spec), projs[proj_spec], kv_spec, proj_spec))
     return settings
 
 
