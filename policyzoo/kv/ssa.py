@@ -1,0 +1,303 @@
+"""`SSA`: stratified sparse attention — a deterministic top stratum plus a sampled, Horvitz–Thompson
+corrected residual stratum.
+
+Each step, per (batch row, KV head):
+
+1. **Proxy scores** ``s_j`` for every entry: the Quest page upper bound from the cache summaries
+   (``proxy="page"``, entries are pages; no key is read) or the exact ``scale·q·k`` (``proxy="exact"``,
+   entries are tokens; reads every key, for audits). The query heads of a GQA group are folded by
+   the shared `aggregate_groups` (``"max"`` logit or ``"sum"`` of softmax mass) for the ranking.
+2. **Deterministic stratum** ``D``: the forced entries (sinks, window; the last page for pages) plus
+   the top ``budget`` entries by proxy — exactly the `Quest` / `AttentionTopK` choice (`choose_topk`).
+3. **Sampled stratum**: ``m`` draws from the residual ``R = valid \\ D`` with probabilities
+   ``p_j = (1/G)·Σ_h softmax_R(s_{h,·} / temperature)_j``: the mean over the ``G`` query heads of
+   the group of each head's tempered proxy softmax over ``R`` (whatever ``aggregate`` ranks by).
+   The mixture keeps every head's importance weights bounded (``p_j ≥ softmax_R(s_h/T)_j / G``);
+   a softmax of the group's max logit would starve a head whose mass sits where another head's
+   logits are low, which makes that head's estimates heavy-tailed.
+4. **Correction**: every sampled (unique) entry ``j`` gets ``log_weight = −log π_j``, deterministic
+   entries ``0``, so the kernel computes ``Σ_{i∈S} w_i e^{z_i} v_i / Σ_{i∈S} w_i e^{z_i}`` with both
+   sums Horvitz–Thompson estimates of the dense numerator and denominator
+   (``E[1{j∈S}/π_j] = 1``); ``lse`` is the log of the denominator estimate.
+
+Schemes (``scheme``):
+
+- ``"with_replacement"`` (default): ``m`` i.i.d. draws by inverse CDF (``searchsorted`` on the
+  float64 cumulative ``p``); duplicates are merged, so each unique entry appears once, with its exact
+  marginal inclusion probability ``π_j = 1 − (1 − p_j)^m``.
+- ``"gumbel_topk"``: ``m`` distinct entries, the top ``m`` of ``log p_j + G_j`` (``G_j`` i.i.d.
+  Gumbel), i.e. successive sampling without replacement. Its marginal inclusion probabilities are a
+  sum over orderings (intractable for large ``m``), so the weight is the *conditional* inclusion
+  probability given the threshold ``κ`` = the ``(m+1)``-th largest perturbed key:
+  ``π_j(κ) = P(log p_j + G > κ) = 1 − exp(−exp(log p_j − κ))`` (``κ = −∞``, ``π = 1``, when ``R``
+  holds at most ``m`` entries). Conditioning on the other entries' keys shows
+  ``E[1{j∈S}/π_j(κ)] = 1`` (priority sampling, Duffield et al. 2007; Kool et al. 2019), so this
+  Horvitz–Thompson-type estimate is unbiased too. These ``π_j(κ)`` are not marginal frequencies.
+  Its variance is finite only for ``m ≥ 2`` (``E[1/π_j(κ)]`` diverges for one draw), so a row
+  with a single draw uses the exact marginal ``π_j = p_j`` instead; for small ``m`` the tails
+  are heavier than with replacement, which is why with replacement is the default.
+
+Shapes are static: ``K_max = deterministic width (budget + forced) + m``; ``count`` says how many
+entries are real (deterministic first, then the unique sampled ones). Randomness comes from a
+`torch.Generator` per device seeded by ``seed`` (`reseed` restarts the stream); nothing syncs with
+the host. ``sample=0`` is exactly the top-k policy on the same proxy (`Quest` for ``"page"``,
+`AttentionTopK` for ``"exact"``, with the same ``aggregate``), returned without ``log_weight``;
+``budget=0`` is pure sampling (only the forced entries are deterministic).
+
+Budgets: ``budget`` and ``sample`` are tokens (an ``int``; ``ceil(n / page)`` entries for the page
+proxy) or keep ratios of the visible entries (a ``float`` in (0, 1]); ``sample`` counts *draws*
+(with replacement, fewer unique entries may result).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from ..selection import Selection
+from .base import (
+    Aggregate,
+    Budget,
+    KVSelector,
+    KVState,
+    aggregate_groups,
+    check_budget,
+    check_count,
+    choose_topk,
+    exact_scores,
+    forced_pages,
+    forced_tokens,
+    page_bound_scores,
+)
+
+Scheme = Literal["with_replacement", "gumbel_topk"]
+
+
+def _check_zero_or_budget(value: object, name: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return
+    check_budget(value, name)
+
+
+@dataclass
+class SSA(KVSelector):
+    """Stratified sparse attention: top ``budget`` entries by proxy plus ``sample`` corrected draws.
+
+    Args:
+        budget: deterministic stratum, tokens (int >= 0) or keep ratio (float in (0, 1]).
+        sample: draws of the sampled stratum, tokens (int >= 0) or ratio of the visible entries.
+        proxy: ``"page"`` (Quest bound, page selections) or ``"exact"`` (exact scores, tokens).
+        temperature: the sampling distribution is ``softmax(proxy / temperature)`` over the residual.
+        page: cache page size needed by the page proxy.
+        sinks, window: tokens always kept (the pages holding them for the page proxy; the last page
+            is always kept there).
+        aggregate: GQA folding of the group's proxy scores, ``"max"`` or ``"sum"``.
+        scheme: ``"with_replacement"`` (marginal π) or ``"gumbel_topk"`` (conditional π, see module).
+        seed: seed of the per-device generator (``None``: nondeterministic).
+    """
+
+    budget: int | float = 0.1
+    sample: int | float = 0.05
+    proxy: Literal["page", "exact"] = "page"
+    temperature: float = 1.0
+    page: int = 16
+    sinks: int = 4
+    window: int = 16
+    aggregate: Aggregate = "max"
+    scheme: Scheme = "with_replacement"
+    seed: int | None = 0
+    _generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_zero_or_budget(self.budget, "budget")
+        _check_zero_or_budget(self.sample, "sample")
+        if self.proxy not in ("page", "exact"):
+            raise ValueError(f"proxy must be 'page' or 'exact', got {self.proxy!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature}")
+        check_count(self.page, "page", minimum=1)
+        check_count(self.sinks, "sinks")
+        check_count(self.window, "window")
+        if self.aggregate not in ("sum", "max"):
+            raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
+        if self.scheme not in ("with_replacement", "gumbel_topk"):
+            raise ValueError(f"scheme must be 'with_replacement' or 'gumbel_topk', got {self.scheme!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+
+    @property
+    def page_size(self) -> int | None:  # type: ignore[override]
+        return self.page if self.proxy == "page" else None
+
+    # ------------------------------------------------------------------------------- randomness
+    def reseed(self, seed: int | None) -> None:
+        """Restart the random stream (on every device) from ``seed``."""
+        self.seed = seed
+        self._generators.clear()
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The policy's generator on ``device`` (created and seeded on first use)."""
+        key = str(device)
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self.seed)
+            self._generators[key] = gen
+        return gen
+
+    # ------------------------------------------------------------------------------------ units
+    @staticmethod
+    def _widths(value: int | float, unit: int, n_units: int, n_valid: Tensor) -> tuple[int, Tensor]:
+        """Static width and per-row count (``int64[B]``) of ``value`` tokens / ratio in entries."""
+        if isinstance(value, int) and value == 0:
+            return 0, torch.zeros_like(n_valid)
+        b = Budget(value)
+        if b.is_ratio:
+            return b.k_max(n_units), b.count(n_valid)
+        wanted = math.ceil(value / unit)
+        return min(n_units, wanted), torch.full_like(n_valid, wanted)
+
+    # ----------------------------------------------------------------------------------- select
+    def select(self, state: KVState, q: Tensor) -> Selection:
+        cache = state.cache
+        h_kv = state.keys.shape[1]
+        if self.proxy == "page":
+            if state.page_size != self.page:
+                raise ValueError(f"SSA(page={self.page}) needs a cache with page_size={self.page}, got {state.page_size}")
+            valid = state.page_valid()
+            raw = page_bound_scores(state, q)
+            forced = forced_pages(state, self.sinks, self.window)
+            unit, n_units = self.page, cache.num_pages
+            # Sinks and window may each straddle one more page than their length needs (as Quest).
+            n_forced = math.ceil(self.sinks / self.page) + math.ceil(max(self.window, 1) / self.page) + 2
+        else:
+            valid = state.token_valid()
+            raw = exact_scores(state, q)
+            forced = forced_tokens(state, self.sinks, self.window)
+            unit, n_units = 1, cache.capacity
+            n_forced = self.sinks + self.window
+        n_valid = valid.sum(-1)
+        ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
+        k_det, count_det = self._widths(self.budget, unit, n_units, n_valid)
+        k_det = max(k_det, min(n_units, n_forced))
+        det = choose_topk(ranking, forced, k_det, count_det, block=unit)
+        if self.sample == 0:
+            return det
+
+        m, m_row = self._widths(self.sample, unit, n_units, n_valid)
+        m_row = m_row.clamp(max=m)[:, None]  # [B, 1] draws per row
+        # Residual: valid entries outside the deterministic stratum.
+        in_det = _entry_mask(det, n_units)
+        residual = valid[:, None, :] & ~in_det  # [B, H_kv, N]
+        log_p = self._log_probs(raw, residual, h_kv)  # float64 [B, H_kv, N]
+        gen = self.generator(q.device)
+        if self.scheme == "with_replacement":
+            samp_idx, samp_ok, log_pi = _draw_with_replacement(log_p, residual, m, m_row, gen)
+        else:
+            samp_idx, samp_ok, log_pi = _draw_gumbel_topk(log_p, residual, m, m_row, gen)
+        return _merge(det, samp_idx, samp_ok, log_pi, unit)
+
+    def _log_probs(self, raw: Tensor, residual: Tensor, h_kv: int) -> Tensor:
+        """``float64[B, H_kv, N]``: log of the sampling distribution over the residual (``-inf`` off
+        it): the mean over the group's heads of each head's ``softmax(proxy / temperature)``."""
+        b, h, n = raw.shape
+        per_head = raw.double().view(b, h_kv, h // h_kv, n) / float(self.temperature)
+        per_head = torch.where(residual[:, :, None, :], per_head, -torch.inf)
+        log_p = torch.logsumexp(torch.log_softmax(per_head, dim=-1), dim=2) - math.log(h // h_kv)
+        # Rows with an empty residual are all NaN (softmax of nothing).
+        return torch.where(residual, log_p, -torch.inf).nan_to_num(nan=-torch.inf)
+
+
+# ----------------------------------------------------------------------------------- helpers
+def _entry_mask(sel: Selection, n: int) -> Tensor:
+    """``bool[B, H_kv, n]``: entries (not tokens) of ``sel`` within ``count``."""
+    ok = sel.entry_valid()
+    idx = torch.where(ok, sel.indices.long(), n)
+    mask = torch.zeros(*sel.indices.shape[:2], n + 1, dtype=torch.bool, device=sel.indices.device)
+    return mask.scatter_(2, idx, True)[..., :n]
+
+
+def inclusion_with_replacement(log_p: Tensor, m: Tensor | int) -> Tensor:
+    """``log π = log(1 − (1 − p)^m)``, computed as ``log(−expm1(m·log1p(−p)))`` (exact for tiny p)."""
+    p = log_p.exp()
+    return torch.log(-torch.expm1(m * torch.log1p(-p)))
+
+
+def inclusion_gumbel_topk(log_p: Tensor, kappa: Tensor) -> Tensor:
+    """``log π(κ) = log(1 − exp(−exp(log p − κ)))``: conditional inclusion of Gumbel-top-k."""
+    return torch.log(-torch.expm1(-torch.exp(log_p - kappa)))
+
+
+def _draw_with_replacement(
+    log_p: Tensor, residual: Tensor, m: int, m_row: Tensor, gen: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``m`` i.i.d. draws per row by inverse CDF; returns the unique hits at static width ``m``:
+    ``(indices int64[B, H_kv, m], ok bool[...], log π float64[...])``."""
+    b, h_kv, n = log_p.shape
+    p = log_p.exp()
+    cdf = p.cumsum(-1)
+    total = cdf[..., -1:]
+    u = torch.rand(b, h_kv, m, generator=gen, device=p.device, dtype=torch.float64) * total
+    idx = torch.searchsorted(cdf, u, right=True)
+    # Float rounding may put u at or past the last cumulative value: fold onto the last positive entry.
+    last = torch.where(p > 0, torch.arange(n, device=p.device), 0).amax(-1, keepdim=True)
+    idx = torch.minimum(idx, last)
+    slots = torch.arange(m, device=p.device)
+    drawn = (slots < m_row[:, :, None] if m_row.dim() == 2 else slots < m_row) & (total > 0)
+    hit = torch.zeros(b, h_kv, n + 1, dtype=torch.bool, device=p.device)
+    hit = hit.scatter_(2, torch.where(drawn, idx, n), True)[..., :n] & residual
+    # Unique hits at a static width m (a hit ranks 1, the rest 0; at most m hits).
+    _, samp_idx = torch.topk(hit.to(torch.float32), m, dim=-1)
+    samp_ok = torch.arange(m, device=p.device) < hit.sum(-1, keepdim=True)
+    log_pi = inclusion_with_replacement(torch.gather(log_p, 2, samp_idx), m_row[:, :, None].double())
+    return samp_idx, samp_ok, log_pi
+
+
+def _draw_gumbel_topk(
+    log_p: Tensor, residual: Tensor, m: int, m_row: Tensor, gen: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The top ``m_row`` of ``log p + Gumbel`` per row, with the conditional ``log π(κ)``."""
+    b, h_kv, n = log_p.shape
+    u = torch.rand(b, h_kv, n, generator=gen, device=log_p.device, dtype=torch.float64)
+    tiny = torch.finfo(torch.float64).tiny
+    gumbel = -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - 1e-16)))
+    keys = torch.where(residual, log_p + gumbel, -torch.inf)
+    k = min(m + 1, n)
+    top, top_idx = torch.topk(keys, k, dim=-1)
+    if k < m + 1:  # fewer entries than m + 1: the missing keys are -inf
+        pad = m + 1 - k
+        top = torch.cat([top, top.new_full((b, h_kv, pad), -torch.inf)], -1)
+        top_idx = torch.cat([top_idx, top_idx.new_zeros((b, h_kv, pad))], -1)
+    mr = m_row[:, :, None].expand(b, h_kv, 1)
+    kappa = torch.gather(top, 2, mr)  # the (m_row + 1)-th largest key
+    samp_idx = top_idx[..., :m]
+    samp_ok = (torch.arange(m, device=log_p.device) < mr) & (top[..., :m] > -torch.inf)
+    log_p_s = torch.gather(log_p, 2, samp_idx)
+    # One draw is a categorical draw: its marginal π = p is exact and, unlike the conditional π(κ)
+    # (whose estimator has infinite variance for m = 1: E[1/π(κ)] diverges), has finite variance.
+    log_pi = torch.where(mr == 1, log_p_s, inclusion_gumbel_topk(log_p_s, kappa))
+    return samp_idx, samp_ok, log_pi
+
+
+def _merge(det: Selection, samp_idx: Tensor, samp_ok: Tensor, log_pi: Tensor, block: int) -> Selection:
+    """Deterministic entries (weight 0) then unique sampled ones (weight ``−log π``), compacted."""
+    idx = torch.cat([det.indices.long(), samp_idx], -1)
+    ok = torch.cat([det.entry_valid(), samp_ok], -1)
+    lw = torch.cat([torch.zeros_like(det.indices, dtype=torch.float32), (-log_pi).float()], -1)
+    order = torch.sort((~ok).to(torch.uint8), dim=-1, stable=True).indices
+    idx, ok, lw = (torch.gather(t, 2, order) for t in (idx, ok, lw))
+    return Selection(
+        indices=torch.where(ok, idx, 0).int(),
+        count=ok.sum(-1).int(),
+        log_weight=torch.where(ok, lw, 0.0),
+        block=block,
+    )
