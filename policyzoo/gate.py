@@ -226,7 +226,9 @@ class Gate:
             pairs). ``dense`` is required; a setting without a curve is never chosen.
         quality: measured perplexity increase over dense per setting (a dict such as
             ``{"dense": 0.0, "proj": 0.4, "kv": 0.01, "both": 0.5}``, or an eval results file: see
-            `load_quality`, which also takes ``names``).
+            `load_quality`; a `policyzoo eval` results file is matched to the settings through
+            ``kv_spec`` and ``proj_spec``).
+        names: gate setting -> label used by a results file, where its labels are not the settings'.
         max_ppl_increase: the quality budget. Settings whose increase exceeds it, or that have no
             measurement, are never chosen; ``dense`` is always allowed. ``None``: no budget.
         device: the device the curves were measured on (`device_name`).
