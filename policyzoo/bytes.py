@@ -111,7 +111,7 @@ class ByteAccount:
         _check_ratio(r_kv, "r_kv")
         if batch > 1 and r_p < 1 and union_keep is None:
             raise ValueError("union_keep: a batched sparse projection reads the union of the rows' columns; pass it")
-        keep = r_p if union_keep is None else union_keep
+        keep = _projection_keep(r_p, union_keep)
         per_layer = self.proj * keep + batch * self.kv_per_token * n * r_kv
         return (self.layers * per_layer + self.fixed) * self.element_size
 
@@ -134,11 +134,24 @@ class ByteAccount:
         _check_ratio(r_kv, "r_kv")
         if batch > 1 and r_p < 1 and union_keep is None:
             raise ValueError("union_keep: a batched sparse projection reads the union of the rows' columns; pass it")
-        keep = r_p if union_keep is None else union_keep
+        keep = _projection_keep(r_p, union_keep)
         p = self.ffn_proj if ff_only else self.proj
         if r_kv >= 1.0:
             return math.inf
         return (1.0 - keep) * p / ((1.0 - r_kv) * self.kv_per_token * batch)
+
+
+def _projection_keep(r_p: float, union_keep: float | None) -> float:
+    """Fraction of projection weights a step reads: ``r_p`` for one row, the rows' union for a batch.
+
+    The union can only be larger than one row's keep, and a dense projection (``r_p = 1``) stays dense.
+    """
+    if union_keep is None or r_p >= 1.0:
+        return r_p
+    _check_ratio(union_keep, "union_keep")
+    if union_keep < r_p:
+        raise ValueError(f"union_keep ({union_keep}) cannot be below r_p ({r_p}): the union holds every row's columns")
+    return union_keep
 
 
 def _check_ratio(value: float, name: str) -> None:

@@ -73,3 +73,10 @@ def test_bad_ratios_are_rejected(bad):
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(ValueError, match="neither a built-in name"):
         ByteAccount.from_config("gpt-17")
+
+
+def test_union_keep_is_checked_and_never_shrinks_a_dense_projection():
+    a = ByteAccount.from_config("llama-3.1-8b")
+    assert a.step_bytes(4096, r_p=1.0, batch=4, union_keep=0.5) == a.step_bytes(4096, batch=4)
+    with pytest.raises(ValueError, match="union_keep .* cannot be below r_p"):
+        a.step_bytes(4096, r_p=0.5, batch=4, union_keep=0.3)
