@@ -7,7 +7,7 @@
 
 from .cache import PagedKVCache
 from .decoder import Decoder
-from .kv import AttentionTopK, Dense, KVSelector, KVState, Quest, Window
+from .kv import SSA, AttentionTopK, Certified, Dense, EntmaxKV, KVSelector, KVState, Quest, Window
 from .proj import ProjectionSparsifier, Threshold, TopK
 from .selection import Selection
 
@@ -15,13 +15,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionTopK",
+    "Certified",
     "Decoder",
     "Dense",
+    "EntmaxKV",
     "KVSelector",
     "KVState",
     "PagedKVCache",
     "ProjectionSparsifier",
     "Quest",
+    "SSA",
     "Selection",
     "Threshold",
     "TopK",

@@ -1,0 +1,208 @@
+"""Certified dropped mass: an upper bound of the softmax mass a selection drops, from page summaries.
+
+With logits ``z_t = scale·q·k_t``, a selection ``S`` and the Quest page bound ``u_p ≥ z_t`` for every
+token ``t`` of page ``p``, the dropped mass of dense softmax is
+
+    δ = Z_out / (Z_S + Z_out),   Z_S = Σ_{t∈S} e^{z_t},   Z_out = Σ_{t∉S} e^{z_t} ≤ U = Σ_p (n_p − k_p)·e^{u_p}
+
+(``n_p`` visible tokens of page ``p``, ``k_p`` of them selected), and ``x ↦ x / (Z_S + x)`` is
+increasing, so ``δ ≤ U / (Z_S + U)``. ``log Z_S`` is the ``lse`` the attention kernel already returns
+for the selection, and ``u_p``, ``n_p``, ``k_p`` come from the cache summaries and the selection's
+indices: the bound costs no KV read. It is computed in log space (``sigmoid(log U − lse)``; the
+``exp(u_p − m)`` shift of the formula is the logsumexp's), per query head.
+
+The bound needs the *unweighted* normaliser of ``S``: a selection with ``log_weight`` (SSA's
+Horvitz–Thompson weights) gets an lse that estimates the dense one, not ``Z_S``, and is rejected.
+It is a softmax statement; entmax attention has exact zeros and its own support test (`EntmaxKV`).
+
+`grow_until_certified` turns the bound into a guard: over a priority-ordered candidate list of static
+width, it picks the shortest prefix whose bound is at most ``eps`` (every query head of the group).
+Choosing the prefix needs ``Z`` of every prefix, so the guard reads the *keys* (not the values) of the
+candidates once — the one KV read it adds. `Certified` wraps a policy with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from ..selection import Selection
+from .base import KVSelector, KVState, check_budget, page_bound_scores
+
+DEFAULT_SLACK = 1e-5
+
+
+def _page_bounds(state: KVState, q: Tensor, slack: float) -> Tensor:
+    """``float64[B, H, P]`` Quest bounds widened by ``slack·(1 + |u|)`` (float rounding of the kernels)."""
+    u = page_bound_scores(state, q).double()
+    return u + slack * (1.0 + u.abs())
+
+
+def _kept_per_page(state: KVState, sel: Selection) -> Tensor:
+    """``int64[B, H_kv, P]``: visible tokens of each page that ``sel`` selects (index ops only)."""
+    cache = state.cache
+    mask = sel.token_mask(cache.capacity) & state.token_valid()[:, None, :]
+    return mask.view(*mask.shape[:2], cache.num_pages, cache.page_size).sum(-1)
+
+
+def _log_dropped_bound(state: KVState, q: Tensor, sel: Selection, slack: float) -> Tensor:
+    """``float64[B, H]``: ``log U`` over the pages' unselected visible tokens."""
+    b, h, _ = q.shape
+    h_kv = state.keys.shape[1]
+    u = _page_bounds(state, q, slack).view(b, h_kv, h // h_kv, -1)
+    rest = state.cache.page_counts()[:, None, :] - _kept_per_page(state, sel)  # [B, H_kv, P]
+    log_rest = torch.log(rest.clamp(min=0).double())[:, :, None, :]  # log 0 = -inf: nothing dropped
+    return torch.logsumexp(u + log_rest, dim=-1).reshape(b, h)
+
+
+def certified_dropped_mass(
+    state: KVState, q: Tensor, sel: Selection, lse: Tensor, slack: float = DEFAULT_SLACK
+) -> Tensor:
+    """``float32[B, H]`` upper bound ``U / (Z_S + U)`` of the softmax mass ``sel`` drops.
+
+    Args:
+        state: the layer's state (cache summaries and visibility).
+        q: ``[B, H, D]`` the step's queries.
+        sel: any token or page selection without ``log_weight``.
+        lse: ``float32[B, H]`` ``log Z_S``, as returned by `kernels.decode_attention` for ``sel``.
+        slack: relative widening of the page bounds against float rounding (``0`` for the bare formula).
+    """
+    if sel.log_weight is not None:
+        raise ValueError("the certified bound needs the selection's unweighted normaliser: sel has log_weight")
+    log_u = _log_dropped_bound(state, q, sel, slack)
+    bound = torch.sigmoid(log_u - lse.double())  # lse = -inf (nothing kept) gives 1, log U = -inf gives 0
+    return bound.nan_to_num(0.0).float()
+
+
+def grow_until_certified(
+    state: KVState,
+    q: Tensor,
+    ranked: Selection,
+    eps: float,
+    min_count: Tensor | None = None,
+    slack: float = DEFAULT_SLACK,
+) -> tuple[Selection, Tensor]:
+    """The shortest prefix of ``ranked`` whose certified bound is at most ``eps``.
+
+    Args:
+        ranked: candidates in priority order (``count`` = the most that may be kept; static width
+            ``K_max``), unique and visible, without ``log_weight``.
+        eps: target bound on the dropped mass, for every query head of each KV head's group.
+        min_count: ``int[B, H_kv]`` (or ``[B]``) shortest prefix allowed (default 0).
+
+    Returns:
+        ``(selection, bound)``: ``ranked`` with ``count`` cut to the chosen prefix (the whole list
+        when no prefix certifies), and ``bound float32[B, H]`` at that prefix. No host sync.
+
+    Cost: ``Z`` of every prefix comes from one pass over the keys of the ``K_max`` candidates (the
+    values are not read); the page bounds and counts are summaries.
+    """
+    if ranked.log_weight is not None:
+        raise ValueError("grow_until_certified needs a selection without log_weight")
+    if not 0.0 <= float(eps) <= 1.0:
+        raise ValueError(f"eps must be in [0, 1], got {eps}")
+    cache = state.cache
+    b, h, d = q.shape
+    keys = state.keys
+    h_kv, n = keys.shape[1], keys.shape[2]
+    g = h // h_kv
+    k_max, blk = ranked.k_max, ranked.block
+    entry_ok = ranked.entry_valid()  # [B, H_kv, K]
+
+    # log Z of each entry (reads the candidates' keys once), then of each prefix.
+    pos, _ = ranked.token_positions()  # [B, H_kv, K*blk]
+    tok_valid = state.token_valid()
+    in_seq = torch.gather(tok_valid[:, None, :].expand(-1, h_kv, -1), 2, pos.clamp(0, n - 1))
+    ok = entry_ok.repeat_interleave(blk, dim=-1) & in_seq & (pos < n)
+    k_sel = torch.gather(keys, 2, pos.clamp(0, n - 1).unsqueeze(-1).expand(-1, -1, -1, d)).float()
+    logits = torch.einsum("bkgd,bkmd->bkgm", q.float().view(b, h_kv, g, d), k_sel) * state.scale
+    logits = logits.masked_fill(~ok[:, :, None, :], -torch.inf).double()
+    entry_lse = torch.logsumexp(logits.view(b, h_kv, g, k_max, blk), dim=-1)  # [B, H_kv, G, K]
+    neg = torch.full((b, h_kv, g, 1), -torch.inf, dtype=torch.float64, device=q.device)
+    prefix_lse = torch.cat([neg, torch.logcumsumexp(entry_lse, dim=-1)], -1)  # [.., K+1]: k entries
+
+    # log U of each prefix: the candidates after it plus everything outside the candidate list.
+    u = _page_bounds(state, q, slack).view(b, h_kv, g, -1)  # [B, H_kv, G, P]
+    page_of = torch.div(ranked.indices.long() * blk, cache.page_size, rounding_mode="floor")
+    page_of = page_of.clamp(0, cache.num_pages - 1)
+    counts = cache.page_counts()  # [B, P]
+    if blk == cache.page_size:
+        tokens = torch.gather(counts[:, None, :].expand(-1, h_kv, -1), 2, page_of)
+    elif blk == 1:
+        tokens = ok.long()
+    else:
+        raise ValueError(f"selection block {blk} must be 1 or the cache page size {cache.page_size}")
+    tokens = torch.where(entry_ok, tokens, 0)
+    entry_u = torch.gather(u, 3, page_of[:, :, None, :].expand(-1, -1, g, -1))
+    entry_w = entry_u + torch.log(tokens.double())[:, :, None, :]  # [B, H_kv, G, K]
+    suffix = torch.logcumsumexp(entry_w.flip(-1), dim=-1).flip(-1)
+    suffix = torch.cat([suffix, neg], -1)  # [.., K+1]: mass of the entries from k on
+    outside = Selection(ranked.indices, ranked.count, block=blk)
+    rest = counts[:, None, :] - _kept_per_page(state, outside)
+    log_out = torch.logsumexp(u + torch.log(rest.clamp(min=0).double())[:, :, None, :], dim=-1, keepdim=True)
+    log_u = torch.logaddexp(suffix, log_out.expand_as(suffix))
+
+    bound = torch.sigmoid(log_u - prefix_lse).nan_to_num(0.0)  # [B, H_kv, G, K+1]
+    worst = bound.amax(2)  # [B, H_kv, K+1]
+    ks = torch.arange(k_max + 1, device=q.device)
+    lo = torch.zeros_like(ranked.count) if min_count is None else min_count
+    lo = (lo[:, None] if lo.dim() == 1 else lo).long()
+    hi = ranked.count.long()
+    fine = (worst <= eps) & (ks >= lo[..., None]) & (ks <= hi[..., None])
+    first = torch.where(fine, ks, k_max + 1).amin(-1)
+    chosen = torch.where(first <= k_max, first, hi)  # [B, H_kv]
+    at = torch.gather(bound, 3, chosen[:, :, None, None].expand(-1, -1, g, 1)).reshape(b, h)
+    return Selection(ranked.indices, chosen.int(), block=blk), at.float()
+
+
+@dataclass
+class Certified(KVSelector):
+    """Grow a policy's selection until the certified dropped-mass bound is under ``eps``.
+
+    ``policy`` must produce priority-ordered selections without ``log_weight`` and have a
+    ``budget`` field (`Quest`, `AttentionTopK`, `EntmaxKV`): its own budget is the minimum, the same
+    policy at ``max_budget`` gives the candidates (static width), and the kept count is the
+    shortest prefix that certifies (or all candidates). The bound of each step is left in
+    ``state.store["certified_bound"]`` (``float32[B, H]``, no host sync).
+    """
+
+    policy: KVSelector
+    eps: float = 0.05
+    max_budget: int | float = 0.5
+    slack: float = DEFAULT_SLACK
+
+    def __post_init__(self) -> None:
+        if not hasattr(self.policy, "budget"):
+            raise TypeError(f"{type(self.policy).__name__} has no budget to grow")
+        check_budget(self.max_budget, "max_budget")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps <= 1.0:
+            raise ValueError(f"eps must be a number in [0, 1], got {self.eps!r}")
+        if not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
+            raise ValueError(f"slack must be a finite number >= 0, got {self.slack!r}")
+        self._wide = replace(self.policy, budget=self.max_budget)
+
+    @property
+    def page_size(self) -> int | None:  # type: ignore[override]
+        return getattr(self.policy, "page_size", None)
+
+    @property
+    def attention(self) -> str:
+        return getattr(self.policy, "attention", "softmax")
+
+    def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
+        self.policy.prefill(state, q, k, v)
+
+    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
+        self.policy.append(state, k, v)
+
+    def select(self, state: KVState, q: Tensor) -> Selection:
+        base = self.policy.select(state, q)
+        wide = self._wide.select(state, q)
+        if wide.log_weight is not None or base.log_weight is not None:
+            raise ValueError("Certified needs a policy whose selections have no log_weight")
+        sel, bound = grow_until_certified(state, q, wide, self.eps, min_count=base.count, slack=self.slack)
+        state.store["certified_bound"] = bound
+        return sel

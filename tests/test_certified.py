@@ -1,0 +1,171 @@
+"""Tests of the certified dropped-mass bound (`policyzoo.kv.certified`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policyzoo.eval.metrics import dropped_mass
+from policyzoo.kernels import reference
+from policyzoo.kv import (
+    SSA,
+    AttentionTopK,
+    Certified,
+    Dense,
+    EntmaxKV,
+    Quest,
+    Window,
+    certified_dropped_mass,
+    grow_until_certified,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+def true_delta(case, sel) -> torch.Tensor:
+    c = case.cache
+    p = reference.dense_probs(case.q, c.keys[0], c.start, c.length, case.scale)
+    return dropped_mass(p, sel, c.token_valid())
+
+
+@st.composite
+def any_selection_policy(draw, page: int):
+    kind = draw(st.sampled_from(["quest", "topk", "entmax", "window", "ssa0"]))
+    budget = draw(st.integers(1, 60)) if draw(st.booleans()) else draw(st.floats(1e-3, 1.0))
+    sinks, window = draw(st.integers(0, 6)), draw(st.integers(0, 12))
+    if kind == "quest":
+        return Quest(budget=budget, page=page, sinks=sinks, window=window)
+    if kind == "topk":
+        budget = max(budget, sinks + window) if isinstance(budget, int) else budget
+        return AttentionTopK(budget=budget, sinks=sinks, window=window, aggregate=draw(st.sampled_from(["sum", "max"])))
+    if kind == "entmax":
+        return EntmaxKV(budget=budget, page=page, sinks=sinks, window=window, mode=draw(st.sampled_from(["gaussian", "topk"])))
+    if kind == "window":
+        return Window(sinks=sinks, window=max(window, 1))
+    return SSA(budget=budget, sample=0, proxy=draw(st.sampled_from(["page", "exact"])), page=page, sinks=sinks, window=window)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_bound_holds_for_every_selection(data, cases, contract):
+    """``δ ≤ U/(Z_S + U)`` per query head, for page and token selections of every policy."""
+    case = data.draw(cases(dtypes=(torch.float32, torch.bfloat16)))
+    policy = data.draw(any_selection_policy(case.page))
+    state = case.state()
+    sel = policy.select(state, case.q)
+    _, lse = contract.attend(case, sel)
+    bound = certified_dropped_mass(state, case.q, sel, lse)
+    delta = true_delta(case, sel)
+    assert bound.shape == delta.shape == (case.b, case.h) and bound.dtype == torch.float32
+    assert bool(((bound >= 0) & (bound <= 1)).all())
+    assert bool((bound >= delta - 1e-6).all()), f"bound {bound} < delta {delta}"
+
+
+@SETTINGS
+@given(data=st.data())
+def test_bound_of_dense_is_zero(data, cases, contract):
+    case = data.draw(cases())
+    sel = Dense().select(case.state(), case.q)
+    _, lse = contract.attend(case, sel)
+    assert bool((certified_dropped_mass(case.state(), case.q, sel, lse) == 0).all())
+
+
+def test_bound_is_tight_for_constant_pages(make_case, contract):
+    """When every key of a page is equal the page bound is the score, and the bound is δ."""
+    case = make_case(b=1, h_kv=1, g=2, d=8, page=4, prompt=16, steps=0, starts=[0], seed=4)
+    c = case.cache
+    keys = torch.randn(1, 1, 4, 1, 8, generator=torch.Generator().manual_seed(0)).expand(1, 1, 4, 4, 8).reshape(1, 1, 16, 8)
+    c.reset(torch.tensor([0]), 16)
+    c.write_prefill(0, keys.contiguous(), keys.contiguous())
+    sel = Quest(budget=8, page=4, sinks=0, window=0).select(case.state(), case.q)
+    _, lse = contract.attend(case, sel)
+    bound = certified_dropped_mass(case.state(), case.q, sel, lse, slack=0.0)
+    torch.testing.assert_close(bound, true_delta(case, sel), rtol=1e-4, atol=1e-6)
+
+
+def test_empty_selection_bounds_one(make_case, contract):
+    case = make_case(b=1, h_kv=1, g=1, d=8, page=4, prompt=8, steps=0, starts=[0], seed=0)
+    sel = Quest(budget=4, page=4).select(case.state(), case.q)
+    sel.count.zero_()
+    _, lse = contract.attend(case, sel)
+    assert bool((certified_dropped_mass(case.state(), case.q, sel, lse) == 1).all())
+
+
+def test_weighted_selection_is_rejected(make_case, contract):
+    case = make_case(b=1, h_kv=1, g=1, d=8, page=4, prompt=24, steps=0, starts=[0], seed=0)
+    sel = SSA(budget=4, sample=8, page=4, sinks=0, window=0).select(case.state(), case.q)
+    _, lse = contract.attend(case, sel)
+    with pytest.raises(ValueError, match="log_weight"):
+        certified_dropped_mass(case.state(), case.q, sel, lse)
+
+
+# -------------------------------------------------------------------------------------- guard
+@SETTINGS
+@given(
+    data=st.data(),
+    eps=st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0]),
+    tokens=st.booleans(),
+    sinks=st.integers(0, 4),
+    window=st.integers(0, 8),
+)
+def test_grow_until_certified(data, cases, contract, eps, tokens, sinks, window):
+    """The shortest certified prefix: its bound is ≤ eps (or it is the whole candidate list), it
+    equals the bound computed from the kernel's lse, it is ≥ the true δ, and one entry less (above
+    the minimum) would not certify."""
+    case = data.draw(cases(max_prompt=40))
+    state = case.state()
+    if tokens:
+        wide = AttentionTopK(budget=1.0, sinks=sinks, window=window).select(state, case.q)
+        low = AttentionTopK(budget=0.2, sinks=sinks, window=window).select(state, case.q).count
+    else:
+        wide = Quest(budget=1.0, page=case.page, sinks=sinks, window=window).select(state, case.q)
+        low = Quest(budget=0.2, page=case.page, sinks=sinks, window=window).select(state, case.q).count
+    sel, bound = grow_until_certified(state, case.q, wide, eps, min_count=low)
+    assert torch.equal(sel.indices, wide.indices) and sel.block == wide.block
+    assert bool((sel.count >= torch.minimum(low, wide.count)).all()) and bool((sel.count <= wide.count).all())
+    _, lse = contract.attend(case, sel)
+    direct = certified_dropped_mass(state, case.q, sel, lse)
+    torch.testing.assert_close(bound, direct, rtol=1e-4, atol=1e-6)
+    assert bool((bound >= true_delta(case, sel) - 1e-6).all())
+    worst = bound.view(case.b, case.h_kv, case.g).amax(-1)
+    assert bool(((worst <= eps + 1e-6) | (sel.count == wide.count)).all())
+    # Minimality: cutting one more entry (when allowed) breaks the certificate.
+    shorter = type(sel)(sel.indices, (sel.count - 1).clamp(min=0), block=sel.block)
+    _, lse_s = contract.attend(case, shorter)
+    b_s = certified_dropped_mass(state, case.q, shorter, lse_s).view(case.b, case.h_kv, case.g).amax(-1)
+    cut = sel.count > low
+    assert bool((b_s[cut] > eps - 1e-5).all())
+
+
+def test_full_candidates_certify_zero(make_case):
+    case = make_case(b=2, h_kv=2, g=2, d=8, page=4, prompt=20, steps=1, starts=[0, 6], seed=1, extra=2)
+    wide = Dense().select(case.state(), case.q)
+    sel, bound = grow_until_certified(case.state(), case.q, wide, 0.0)
+    assert torch.equal(sel.count, wide.count) and bool((bound == 0).all())
+
+
+@SETTINGS
+@given(data=st.data(), eps=st.sampled_from([0.01, 0.2, 0.6]))
+def test_certified_policy(data, cases, contract, eps):
+    case = data.draw(cases(max_prompt=40))
+    base = Quest(budget=0.25, page=case.page, sinks=2, window=4)
+    policy = Certified(base, eps=eps, max_budget=0.75)
+    assert policy.page_size == case.page and policy.attention == "softmax"
+    state = case.state()
+    sel = policy.select(state, case.q)
+    contract.check_entries(sel, case, 2, 4, pages=True)
+    assert bool((sel.count >= base.select(state, case.q).count).all())
+    bound = state.store["certified_bound"]
+    assert bool((bound >= true_delta(case, sel) - 1e-6).all())
+
+
+def test_certified_rejects_bad_args():
+    with pytest.raises(TypeError, match="budget"):
+        Certified(Window(), eps=0.1)
+    with pytest.raises(ValueError, match="eps"):
+        Certified(Quest(), eps=1.5)
+    with pytest.raises(ValueError, match="max_budget"):
+        Certified(Quest(), max_budget=2.0)
+    assert Certified(EntmaxKV(attention="entmax")).attention == "entmax"

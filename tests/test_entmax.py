@@ -1,0 +1,220 @@
+"""Tests of `policyzoo.kv.EntmaxKV` (support-aware page selection; entmax and softmax modes).
+
+The oracle of α-entmax attention is the ``entmax`` package's ``entmax15``, applied to the dense
+logits of the visible tokens in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from entmax import entmax15
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policyzoo.kernels import reference
+from policyzoo.kv import Dense, EntmaxKV, Quest
+from policyzoo.kv.entmax import censored_relu_sq, gaussian_entmax_threshold, gaussian_relu_sq
+
+SETTINGS = settings(max_examples=30, deadline=None)
+
+
+@st.composite
+def entmax_args(draw, modes=("gaussian", "topk"), attentions=("softmax", "entmax")):
+    budget = draw(st.integers(1, 80)) if draw(st.booleans()) else draw(st.floats(1e-3, 1.0))
+    return dict(
+        budget=budget,
+        mode=draw(st.sampled_from(modes)),
+        attention=draw(st.sampled_from(attentions)),
+        sinks=draw(st.integers(0, 8)),
+        window=draw(st.integers(0, 20)),
+        z=draw(st.sampled_from([0.0, 1.0, 3.0])),
+    )
+
+
+def dense_entmax(case) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p float64[B, H, N], o float64[B, H, D])``: full 1.5-entmax attention by the package."""
+    c = case.cache
+    qg = case.q.double().view(case.b, case.h_kv, case.g, case.d)
+    logits = torch.einsum("bkgd,bknd->bkgn", qg, c.keys[0].double()) * case.scale
+    logits = logits.masked_fill(~case.token_valid()[:, None, None, :], -torch.inf)
+    p = entmax15(logits, dim=-1)
+    o = torch.einsum("bkgn,bknd->bkgd", p, c.values[0].double())
+    return p.reshape(case.b, case.h, -1), o.reshape(case.b, case.h, -1)
+
+
+def sparse_entmax(case, sel) -> torch.Tensor:
+    c = case.cache
+    out, _ = reference.decode_attention_entmax15(case.q, c.keys[0], c.values[0], sel, c.start, c.length, case.scale)
+    return out.double()
+
+
+def max_value_norm(case) -> torch.Tensor:
+    c = case.cache
+    tv = case.token_valid()
+    vnorm = c.values[0].double().norm(dim=-1).masked_fill(~tv[:, None, :], 0.0).amax(-1)
+    return vnorm.repeat_interleave(case.g, dim=1)  # [B, H]
+
+
+# ------------------------------------------------------------------------------------ contract
+@SETTINGS
+@given(data=st.data(), args=entmax_args())
+def test_entmaxkv_contract(data, cases, contract, args):
+    case = data.draw(cases(page_sizes=(1, 4, 16)))
+    policy = EntmaxKV(page=case.page, **args)
+    assert policy.page_size == case.page and policy.attention == args["attention"]
+    sel = policy.select(case.state(), case.q)
+    assert sel.block == case.page and sel.log_weight is None
+    contract.check_entries(sel, case, policy.sinks, policy.window, pages=True)
+    if policy.mode == "topk":
+        contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window, pages=True)
+    else:  # the budget is a cap
+        for r in range(case.b):
+            n_valid = len(case.visible_pages(r))
+            want = math.ceil(policy.budget * n_valid - 1e-9) if isinstance(policy.budget, float) else -(-policy.budget // case.page)
+            n_forced = len(case.forced_pages(r, policy.sinks, policy.window))
+            assert bool((sel.count[r] <= max(want, n_forced)).all())
+    if policy.attention == "softmax":
+        contract.check_error_bound(sel, case)  # ‖o − ô‖ ≤ 2δ·max‖v‖
+
+
+@SETTINGS
+@given(data=st.data(), args=entmax_args(modes=("topk",)))
+def test_topk_mode_is_quest(data, cases, args):
+    case = data.draw(cases())
+    sel = EntmaxKV(page=case.page, **args).select(case.state(), case.q)
+    kw = {k: args[k] for k in ("budget", "sinks", "window")}
+    quest = Quest(page=case.page, aggregate="max", **kw).select(case.state(), case.q)
+    assert torch.equal(sel.indices, quest.indices) and torch.equal(sel.count, quest.count)
+
+
+# ------------------------------------------------------------------------------- entmax oracle
+@SETTINGS
+@given(data=st.data(), args=entmax_args(attentions=("entmax",)))
+def test_entmax_exact_on_support_and_bounded_otherwise(data, cases, args):
+    """Exact when the selected tokens contain the entmax support; else ``‖o − ô‖ ≤ 2δ·max‖v‖``
+    with ``δ`` the dense entmax mass outside the selection."""
+    case = data.draw(cases())
+    sel = EntmaxKV(page=case.page, **args).select(case.state(), case.q)
+    p, o = dense_entmax(case)
+    o_hat = sparse_entmax(case, sel)
+    keep = sel.token_mask(case.cache.capacity).repeat_interleave(case.g, dim=1)  # [B, H, N]
+    delta = (p * ~keep).sum(-1)  # dense entmax mass dropped
+    err = (o - o_hat).norm(dim=-1)
+    assert bool((err <= 2 * delta * max_value_norm(case) + 1e-4).all())
+    covered = ((p > 0) & ~keep).sum(-1) == 0  # support inside the selection
+    torch.testing.assert_close(o_hat[covered], o[covered], rtol=1e-4, atol=1e-4)
+
+
+@SETTINGS
+@given(data=st.data(), sinks=st.integers(0, 4), window=st.integers(0, 6))
+def test_gaussian_on_one_token_pages_recovers_the_support(data, cases, sinks, window):
+    """On 1-token pages the Gaussian model is exact (σ = 0, μ = z), so with an uncapped budget the
+    selection is the forced pages plus exactly the entmax support, and entmax attention is exact."""
+    case = data.draw(cases(page_sizes=(1,)))
+    policy = EntmaxKV(budget=1.0, attention="entmax", page=1, sinks=sinks, window=window)
+    sel = policy.select(case.state(), case.q)
+    p, o = dense_entmax(case)
+    p = p.view(case.b, case.h_kv, case.g, -1)
+    for r in range(case.b):
+        forced = case.forced_pages(r, sinks, window)
+        for hk in range(case.h_kv):
+            got = set(sel.indices[r, hk, : int(sel.count[r, hk])].tolist())
+            support = set(torch.nonzero(p[r, hk].amax(0) > 1e-9).flatten().tolist())
+            assert support <= got
+            # Nothing outside the support but the forced entries (and entries on the support's edge).
+            for t in got - forced - support:
+                assert float(p[r, hk, :, t].max()) <= 1e-6
+    torch.testing.assert_close(sparse_entmax(case, sel), o, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_entmax_matches_the_package(make_case):
+    """The kernel reference over a dense selection is the package's entmax15 (the oracle mapping)."""
+    case = make_case(b=2, h_kv=2, g=3, d=16, page=4, prompt=30, steps=3, starts=[0, 5], seed=3, sharp=3.0)
+    _, o = dense_entmax(case)
+    torch.testing.assert_close(sparse_entmax(case, Dense().select(case.state(), case.q)), o, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- threshold model
+@settings(max_examples=50, deadline=None)
+@given(x=st.lists(st.floats(-5, 5), min_size=1, max_size=30), reps=st.integers(1, 4))
+def test_threshold_of_point_masses_is_exact(x, reps):
+    """With σ = 0 and integer weights the pooled threshold is the exact entmax threshold."""
+    m = torch.tensor(x, dtype=torch.float64)
+    tau = gaussian_entmax_threshold(m, torch.zeros_like(m), torch.full_like(m, reps))
+    exact = reference.entmax15_threshold(m.repeat(reps))
+    assert abs(float(tau) - float(exact)) <= 1e-8
+
+
+def test_gaussian_relu_sq_is_the_expectation():
+    gen = torch.Generator().manual_seed(0)
+    for c, s in [(0.3, 1.0), (-1.0, 0.5), (2.0, 0.1), (0.0, 2.0)]:
+        x = c + s * torch.randn(400_000, generator=gen, dtype=torch.float64)
+        mc = x.clamp(min=0).pow(2).mean()
+        got = gaussian_relu_sq(torch.tensor(c, dtype=torch.float64), torch.tensor(s, dtype=torch.float64))
+        assert abs(float(got) - float(mc)) <= 0.02 * (1 + float(mc))
+    assert float(gaussian_relu_sq(torch.tensor(1.5), torch.tensor(0.0))) == pytest.approx(2.25)
+    assert float(gaussian_relu_sq(torch.tensor(-1.5), torch.tensor(0.0))) == 0.0
+
+
+def test_censored_expectation_is_the_expectation():
+    gen = torch.Generator().manual_seed(1)
+    for m, sd, cap, tau in [(0.0, 1.0, 0.5, -0.5), (1.0, 2.0, 1.5, 1.0), (-1.0, 0.5, 3.0, -2.0), (0.0, 1.0, 0.5, 0.7)]:
+        x = (m + sd * torch.randn(400_000, generator=gen, dtype=torch.float64)).clamp(max=cap)
+        mc = (x - tau).clamp(min=0).pow(2).mean()
+        t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+        got = censored_relu_sq(t(m), t(sd), t(cap), t(tau))
+        assert abs(float(got) - float(mc)) <= 0.02 * (1 + float(mc))
+
+
+def test_threshold_of_empty_pool_is_minus_inf():
+    m = torch.full((2, 3), -torch.inf)
+    tau = gaussian_entmax_threshold(m, torch.zeros(2, 3), torch.zeros(2, 3))
+    assert bool((tau == -torch.inf).all())
+
+
+def test_budget_adapts_to_the_score_distribution(make_case):
+    """A peaked query keeps fewer pages than a flat one under the same cap."""
+    case = make_case(b=1, h_kv=1, g=1, d=16, page=4, prompt=64, steps=0, starts=[0], seed=1)
+    c = case.cache
+    q = torch.zeros(1, 1, 16)
+    q[0, 0, 0] = 1.0
+    keys = torch.randn(1, 1, 64, 16, generator=torch.Generator().manual_seed(2)) * 0.1
+    keys[0, 0, 21, 0] = 40.0  # one needle, far above everything: the support is that token
+    c.reset(torch.tensor([0]), 64)
+    c.write_prefill(0, keys, keys)
+    policy = EntmaxKV(budget=1.0, attention="entmax", page=4, sinks=0, window=0)
+    state = case.state()
+    peaked = policy.select(state, q * 4.0)
+    flat = policy.select(state, q * 0.01)
+    assert int(peaked.count) == 2 and set(peaked.indices[0, 0, :2].tolist()) == {5, 15}  # needle + last
+    assert int(flat.count) == c.num_pages
+    assert float(reference.decode_attention_entmax15(q * 4.0, c.keys[0], c.values[0], peaked, c.start, c.length, state.scale)[0][0, 0, 0]) == pytest.approx(40.0, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        (dict(budget=0), ValueError, "budget"),
+        (dict(budget=2.0), ValueError, "budget"),
+        (dict(alpha=2.0), ValueError, "alpha"),
+        (dict(mode="support"), ValueError, "mode"),
+        (dict(attention="sparsemax"), ValueError, "attention"),
+        (dict(page=0), ValueError, "page"),
+        (dict(sinks=-1), ValueError, "sinks"),
+        (dict(window=0.5), TypeError, "window"),
+        (dict(z=float("nan")), ValueError, "z"),
+        (dict(iters=0), ValueError, "iters"),
+    ],
+)
+def test_entmaxkv_rejects_bad_args(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        EntmaxKV(**kwargs)
+
+
+def test_entmaxkv_needs_matching_cache(make_case):
+    case = make_case(b=1, h_kv=1, g=1, d=8, page=4, prompt=8, steps=0, starts=[0], seed=0)
+    with pytest.raises(ValueError, match="page_size"):
+        EntmaxKV(page=8).select(case.state(), case.q)
