@@ -538,7 +538,8 @@ def format_markdown(results: dict[str, Any], title: str = "") -> str:
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    """``accuracy.png`` (accuracy of each retrieval task and Δppl vs length, a line per setting)
+    """``accuracy.png`` (accuracy of each retrieval task and the relative perplexity increase vs
+    length, a line per setting)
     and ``delta_per_layer.png`` (mean δ per layer, a line per setting, one panel per length)."""
     import matplotlib
 
@@ -551,34 +552,44 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     projs = list(dict.fromkeys(s["proj"] for s in results["settings"]))
     cmap = plt.get_cmap("tab10")
     style = {
-        s["label"]: dict(color=cmap(kvs.index(s["kv"]) % 10), linestyle=["-", "--", ":", "-."][projs.index(s["proj"]) % 4], marker="o")
+        s["label"]: dict(
+            color=cmap(kvs.index(s["kv"]) % 10),
+            linestyle=["-", "--", ":", "-."][projs.index(s["proj"]) % 4],
+            marker=["o", "s", "^", "x"][projs.index(s["proj"]) % 4],
+            markerfacecolor="none" if projs.index(s["proj"]) else None,
+        )
         for s in results["settings"]
     }
+    # a small horizontal offset per setting keeps equal accuracies from hiding each other
+    offset = {label: 0.02 * (i - (len(labels) - 1) / 2) for i, label in enumerate(labels)}
     written = []
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     panels = [(t, "accuracy") for t in tasks if any(r["task"] == t and r["accuracy"] is not None for r in rows)]
-    panels += [(t, "ppl_increase") for t in tasks if any(r["task"] == t and r.get("ppl") is not None for r in rows)]
+    panels += [(t, "ppl_increase_rel") for t in tasks if any(r["task"] == t and r.get("ppl") is not None for r in rows)]
     if panels:
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.8, 4.2), squeeze=False)
         for ax, (task, metric) in zip(axes[0], panels):
+            scale = 100.0 if metric == "ppl_increase_rel" else 1.0
             for label in labels:
                 pts = sorted((r["length"], r[metric]) for r in rows if r["setting"] == label and r["task"] == task)
                 if pts:
-                    ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], label=label, **style[label])
+                    xs = [p[0] / 1024 + offset[label] for p in pts]
+                    ax.plot(xs, [scale * p[1] for p in pts], label=label, **style[label])
+            ax.set_xticks(sorted({r["length"] / 1024 for r in rows}))
             ax.set_xlabel("length (K tokens)")
-            ax.set_ylabel("accuracy" if metric == "accuracy" else "perplexity increase (policy − dense)")
+            ax.set_ylabel("accuracy" if metric == "accuracy" else "perplexity increase over dense (%)")
             ax.set_title(task)
             if metric == "accuracy":
                 ax.set_ylim(-0.05, 1.05)
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="best")
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         fig.tight_layout()
         path = out / "accuracy.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     lengths = sorted({r["length"] for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths) + 2.8, 4.2), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         for label in labels:
             curves = [r["delta_per_layer"] for r in rows if r["setting"] == label and r["length"] == length and r["delta_per_layer"]]
@@ -588,7 +599,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_title(f"mean dropped mass δ per layer, {length_label(length)}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("δ (mean over steps, heads, tasks)")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     path = out / "delta_per_layer.png"
     fig.savefig(path, dpi=110)
