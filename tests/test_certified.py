@@ -161,6 +161,18 @@ def test_certified_policy(data, cases, contract, eps):
     assert bool((bound >= true_delta(case, sel) - 1e-6).all())
 
 
+def test_certified_bound_is_written_in_place(make_case):
+    """After prefill the per-step bound lives in one tensor (a compiled step must not see the store
+    change)."""
+    case = make_case(b=2, h_kv=1, g=2, d=8, page=4, prompt=24, steps=1, starts=[0, 2], seed=3)
+    policy = Certified(Quest(budget=8, page=4), eps=0.1)
+    state = case.state()
+    policy.prefill(state, case.q[:, :, None], None, None)
+    kept = state.store["certified_bound"]
+    policy.select(state, case.q)
+    assert state.store["certified_bound"] is kept and bool((kept > 0).any())
+
+
 def test_certified_rejects_bad_args():
     with pytest.raises(TypeError, match="budget"):
         Certified(Window(), eps=0.1)

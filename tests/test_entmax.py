@@ -148,6 +148,21 @@ def test_threshold_of_point_masses_is_exact(x, reps):
     assert abs(float(tau) - float(exact)) <= 1e-8
 
 
+@settings(max_examples=30, deadline=None)
+@given(pages=st.integers(1, 300), spread=st.sampled_from([0.1, 1.0, 10.0, 30.0]), seed=st.integers(0, 1000))
+def test_threshold_solves_the_pooled_equation(pages, spread, seed):
+    """``Σ_p n_p·E[(min(x_p, cap_p) − τ̂)_+²] = 1`` at the returned ``τ̂`` (Gaussian pools with caps)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(4, pages, generator=gen, dtype=torch.float64) * spread
+    s = torch.rand(4, pages, generator=gen, dtype=torch.float64) * spread * 0.5
+    cap = m + torch.rand(4, pages, generator=gen, dtype=torch.float64) * spread
+    n = torch.randint(1, 17, (4, pages), generator=gen).double()
+    tau = gaussian_entmax_threshold(m, s, n, cap)
+    mass = (n * censored_relu_sq(m, s, cap, tau)).sum(-1)
+    torch.testing.assert_close(mass, torch.ones_like(mass), rtol=1e-6, atol=1e-6)
+    assert bool((tau < cap.amax(-1, keepdim=True)).all())
+
+
 def test_gaussian_relu_sq_is_the_expectation():
     gen = torch.Generator().manual_seed(0)
     for c, s in [(0.3, 1.0), (-1.0, 0.5), (2.0, 0.1), (0.0, 2.0)]:

@@ -166,7 +166,8 @@ class Certified(KVSelector):
     ``budget`` field (`Quest`, `AttentionTopK`, `EntmaxKV`): its own budget is the minimum, the same
     policy at ``max_budget`` gives the candidates (static width), and the kept count is the
     shortest prefix that certifies (or all candidates). The bound of each step is left in
-    ``state.store["certified_bound"]`` (``float32[B, H]``, no host sync).
+    ``state.store["certified_bound"]`` (``float32[B, H]``, allocated at prefill and written in place;
+    no host sync).
     """
 
     policy: KVSelector
@@ -194,6 +195,12 @@ class Certified(KVSelector):
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         self.policy.prefill(state, q, k, v)
+        # Allocated here (eager) and written in place by `select`, so a compiled decode step sees
+        # the same store every step (no recompilation) and a CUDA graph may update it.
+        bound = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+        if bound.device.type == "cuda":
+            torch._dynamo.mark_static_address(bound)
+        state.store["certified_bound"] = bound
 
     def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
         self.policy.append(state, k, v)
@@ -204,5 +211,9 @@ class Certified(KVSelector):
         if wide.log_weight is not None or base.log_weight is not None:
             raise ValueError("Certified needs a policy whose selections have no log_weight")
         sel, bound = grow_until_certified(state, q, wide, self.eps, min_count=base.count, slack=self.slack)
-        state.store["certified_bound"] = bound
+        kept = state.store.get("certified_bound")
+        if kept is not None and kept.shape == bound.shape:
+            kept.copy_(bound)
+        else:
+            state.store["certified_bound"] = bound
         return sel

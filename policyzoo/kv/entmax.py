@@ -12,12 +12,13 @@ summaries only (no key is read):
 
 ``mode="gaussian"``: pool the pages into a score distribution (page ``p`` weighs its ``n_p`` visible
 tokens, ``x = z/2 ~ N(m_p = μ_p/2, s_p² = σ_p²/4)`` censored at the hard bound ``b_p = u_p/2``) and
-solve the entmax normaliser of the pool, ``Σ_p n_p·E[(min(x, b_p) − τ̂)_+²] = 1``, with
-``E[(x − τ)_+²] = (c² + s²)·Φ(c/s) + c·s·φ(c/s)`` (``c = m − τ``) and the censoring correction
-``− E[(x − b)_+²] − 2(b − τ)·E[(x − b)_+]`` for ``τ < b`` (0 for ``τ ≥ b``), by bisection
-(`gaussian_entmax_threshold`). Censoring keeps Gaussian tails from claiming scores no key of the
-page can reach, and makes ``τ̂ < max_p b_p``, so the page of the largest bound is always a candidate. Page ``p`` is a candidate when its upper quantile can clear the threshold:
-``min(μ_p/2 + z·σ_p/2, u_p/2) > τ̂`` (``z`` standard deviations, capped by the hard Quest bound).
+solve the entmax normaliser of the pool, ``Σ_p n_p·E[(min(x, b_p) − τ̂)_+²] = 1`` (safeguarded
+Newton, `gaussian_entmax_threshold`), with ``E[(x − τ)_+²] = (c² + s²)·Φ(c/s) + c·s·φ(c/s)``
+(``c = m − τ``) and the censoring correction ``− E[(x − b)_+²] − 2(b − τ)·E[(x − b)_+]`` for
+``τ < b`` (0 for ``τ ≥ b``). Censoring keeps Gaussian tails from claiming scores no key of the
+page can reach (and keeps ``τ̂ < max_p b_p``). Page ``p`` is a candidate when its upper quantile
+can clear the threshold: ``min(μ_p/2 + z·σ_p/2, u_p/2) > τ̂`` (``z`` standard deviations of the
+page's score model, capped by the hard Quest bound).
 Per KV head, a page is a candidate if it is one for any query head of the group (the margins
 ``min(...) − τ̂_h`` are folded by their max), candidates are ranked by that margin, and at most
 ``budget`` pages are kept (the budget is a cap: the count adapts to the score distribution), plus the
@@ -76,22 +77,40 @@ def censored_relu_sq(m: Tensor, s: Tensor, cap: Tensor, tau: Tensor) -> Tensor:
 
     For ``τ < cap`` it is ``E[(X−τ)_+²] − E[(X−cap)_+²] − 2(cap−τ)·E[(X−cap)_+]``, else 0.
     """
-    full = gaussian_relu_sq(m - tau, s)
+    return _censored_moments(m, s, cap, tau)[0]
+
+
+def _censored_moments(m: Tensor, s: Tensor, cap: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+    """``(E[(min(X, cap) − τ)_+²], E[(min(X, cap) − τ)_+])`` for ``X ~ N(m, s²)``."""
     finite = torch.isfinite(cap)
     b = torch.where(finite, cap, m)  # an infinite cap censors nothing (and must not make NaNs)
-    over = gaussian_relu_sq(m - b, s) + 2 * (b - tau) * gaussian_relu(m - b, s)
-    over = torch.where(finite, over, 0.0)
-    return torch.where(tau < cap, (full - over).clamp(min=0), 0.0)
+    sq = gaussian_relu_sq(m - tau, s)
+    lin = gaussian_relu(m - tau, s)
+    lin_b = torch.where(finite, gaussian_relu(m - b, s), 0.0)
+    over_sq = torch.where(finite, gaussian_relu_sq(m - b, s) + 2 * (b - tau) * lin_b, 0.0)
+    below = tau < cap
+    return (
+        torch.where(below, (sq - over_sq).clamp(min=0), 0.0),
+        torch.where(below, (lin - lin_b).clamp(min=0), 0.0),
+    )
 
 
-def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 40) -> Tensor:
-    """Solve ``Σ_p n_p·E[(min(x_p, cap_p) − τ)_+²] = 1`` for ``x_p ~ N(m_p, s_p²)`` along the last dim.
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12) -> Tensor:
+    """Solve ``f(τ) = Σ_p n_p·E[(min(x_p, cap_p) − τ)_+²] − 1 = 0`` for ``x_p ~ N(m_p, s_p²)`` along
+    the last dim.
 
     ``m, s [..., P]`` (``m = -inf`` or ``n = 0`` for pages not in the pool), ``n [..., P]`` token
     counts, ``cap [..., P]`` hard upper bounds of the scores (``None``: no bound) → ``τ̂ [..., 1]``
-    (``-inf`` for an empty pool). Bisection in float64, ``iters`` halvings of the bracket
-    ``[max_p min(m_p, cap_p) − 1, max_p min(m_p + 8·s_p, cap_p)]`` (the left end holds at least one
-    unit of mass by Jensen's inequality). With caps, ``τ̂ < max_p cap_p``.
+    (``-inf`` for an empty pool). With caps, ``τ̂ < max_p cap_p``.
+
+    ``f`` is convex and decreasing, ``f' = −2·Σ_p n_p·E[(min(x_p, cap_p) − τ)_+]``, so Newton's
+    method converges monotonically once it is left of the root, and a step from the right lands
+    left of it. It starts at ``max_p m_p`` inside the bracket
+    ``[max_p (m_p − 8·s_p) − 1, max_p min(m_p + 8·s_p, cap_p)]`` (``f ≥ 0`` at the left end: that
+    page alone holds a unit of mass), which every evaluation narrows; steps are clamped into the
+    bracket (a flat far-right start jumps to its left end, from where Newton climbs). ``iters``
+    steps in float64, each one pass over the pages: 12 reach ~1e-12 on pools of up to 8K pages
+    with logits spread over ±60 (and are exact on point masses, ``s = 0``).
     """
     m, s, n = m.double(), s.double(), n.double()
     live = (n > 0) & (m > -torch.inf)
@@ -99,20 +118,23 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     s0 = torch.where(live, s, 0.0)
     c0 = torch.full_like(m0, torch.inf) if cap is None else torch.where(live, cap.double(), torch.inf)
     c0 = torch.maximum(c0, m0)  # a mean is never above the bound (guards float rounding)
-    top = torch.where(live, m0, -torch.inf).amax(-1, keepdim=True)
-    empty = top == -torch.inf
-    top = torch.where(empty, 0.0, top)
-    lo = top - 1.0
+    lo = torch.where(live, m0 - 8.0 * s0, -torch.inf).amax(-1, keepdim=True)
+    empty = lo == -torch.inf
+    lo = torch.where(empty, 0.0, lo - 1.0)
     hi = torch.where(live, torch.minimum(m0 + 8.0 * s0, c0), -torch.inf).amax(-1, keepdim=True)
-    hi = torch.where(empty, 0.0, torch.maximum(hi, top))
+    hi = torch.where(empty, 1.0, torch.maximum(hi, lo))
     w = torch.where(live, n, 0.0)
+    # Start at the largest mean: a start right of the root is fine too (the tangent of a convex
+    # decreasing function crosses zero left of its root), and this one is usually close.
+    tau = torch.where(empty, 0.0, torch.where(live, m0, -torch.inf).amax(-1, keepdim=True)).clamp(lo, hi)
     for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        mass = (w * censored_relu_sq(m0, s0, c0, mid)).sum(-1, keepdim=True)
-        above = mass >= 1.0  # the root lies above mid
-        lo = torch.where(above, mid, lo)
-        hi = torch.where(above, hi, mid)
-    tau = 0.5 * (lo + hi)
+        sq, lin = _censored_moments(m0, s0, c0, tau)
+        f = (w * sq).sum(-1, keepdim=True) - 1.0
+        slope = 2.0 * (w * lin).sum(-1, keepdim=True)
+        lo = torch.where(f >= 0, tau, lo)
+        hi = torch.where(f >= 0, hi, tau)
+        step = tau + f / slope.clamp(min=1e-300)
+        tau = torch.minimum(torch.maximum(step, lo), hi)
     return torch.where(empty, -torch.inf, tau)
 
 
@@ -128,7 +150,7 @@ class EntmaxKV(KVSelector):
         page: the cache page size this policy needs.
         sinks, window: tokens whose pages are always kept; the last page is always kept.
         z: standard deviations of the upper quantile of a page's Gaussian score model.
-        iters: bisection steps of the threshold estimate.
+        iters: Newton steps of the threshold estimate (`gaussian_entmax_threshold`).
     """
 
     budget: int | float = 0.25
@@ -139,7 +161,7 @@ class EntmaxKV(KVSelector):
     sinks: int = 4
     window: int = 16
     z: float = 3.0
-    iters: int = 40
+    iters: int = 12
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)

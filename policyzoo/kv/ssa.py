@@ -38,9 +38,14 @@ Schemes (``scheme``):
   are heavier than with replacement, which is why with replacement is the default.
 
 Shapes are static: ``K_max = deterministic width (budget + forced) + m``; ``count`` says how many
-entries are real (deterministic first, then the unique sampled ones). Randomness comes from a
-`torch.Generator` per device seeded by ``seed`` (`reseed` restarts the stream); nothing syncs with
-the host. ``sample=0`` is exactly the top-k policy on the same proxy (`Quest` for ``"page"``,
+entries are real (deterministic first, then the unique sampled ones). Randomness is reproducible
+from ``seed``: by default a counter-based hash generator (`hash_uniform`: the uniforms of a step
+hash ``(seed, draw counter, element)``; the counter, a small int64 tensor per device, advances in
+place each `select`), which traces into torch.compile graphs and CUDA graphs without a graph break;
+or an explicit ``generator`` (a `torch.Generator`, eager only: torch.compile breaks the graph at a
+``generator=`` argument). `reseed` restarts the stream. Nothing syncs with the host.
+
+Special cases: ``sample=0`` is exactly the top-k policy on the same proxy (`Quest` for ``"page"``,
 `AttentionTopK` for ``"exact"``, with the same ``aggregate``), returned without ``log_weight``;
 ``budget=0`` is pure sampling (only the forced entries are deterministic).
 
@@ -97,7 +102,8 @@ class SSA(KVSelector):
             is always kept there).
         aggregate: GQA folding of the group's proxy scores, ``"max"`` or ``"sum"``.
         scheme: ``"with_replacement"`` (marginal π) or ``"gumbel_topk"`` (conditional π, see module).
-        seed: seed of the per-device generator (``None``: nondeterministic).
+        seed: seed of the counter-based hash generator (an int >= 0).
+        generator: a `torch.Generator` to draw from instead (eager decoding only).
     """
 
     budget: int | float = 0.1
@@ -109,8 +115,9 @@ class SSA(KVSelector):
     window: int = 16
     aggregate: Aggregate = "max"
     scheme: Scheme = "with_replacement"
-    seed: int | None = 0
-    _generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    seed: int = 0
+    generator: torch.Generator | None = field(default=None, repr=False, compare=False)
+    _rng: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_zero_or_budget(self.budget, "budget")
@@ -128,31 +135,51 @@ class SSA(KVSelector):
             raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
         if self.scheme not in ("with_replacement", "gumbel_topk"):
             raise ValueError(f"scheme must be 'with_replacement' or 'gumbel_topk', got {self.scheme!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        check_count(self.seed, "seed")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
 
     @property
     def page_size(self) -> int | None:  # type: ignore[override]
         return self.page if self.proxy == "page" else None
 
     # ------------------------------------------------------------------------------- randomness
-    def reseed(self, seed: int | None) -> None:
-        """Restart the random stream (on every device) from ``seed``."""
+    def reseed(self, seed: int) -> None:
+        """Restart the random stream from ``seed`` (in place: a compiled step keeps its buffers)."""
+        check_count(seed, "seed")
         self.seed = seed
-        self._generators.clear()
+        for state in self._rng.values():
+            state.copy_(torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32, 0]))
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The policy's generator on ``device`` (created and seeded on first use)."""
+    def rng_state(self, device: torch.device) -> Tensor:
+        """``int64[3]`` (seed low, seed high, draw counter) of the hash generator on ``device``.
+
+        Created on first use (the Decoder's eager prefill reaches `prefill` first, so a compiled
+        step finds it); marked as a static address on CUDA so that CUDA graphs may advance it.
+        """
         key = str(device)
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self.seed)
-            self._generators[key] = gen
-        return gen
+        state = self._rng.get(key)
+        if state is None:
+            state = torch.tensor([self.seed & _MASK32, (self.seed >> 32) & _MASK32, 0], device=device)
+            if state.device.type == "cuda":
+                torch._dynamo.mark_static_address(state)
+            self._rng[key] = state
+        return state
+
+    def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
+        self.rng_state(q.device)
+
+    def uniform(self, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        """``float64`` uniforms in (0, 1): from `generator` if one was given (eager only: a
+        ``generator=`` argument breaks the graph under torch.compile), else from the counter-based
+        hash generator, whose counter advances in place (no host sync, no graph break)."""
+        if self.generator is not None:
+            u = torch.rand(shape, generator=self.generator, device=device, dtype=torch.float64)
+            return u.clamp(min=2.0**-54)
+        state = self.rng_state(device)
+        u = hash_uniform(state, shape)
+        state[2].add_(1)
+        return u
 
     # ------------------------------------------------------------------------------------ units
     @staticmethod
@@ -199,11 +226,13 @@ class SSA(KVSelector):
         in_det = _entry_mask(det, n_units)
         residual = valid[:, None, :] & ~in_det  # [B, H_kv, N]
         log_p = self._log_probs(raw, residual, h_kv)  # float64 [B, H_kv, N]
-        gen = self.generator(q.device)
+        b = log_p.shape[0]
         if self.scheme == "with_replacement":
-            samp_idx, samp_ok, log_pi = _draw_with_replacement(log_p, residual, m, m_row, gen)
+            u = self.uniform((b, h_kv, m), q.device)
+            samp_idx, samp_ok, log_pi = _draw_with_replacement(log_p, residual, m, m_row, u)
         else:
-            samp_idx, samp_ok, log_pi = _draw_gumbel_topk(log_p, residual, m, m_row, gen)
+            u = self.uniform((b, h_kv, n_units), q.device)
+            samp_idx, samp_ok, log_pi = _draw_gumbel_topk(log_p, residual, m, m_row, u)
         return _merge(det, samp_idx, samp_ok, log_pi, unit)
 
     def _log_probs(self, raw: Tensor, residual: Tensor, h_kv: int) -> Tensor:
@@ -215,6 +244,42 @@ class SSA(KVSelector):
         log_p = torch.logsumexp(torch.log_softmax(per_head, dim=-1), dim=2) - math.log(h // h_kv)
         # Rows with an empty residual are all NaN (softmax of nothing).
         return torch.where(residual, log_p, -torch.inf).nan_to_num(nan=-torch.inf)
+
+
+# ------------------------------------------------------------------------------- hash generator
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``(x·c) mod 2^32`` for ``0 <= x < 2^32`` in int64 without overflow (16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser ("lowbias32", C. Wellons): full avalanche, bijective."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(state: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Counter-based uniforms in (0, 1) with 53 random bits, ``float64[shape]``.
+
+    Element ``i`` of draw ``c`` (``state = [seed_lo, seed_hi, c]``) hashes ``(seed, c, 2i)`` and
+    ``(seed, c, 2i + 1)`` into two 32-bit words; plain int64 tensor ops, so it traces into a compiled
+    graph and replays in a CUDA graph (the caller advances ``c`` in place).
+    """
+    key = _mix32(_mix32(_mix32(state[0]) ^ state[1]) ^ _mix32(state[2] & _MASK32))
+    idx = torch.arange(math.prod(shape), device=state.device, dtype=torch.int64).view(shape)
+    words = []
+    for j in (0, 1):
+        x = ((2 * idx + j) & _MASK32) ^ key
+        words.append(_mix32((_mix32(x) + key) & _MASK32))
+    bits = (words[0] >> 5) * 67108864 + (words[1] >> 6)  # 27 + 26 bits
+    return (bits.double() + 0.5) * 2.0**-53
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -238,16 +303,15 @@ def inclusion_gumbel_topk(log_p: Tensor, kappa: Tensor) -> Tensor:
 
 
 def _draw_with_replacement(
-    log_p: Tensor, residual: Tensor, m: int, m_row: Tensor, gen: torch.Generator
+    log_p: Tensor, residual: Tensor, m: int, m_row: Tensor, u: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``m`` i.i.d. draws per row by inverse CDF; returns the unique hits at static width ``m``:
+    """``m`` i.i.d. draws per row by inverse CDF (``u [B, H_kv, m]`` uniforms); returns the unique hits at static width ``m``:
     ``(indices int64[B, H_kv, m], ok bool[...], log π float64[...])``."""
     b, h_kv, n = log_p.shape
     p = log_p.exp()
     cdf = p.cumsum(-1)
     total = cdf[..., -1:]
-    u = torch.rand(b, h_kv, m, generator=gen, device=p.device, dtype=torch.float64) * total
-    idx = torch.searchsorted(cdf, u, right=True)
+    idx = torch.searchsorted(cdf, u * total, right=True)
     # Float rounding may put u at or past the last cumulative value: fold onto the last positive entry.
     last = torch.where(p > 0, torch.arange(n, device=p.device), 0).amax(-1, keepdim=True)
     idx = torch.minimum(idx, last)
@@ -263,13 +327,12 @@ def _draw_with_replacement(
 
 
 def _draw_gumbel_topk(
-    log_p: Tensor, residual: Tensor, m: int, m_row: Tensor, gen: torch.Generator
+    log_p: Tensor, residual: Tensor, m: int, m_row: Tensor, u: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The top ``m_row`` of ``log p + Gumbel`` per row, with the conditional ``log π(κ)``."""
+    """The top ``m_row`` of ``log p + Gumbel`` per row (``u [B, H_kv, N]`` uniforms in (0, 1)), with
+    the conditional ``log π(κ)``."""
     b, h_kv, n = log_p.shape
-    u = torch.rand(b, h_kv, n, generator=gen, device=log_p.device, dtype=torch.float64)
-    tiny = torch.finfo(torch.float64).tiny
-    gumbel = -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - 1e-16)))
+    gumbel = -torch.log(-torch.log(u.clamp(max=1.0 - 2.0**-53)))
     keys = torch.where(residual, log_p + gumbel, -torch.inf)
     k = min(m + 1, n)
     top, top_idx = torch.topk(keys, k, dim=-1)
