@@ -167,7 +167,8 @@ class Certified(KVSelector):
     policy at ``max_budget`` gives the candidates (static width), and the kept count is the
     shortest prefix that certifies (or all candidates). The bound of each step is left in
     ``state.store["certified_bound"]`` (``float32[B, H]``, allocated at prefill and written in place;
-    no host sync).
+    no host sync). Cost per step: the policy's scoring twice (its own budget and the wide copy) plus
+    one pass over the keys of the wide candidates (`grow_until_certified`).
     """
 
     policy: KVSelector
