@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .kv import AttentionTopK, Dense, KVSelector, Quest, Window
+from .kv import SSA, AttentionTopK, Dense, EntmaxKV, KVSelector, Quest, Window
 from .proj import ProjectionSparsifier, Threshold, TopK
 
 # name -> class; a class's dataclass fields are its spec parameters, in order.
@@ -36,6 +36,8 @@ KV_POLICIES: dict[str, type] = {
     "window": Window,
     "attn-topk": AttentionTopK,
     "quest": Quest,
+    "ssa": SSA,
+    "entmax-kv": EntmaxKV,
 }
 PROJ_SPARSIFIERS: dict[str, type] = {
     "topk": TopK,
