@@ -167,6 +167,22 @@ def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
     return forced_tokens(state, sinks, max(window, 1)).view(b, -1, p).any(-1)
 
 
+def page_budget(state: KVState, budget: Budget, page: int, sinks: int, window: int, owner: str) -> tuple[int, Tensor]:
+    """``(k_max, count)`` in pages for a page policy: ``budget`` tokens become ``ceil(budget / page)``
+    pages, a ratio applies to the visible pages; ``k_max`` always has room for the forced pages."""
+    if state.page_size != page:
+        raise ValueError(f"{owner}(page={page}) needs a cache with page_size={page}, got {state.page_size}")
+    n_pages, n_visible = state.cache.num_pages, state.page_valid().sum(-1)
+    if budget.is_ratio:
+        k_max, count = budget.k_max(n_pages), budget.count(n_visible)
+    else:
+        wanted = math.ceil(budget.value / page)
+        k_max, count = min(n_pages, wanted), Budget(wanted).count(n_visible)
+    # Sinks and window may each straddle one more page than their length needs.
+    n_forced = math.ceil(sinks / page) + math.ceil(max(window, 1) / page) + 2
+    return max(k_max, min(n_pages, n_forced)), count
+
+
 # ------------------------------------------------------------------------------------ chooser
 def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1) -> Selection:
     """Keep the forced entries plus the best-scoring others, at most ``count`` per row.

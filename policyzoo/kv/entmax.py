@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ..selection import Selection
-from .base import Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, page_bound_scores
+from .base import Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, page_bound_scores, page_budget
 
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 
@@ -202,19 +202,10 @@ class EntmaxKV(KVSelector):
         return aggregate_groups(margin, valid, h_kv, "max")
 
     def select(self, state: KVState, q: Tensor) -> Selection:
-        if state.page_size != self.page:
-            raise ValueError(f"EntmaxKV(page={self.page}) needs a cache with page_size={self.page}, got {state.page_size}")
+        k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "EntmaxKV")
         valid = state.page_valid()
         scores = self.page_scores(state, q)
         forced = forced_pages(state, self.sinks, self.window)
-        n_pages = state.cache.num_pages
-        if self._budget.is_ratio:
-            k_max, count = self._budget.k_max(n_pages), self._budget.count(valid.sum(-1))
-        else:
-            wanted = math.ceil(self.budget / self.page)
-            k_max, count = min(n_pages, wanted), Budget(wanted).count(valid.sum(-1))
-        n_forced = math.ceil(self.sinks / self.page) + math.ceil(max(self.window, 1) / self.page) + 2
-        k_max = max(k_max, min(n_pages, n_forced))
         sel = choose_topk(scores, forced, k_max, count, block=self.page)
         if self.mode == "gaussian":
             # Forced pages rank first, then positive margins: keep forced ∪ candidates under the cap.

@@ -6,13 +6,12 @@ page, computed from the cache's summaries without reading the keys; the top page
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from ..selection import Selection
-from .base import Aggregate, Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, page_bound_scores
+from .base import Aggregate, Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, page_bound_scores, page_budget
 
 
 @dataclass
@@ -42,18 +41,8 @@ class Quest(KVSelector):
         return self.page
 
     def select(self, state: KVState, q: Tensor) -> Selection:
-        if state.page_size != self.page:
-            raise ValueError(f"Quest(page={self.page}) needs a cache with page_size={self.page}, got {state.page_size}")
+        k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "Quest")
         valid = state.page_valid()
         scores = aggregate_groups(page_bound_scores(state, q), valid, state.keys.shape[1], self.aggregate)
         forced = forced_pages(state, self.sinks, self.window)
-        n_pages = state.cache.num_pages
-        if self._budget.is_ratio:
-            k_max, count = self._budget.k_max(n_pages), self._budget.count(valid.sum(-1))
-        else:
-            wanted = math.ceil(self.budget / self.page)
-            k_max, count = min(n_pages, wanted), Budget(wanted).count(valid.sum(-1))
-        # Sinks and window may each straddle one more page than their length needs.
-        n_forced = math.ceil(self.sinks / self.page) + math.ceil(max(self.window, 1) / self.page) + 2
-        k_max = max(k_max, min(n_pages, n_forced))
         return choose_topk(scores, forced, k_max, count, block=self.page)
