@@ -26,6 +26,10 @@ PROJECTIONS = {
     "down": ("mlp", "down_proj"),
 }
 
+# Projections that read the very same input tensor in every supported architecture (the attention
+# module feeds one normed hidden state to q, k and v; the MLP one to gate and up).
+SHARED_INPUT = (("q", "k", "v"), ("gate", "up"))
+
 
 def check_supported(model: nn.Module) -> None:
     config = getattr(model, "config", None)

@@ -114,3 +114,70 @@ def test_kernel_path_project_equals_the_masked_reference(make):
     x, w, b = torch.randn(4, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
     expected = sparse_linear(x, w, b, sparsifier.keep_mask("0.q", x))
     torch.testing.assert_close(sparsifier.project("0.q", x, w.t().contiguous(), b), expected, atol=1e-5, rtol=1e-5)
+
+
+def _decode_logits(model, ids, mask, proj, steps=4):
+    dec = Decoder(model, proj=proj)
+    _, logits = dec.generate(ids, steps, attention_mask=mask, output_logits=True)
+    return dec, logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v carry biases
+def test_shared_input_groups_decode_like_separate_projections(monkeypatch, family):
+    # On the kernel path TopK groups q/k/v and gate/up: one selection and one GEMV per group must
+    # give the logits of per-projection masked linears (the reference path).
+    model = tiny_model(family)
+    ids, mask = padded_batch(3, 12)
+    _, expected = _decode_logits(copy.deepcopy(model), ids, mask, TopK(0.4))
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    dec, got = _decode_logits(model, ids, mask, TopK(0.4))
+    attn, mlp = dec.model.model.layers[0].self_attn, dec.model.model.layers[0].mlp
+    assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group is not None
+    assert mlp.gate_proj.group is mlp.up_proj.group is not None and mlp.down_proj.group is None
+    assert attn.q_proj.w_t.data_ptr() == attn.q_proj.group.w_t.data_ptr()  # views, not copies
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_shared_input_leaves_nothing_pending_and_recomputes_for_another_input(monkeypatch):
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    model = tiny_model("llama")
+    dec = Decoder(model, proj=TopK(0.5))
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj.group
+    dec.runtime.phase = "decode"
+    x, other = torch.randn(2, 1, model.config.hidden_size), torch.randn(2, 1, model.config.hidden_size)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert group._input is None and group._outputs == ()  # every member took its output
+    k_other = attn.k_proj(other)  # not the input q saw: computed afresh, not reused
+    ref = TopK(0.5).project("0.k", other[:, 0], attn.k_proj.w_t.contiguous(), attn.k_proj.linear.bias)
+    torch.testing.assert_close(k_other[:, 0], ref, atol=1e-5, rtol=1e-5)
+    for y, name in ((q, "q"), (k, "k"), (v, "v")):
+        lin = getattr(attn, f"{name}_proj")
+        ref = TopK(0.5).project(f"0.{name}", x[:, 0], lin.w_t.contiguous(), lin.linear.bias)
+        torch.testing.assert_close(y[:, 0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_threshold_keeps_one_selection_per_projection(monkeypatch):
+    # Thresholds are per projection, so their kept sets differ: no sharing.
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    model = tiny_model("llama")
+    Decoder(model, proj=Threshold(0.5, thresholds={f"{i}.{t}": 0.5 for i in range(2) for t in ("q", "k", "v", "o", "gate", "up", "down")}))
+    assert model.model.layers[0].self_attn.q_proj.group is None
+
+
+def test_shared_input_groups_compile_into_one_graph(monkeypatch):
+    # The group's hand-over between members is plain Python state: dynamo must trace it without a
+    # graph break and leave it as it found it (no recompile from one step to the next).
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 10)
+    expected = Decoder(copy.deepcopy(model), proj=TopK(0.5)).generate(ids, 6, attention_mask=mask)
+    torch._dynamo.reset()
+    counters.clear()
+    dec = Decoder(model, proj=TopK(0.5), compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = dec.generate(ids, 6, attention_mask=mask)
+    assert torch.equal(out, expected)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1

@@ -3,6 +3,11 @@
 A sparsifier decides *which* input features each decode token keeps (`keep_mask`); `SparseLinear`
 wraps an `nn.Linear` and, in decode, computes the projection over the kept features only through
 `kernels.sparse_linear` (a sparse GEMV that reads only the kept weight columns). Prefill stays dense.
+
+Where the kept set depends on the input alone (`ProjectionSparsifier.input_only`, e.g. `TopK`),
+projections that read the same input (q/k/v, gate/up: `_compat.SHARED_INPUT`) form a `SharedInput`
+group on the kernel path: one selection and one GEMV over their concatenated input-major weights
+serve the whole group, instead of one top-k and one launch per projection.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels
-from .._compat import PROJECTIONS, decoder_layers
+from .._compat import PROJECTIONS, SHARED_INPUT, decoder_layers
 
 if TYPE_CHECKING:
     from ..attention import Runtime
@@ -46,6 +51,8 @@ class ProjectionSparsifier:
 
     keep: float
     targets: tuple[str, ...]
+    # True when `keep_mask` ignores ``name``: projections of one input can then share a selection.
+    input_only: bool = False
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         raise NotImplementedError  # abstract
@@ -60,15 +67,24 @@ class ProjectionSparsifier:
         return kernels.sparse_linear(x, w_t.t(), bias, keep)
 
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
-        """Replace the target linears of every decoder layer by `SparseLinear` wrappers."""
+        """Replace the target linears of every decoder layer by `SparseLinear` wrappers, grouping
+        projections of a shared input where the selection allows it."""
         for i, layer in enumerate(decoder_layers(model)):
+            wrapped = {}
             for target in self.targets:
                 parent_name, linear_name = PROJECTIONS[target]
                 parent = getattr(layer, parent_name)
                 linear = getattr(parent, linear_name)
                 if isinstance(linear, SparseLinear):
                     linear = linear.linear
-                setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", self, runtime))
+                wrapped[target] = SparseLinear(linear, f"{i}.{target}", self, runtime)
+                setattr(parent, linear_name, wrapped[target])
+            if not self.input_only:
+                continue
+            for group in SHARED_INPUT:
+                members = [wrapped[t] for t in group if t in wrapped]
+                if len(members) > 1 and all(m.w_t is not None for m in members):
+                    SharedInput(members)
 
 
 def uninstall(model: nn.Module) -> None:
@@ -103,6 +119,7 @@ class SparseLinear(nn.Module):
             w_t = linear.weight.detach().t().contiguous()  # no copy when the weight already is such a view
             linear.weight = nn.Parameter(w_t.t(), requires_grad=False)
         self.register_buffer("w_t", w_t, persistent=False)
+        self.group: SharedInput | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.runtime.phase != "decode" or not self.runtime.sparse_proj:
@@ -112,8 +129,53 @@ class SparseLinear(nn.Module):
         if self.w_t is None:
             keep = self.sparsifier.keep_mask(self.name, x)
             return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep)
-        y = self.sparsifier.project(self.name, x.reshape(-1, x.shape[-1]), self.w_t, self.linear.bias)
+        if self.group is not None:
+            y = self.group.output(self, x)
+        else:
+            y = self.sparsifier.project(self.name, x.reshape(-1, x.shape[-1]), self.w_t, self.linear.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class SharedInput:
+    """Projections that read one input, computed together: one selection, one sparse GEMV.
+
+    The members' input-major weights are concatenated once into ``w_t [d_in, Σ d_out]``; each
+    member's ``w_t`` and ``linear.weight`` become views of it (no second copy). The first member
+    called with a new input computes every member's output and keeps them until each member has
+    taken its own; the identity check on the input makes a member called with any other tensor
+    recompute rather than reuse. Nothing is left pending between forwards, so a compiled step sees
+    the same state (and guards) every time.
+    """
+
+    def __init__(self, members: list[SparseLinear]) -> None:
+        self.members = members
+        self.sizes = [m.w_t.shape[1] for m in members]
+        self.w_t = torch.cat([m.w_t for m in members], dim=1).contiguous()
+        biases = [m.linear.bias for m in members]
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.detach() if b is not None else self.w_t.new_zeros(n) for b, n in zip(biases, self.sizes)])
+        offset = 0
+        for m, n in zip(members, self.sizes):
+            m.w_t = self.w_t[:, offset : offset + n]
+            m.linear.weight = nn.Parameter(m.w_t.t(), requires_grad=False)
+            m.group = self
+            offset += n
+        self._input: Tensor | None = None
+        self._outputs: tuple[Tensor, ...] = ()
+        self._pending = 0
+
+    def output(self, member: SparseLinear, x: Tensor) -> Tensor:
+        """``member``'s output ``[N, d_out]`` for input ``x [..., d_in]``."""
+        if self._input is not x:
+            first = self.members[0]
+            y = first.sparsifier.project(first.name, x.reshape(-1, x.shape[-1]), self.w_t, self.bias)
+            self._input, self._outputs, self._pending = x, y.split(self.sizes, dim=-1), len(self.members)
+        out = self._outputs[self.members.index(member)]
+        self._pending -= 1
+        if self._pending == 0:
+            self._input, self._outputs = None, ()
+        return out
 
 
 def kept_features(keep: float, d: int) -> int:

@@ -17,6 +17,7 @@ class TopK(ProjectionSparsifier):
 
     keep: float = 0.5
     targets: Sequence[str] = ALL_TARGETS
+    input_only = True  # the kept set is the input's top-k: q/k/v (and gate/up) share it
 
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
