@@ -2,10 +2,12 @@
 
 HF attention modules compute q, k, v (RoPE and Qwen3's q/k norms included) and hand them to this
 function; it writes k, v into the paged cache and attends: densely with SDPA during prefill, through
-the KV policy's `Selection` during decode. The Decoder attaches ``module._policyzoo = (runtime,
-layer)`` to each attention module and selects this implementation only while it decodes, so the
-wrapped model stays a plain HF model otherwise. No HF mask is built for it (the implementation has
-no mask function registered): the cache knows each row's padding.
+the KV policy's `Selection` during decode. A model with 1.5-entmax attention (its KV policy says
+``attention="entmax"``, `Runtime.attention`) attends with entmax in both: `prefill_attention_entmax15`,
+then the decode kernel's entmax mode (`kernels.decode_attention_entmax15`). The Decoder attaches
+``module._policyzoo = (runtime, layer)`` to each attention module and selects this implementation
+only while it decodes, so the wrapped model stays a plain HF model otherwise. No HF mask is built
+for it (the implementation has no mask function registered): the cache knows each row's padding.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ ATTN_IMPLEMENTATION = "policyzoo"
 _DENSE = Dense()
 
 
+Attention = Literal["softmax", "entmax"]
+ATTENTIONS = ("softmax", "entmax")
+
+
+def attention_of(policy: KVSelector) -> Attention:
+    """The attention of the model a KV policy serves: its ``attention`` attribute (`EntmaxKV`,
+    `Certified`), ``"softmax"`` for policies without one."""
+    attention = getattr(policy, "attention", "softmax")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"{type(policy).__name__}.attention must be 'softmax' or 'entmax', got {attention!r}")
+    return attention
+
+
 @dataclass
 class Runtime:
     """Mutable decode state shared by the attention function and the projection wrappers.
@@ -37,6 +52,11 @@ class Runtime:
     ``policy`` is the KV policy decode steps use and ``sparse_proj`` says whether the projection
     wrappers sparsify them: `Decoder.use` sets both per request (a gated Decoder picks ``dense``,
     ``proj``, ``kv`` or ``both``).
+
+    ``attention`` is the model's attention, ``"softmax"`` or ``"entmax"``; by default that of the
+    policy the Runtime is built with (the Decoder's KV policy). It is a property of the model, not of
+    a request: it stays when `Decoder.use` swaps in the `Dense` stand-in, so the dense setting and the
+    dense reference pass of an audit (phase ``"dense_decode"``) of an entmax model attend with entmax.
     """
 
     policy: KVSelector
@@ -46,20 +66,70 @@ class Runtime:
     states: list[KVState] = field(default_factory=list)
     audit: "Audit | None" = None
     sparse_proj: bool = True
+    attention: Attention | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention is None:
+            self.attention = attention_of(self.policy)
+        elif self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be 'softmax' or 'entmax', got {self.attention!r}")
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float) -> Tensor:
-    """Causal SDPA over a left-padded prompt: query ``i`` of row ``b`` sees keys ``start[b]..i``.
+def prefill_mask(start: Tensor, t: int) -> Tensor:
+    """``bool[B, T, T]``: query ``i`` of row ``b`` sees keys ``start[b]..i`` (causal, left padding).
 
     Query rows that are padding see only themselves, so no row is fully masked (no NaN).
     """
-    t = q.shape[2]
-    pos = torch.arange(t, device=q.device)
+    pos = torch.arange(t, device=start.device)
     allowed = (pos[None, :] <= pos[:, None]) & (pos[None, None, :] >= start[:, None, None])
-    allowed = allowed | torch.eye(t, dtype=torch.bool, device=q.device)
+    return allowed | torch.eye(t, dtype=torch.bool, device=start.device)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float) -> Tensor:
+    """Causal SDPA over a left-padded prompt (`prefill_mask`); ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
+    allowed = prefill_mask(start, q.shape[2])
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def entmax15(z: Tensor) -> Tensor:
+    """1.5-entmax along the last dim of logits ``z`` (``-inf`` = masked): ``p = max(0, z/2 − τ)²``.
+
+    ``τ`` is the exact sort-based `reference.entmax15_threshold`, so these are the weights of the
+    decode kernel's entmax mode (and of the ``entmax`` package's ``entmax15``). A row without a finite
+    logit gets all zeros.
+    """
+    x = z * 0.5
+    tau = kernels.reference.entmax15_threshold(x)
+    return torch.where(x > tau, (x - tau) ** 2, 0.0)
+
+
+# Query rows per block of the entmax prefill: the scores of a block are ``[B, H, rows, T]`` (plus the
+# threshold's float64 sort of them), so blocks bound the memory of long prompts.
+ENTMAX_PREFILL_ROWS = 512
+
+
+def prefill_attention_entmax15(
+    q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float, rows: int = ENTMAX_PREFILL_ROWS
+) -> Tensor:
+    """`prefill_attention` with 1.5-entmax weights: the same mask, ``p = entmax15(scale·q·kᵀ)``, ``p @ v``.
+
+    ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` (each KV head serves its group of ``H // H_kv``
+    query heads, without copying the keys). There is no fused entmax SDPA, so the scores are
+    materialised, ``rows`` query rows at a time, in fp32.
+    """
+    b, h, t, d = q.shape
+    h_kv = k.shape[1]
+    qg = q.float().reshape(b, h_kv, h // h_kv, t, d)
+    kf, vf = k.float(), v.float()
+    allowed = prefill_mask(start, t)[:, None, None]  # [B, 1, 1, T, T]
+    out = torch.empty_like(qg)
+    for i in range(0, t, rows):
+        z = torch.einsum("bkgtd,bksd->bkgts", qg[:, :, :, i : i + rows], kf) * scale
+        p = entmax15(z.masked_fill(~allowed[..., i : i + rows, :], -torch.inf))
+        out[:, :, :, i : i + rows] = torch.einsum("bkgts,bksd->bkgtd", p, vf)
+    return out.view(b, h, t, d).to(q.dtype)
 
 
 def policyzoo_attention(
@@ -78,9 +148,11 @@ def policyzoo_attention(
     runtime, layer = handle
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache, state = runtime.cache, runtime.states[layer]
+    entmax = runtime.attention == "entmax"
     if runtime.phase == "prefill":
         cache.write_prefill(layer, key, value)
-        out = prefill_attention(query, key, value, cache.start, scale)
+        prefill = prefill_attention_entmax15 if entmax else prefill_attention
+        out = prefill(query, key, value, cache.start, scale)
         runtime.policy.prefill(state, query, key, value)
         return out.transpose(1, 2), None
     if query.shape[2] != 1:
@@ -90,9 +162,10 @@ def policyzoo_attention(
     policy.append(state, key, value)
     q = query[:, :, 0]
     sel = policy.select(state, q)
-    out, _ = kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, scale)
+    attend = kernels.decode_attention_entmax15 if entmax else kernels.decode_attention
+    out, _ = attend(q, state.keys, state.values, sel, cache.start, cache.length, scale)
     if runtime.audit is not None:
-        runtime.audit.record_attention(layer, q, cache, sel, out, scale)
+        runtime.audit.record_attention(layer, q, cache, sel, out, scale, attention=runtime.attention)
     return out.unsqueeze(1), None
 
 

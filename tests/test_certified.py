@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import padded_batch, tiny_model
 
-from policyzoo.eval.metrics import dropped_mass
+from policyzoo import Decoder
+from policyzoo.eval.audit import Audit
+from policyzoo.eval.metrics import dropped_mass, group_mean
 from policyzoo.kernels import reference
 from policyzoo.kv import (
     SSA,
@@ -181,3 +186,53 @@ def test_certified_rejects_bad_args():
     with pytest.raises(ValueError, match="max_budget"):
         Certified(Quest(), max_budget=2.0)
     assert Certified(EntmaxKV(attention="entmax")).attention == "entmax"
+
+
+# -------------------------------------------------------------------------------------- audit
+@SETTINGS
+@given(data=st.data(), sample=st.sampled_from([0, 8]))
+def test_audit_records_the_bound_of_page_selections(data, cases, contract, sample):
+    """Quest and SSA (page proxy, with and without Horvitz–Thompson weights): the recorded bound is
+    ≥ the recorded true δ, and it is the bound from the unweighted selection's lse."""
+    case = data.draw(cases(page_sizes=(4, 16), dtypes=(torch.float32, torch.bfloat16)))
+    policy = data.draw(st.sampled_from([
+        Quest(budget=8, page=case.page, sinks=0, window=2),
+        SSA(budget=8, sample=sample, page=case.page, sinks=0, window=2),
+    ]))  # fmt: skip
+    state = case.state()
+    sel = policy.select(state, case.q)
+    out, _ = contract.attend(case, sel)
+    audit = Audit()
+    audit.record_attention(0, case.q, case.cache, sel, out, case.scale)
+    bound, delta = audit.certified_bound[0][0], audit.dropped_mass[0][0]
+    assert bound.shape == delta.shape == (case.b, case.h_kv)
+    assert bool((bound >= delta - 1e-6).all()), f"bound {bound} < delta {delta}"
+    bare = type(sel)(sel.indices, sel.count, block=sel.block)
+    _, lse = contract.attend(case, bare)
+    expected = group_mean(certified_dropped_mass(state, case.q, bare, lse), case.h_kv)
+    torch.testing.assert_close(bound, expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "policy",
+    [Quest(budget=8, page=4, sinks=0, window=4), SSA(budget=8, sample=8, page=4, sinks=0, window=4, seed=3)],
+    ids=repr,
+)
+def test_generate_audit_reports_certified_bound_above_true_delta(policy, seed):
+    """Through `Decoder.generate(audit=True)`: bound ≥ true δ at every layer, step, row and KV head."""
+    dec = Decoder(tiny_model("llama", seed=seed), kv=policy)
+    ids, mask = padded_batch(2, 37, seed=seed)
+    dec.generate(ids, 6, attention_mask=mask, audit=True)
+    bound, delta = dec.last_audit.per_layer("certified_bound"), dec.last_audit.per_layer("dropped_mass")
+    assert bound.shape == delta.shape == (2, 5, 2, 2)  # layers, steps, batch, KV heads
+    assert float(delta.max()) > 1e-3  # the policy drops mass: the comparison is not 0 ≥ 0
+    assert bool((bound >= delta - 1e-6).all())
+
+
+def test_audit_records_no_bound_for_token_selections():
+    dec = Decoder(tiny_model("llama"), kv=AttentionTopK(8, sinks=2, window=2))
+    ids, mask = padded_batch(2, 21)
+    dec.generate(ids, 4, attention_mask=mask, audit=True)
+    assert not dec.last_audit.certified_bound and math.isnan(dec.last_audit.mean("certified_bound"))
+    assert dec.last_audit.dropped_mass

@@ -3,6 +3,9 @@
 Enabled with ``Decoder.generate(..., audit=True)`` or `policyzoo.eval.compare`; each record is a
 small tensor, so an audit costs one extra dense attention pass per layer (the thing it measures
 against), never a change to the decode itself.
+
+The dense reference is the model's own attention: softmax, or 1.5-entmax for an entmax model (the
+dropped mass is then the dense entmax probability mass outside the selection).
 """
 
 from __future__ import annotations
@@ -14,29 +17,85 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..attention import Attention, entmax15
 from ..cache import PagedKVCache
+from ..kv.base import KVState
+from ..kv.certified import certified_dropped_mass
 from ..selection import Selection
 from .metrics import dropped_mass, group_mean, relative_output_error
 
 
+def dense_attention_probs(
+    q: Tensor, keys: Tensor, start: Tensor, length: Tensor, scale: float, attention: Attention = "softmax"
+) -> Tensor:
+    """``float32[B, H, N]``: dense probabilities of one query token over every visible slot.
+
+    ``"softmax"`` is `kernels.dense_probs`. ``"entmax"`` takes 1.5-entmax of its log: entmax is
+    shift invariant and ``log p = z − lse``, so this is entmax of the logits ``z`` (slots whose softmax
+    weight underflows lie far outside the entmax support, which is within 2 of the top logit).
+    """
+    p = kernels.dense_probs(q, keys, start, length, scale)
+    if attention == "softmax":
+        return p
+    if attention == "entmax":
+        return entmax15(torch.log(p))
+    raise ValueError(f"attention must be 'softmax' or 'entmax', got {attention!r}")
+
+
+def certified_bound_of(q: Tensor, cache: PagedKVCache, layer: int, sel: Selection, scale: float) -> Tensor:
+    """``float32[B, H]``: `certified_dropped_mass` of a page selection, an upper bound of the softmax δ.
+
+    The bound's ``Z_S`` is the *unweighted* normaliser of the selected tokens: for a selection
+    without ``log_weight`` it is the ``lse`` the decode kernel already returned (so a policy can report
+    the bound with no KV read); the audit recomputes it here, without any ``log_weight`` (SSA's
+    Horvitz–Thompson weights make the kernel's lse an estimate of the dense one instead).
+    """
+    state = KVState(cache, layer, scale)
+    bare = Selection(sel.indices, sel.count, block=sel.block)
+    _, lse = kernels.decode_attention(q, state.keys, state.values, bare, cache.start, cache.length, scale)
+    return certified_dropped_mass(state, q, bare, lse)
+
+
 @dataclass
 class Audit:
-    """Collected metrics. Per-layer lists hold one ``[B, H_kv]`` tensor per decode step."""
+    """Collected metrics. Per-layer lists hold one ``[B, H_kv]`` tensor per decode step.
+
+    Per KV head, ``dropped_mass`` is the group mean of the true δ and ``certified_bound`` the group
+    mean of its certified upper bound (`certified_bound_of`), so ``certified_bound >= dropped_mass``
+    entry by entry. The bound is recorded only for page selections (``block`` = the cache page size,
+    > 1) of softmax models, and nothing is recorded otherwise: token selections have no page
+    summaries to certify with, and the bound is a softmax statement.
+    """
 
     dropped_mass: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
+    certified_bound: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     output_error: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     kv_keep: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     proj_keep: dict[str, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     logits_kl: list[Tensor] = field(default_factory=list)  # per step, [B]
     top1_agree: list[Tensor] = field(default_factory=list)  # per step, [B]
 
-    def record_attention(self, layer: int, q: Tensor, cache: PagedKVCache, sel: Selection, out: Tensor, scale: float) -> None:
+    def record_attention(
+        self,
+        layer: int,
+        q: Tensor,
+        cache: PagedKVCache,
+        sel: Selection,
+        out: Tensor,
+        scale: float,
+        attention: Attention = "softmax",
+    ) -> None:
+        """Record one decode step of one layer: ``out`` is what the step attended to through ``sel``,
+        ``attention`` the model's attention (the dense reference uses the same)."""
         keys, values, token_valid = cache.keys[layer], cache.values[layer], cache.token_valid()
         h_kv = keys.shape[1]
-        p = kernels.dense_probs(q, keys, cache.start, cache.length, scale)
+        p = dense_attention_probs(q, keys, cache.start, cache.length, scale, attention)
         b, h, n = p.shape
         o_dense = torch.einsum("bkgn,bknd->bkgd", p.view(b, h_kv, h // h_kv, n), values.float()).reshape(b, h, -1)
         self.dropped_mass[layer].append(group_mean(dropped_mass(p, sel, token_valid), h_kv).cpu())
+        if attention == "softmax" and sel.block > 1 and sel.block == cache.page_size:
+            bound = certified_bound_of(q, cache, layer, sel, scale)
+            self.certified_bound[layer].append(group_mean(bound, h_kv).cpu())
         err = relative_output_error(o_dense.view(b, h_kv, -1), out.float().view(b, h_kv, -1))
         self.output_error[layer].append(err.cpu())
         kept = sel.kept_tokens(token_valid)

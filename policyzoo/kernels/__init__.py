@@ -21,6 +21,14 @@ def decode_attention(q, keys, values, sel, start, length, scale):
     return reference.decode_attention(q, keys, values, sel, start, length, scale)
 
 
+def decode_attention_entmax15(q, keys, values, sel, start, length, scale):
+    """1.5-entmax decode attention over a Selection → ``(out, tau)``; see
+    `reference.decode_attention_entmax15` (the Triton path is the same op in ``mode="entmax15"``)."""
+    if dispatch.use_triton(q):
+        return dispatch.decode_attention(q, keys, values, sel, start, length, scale, mode="entmax15")
+    return reference.decode_attention_entmax15(q, keys, values, sel, start, length, scale)
+
+
 def quest_page_bound(q, page_min, page_max, scale):
     """Quest page bound ``float32[B, H, P]``; see `reference.quest_page_bound`."""
     if dispatch.use_triton(q):
@@ -53,6 +61,7 @@ __all__ = [
     "reference",
     "dispatch",
     "decode_attention",
+    "decode_attention_entmax15",
     "dense_probs",
     "quest_page_bound",
     "sparse_gemv_index",
