@@ -47,10 +47,10 @@ from .. import _compat, assets
 from ..attention import ATTN_IMPLEMENTATION
 from ..kv.base import KVSelector
 from ..selection import Selection
-from .audit import Audit
+from .audit import Audit, dense_attention_probs
 from .metrics import group_mean, logits_kl, top1_agreement
 
-ATTENTION_METRICS = ("dropped_mass", "topk_recall", "output_error", "kv_keep")
+ATTENTION_METRICS = ("dropped_mass", "topk_recall", "output_error", "kv_keep", "certified_bound")
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -83,11 +83,9 @@ class EvalAudit(Audit):
 
     def record_attention(self, layer, q, cache, sel, out, scale, *args, **kwargs) -> None:  # noqa: ANN001
         super().record_attention(layer, q, cache, sel, out, scale, *args, **kwargs)
-        from .. import kernels
-
         token_valid = cache.token_valid()
         keys = cache.keys[layer]
-        p = kernels.dense_probs(q, keys, cache.start, cache.length, scale)
+        p = dense_attention_probs(q, keys, cache.start, cache.length, scale, kwargs.get("attention", "softmax"))
         self.topk_recall[layer].append(group_mean(topk_mass_recall(p, sel, token_valid), keys.shape[1]).cpu())
 
 
@@ -143,14 +141,15 @@ def summarize_layers(per_layer: dict[str, dict[int, Tensor]]) -> dict[str, Any]:
     """Aggregate per-layer records (``metric -> layer -> values``) into the reported statistics.
 
     δ: mean, p95, max and the per-layer mean (over steps, rows and KV heads); recall: mean and p5
-    (the low tail is the bad one); output error: mean and p95; kv keep: mean.
+    (the low tail is the bad one); output error: mean and p95; kv keep: mean; the certified bound
+    on δ (page selections only, else NaN): mean and max.
     """
 
     def pooled(metric: str) -> Tensor:
         values = [v for _, v in sorted(per_layer.get(metric, {}).items())]
         return torch.cat(values) if values else torch.empty(0)
 
-    delta, recall, err, keep = (pooled(m) for m in ("dropped_mass", "topk_recall", "output_error", "kv_keep"))
+    delta, recall, err, keep, bound = (pooled(m) for m in ATTENTION_METRICS)
     layers = per_layer.get("dropped_mass", {})
     return {
         "delta_mean": _mean(delta),
@@ -162,6 +161,8 @@ def summarize_layers(per_layer: dict[str, dict[int, Tensor]]) -> dict[str, Any]:
         "output_error": _mean(err),
         "output_error_p95": _quantile(err, 0.95),
         "kv_keep": _mean(keep),
+        "bound_mean": _mean(bound),
+        "bound_max": float(bound.max()) if bound.numel() else math.nan,
     }
 
 
@@ -520,7 +521,7 @@ def format_markdown(results: dict[str, Any], title: str = "") -> str:
     """The results table: one row per setting × task × length."""
     head = [
         "setting", "task", "length", "n", "acc", "ppl dense → policy", "Δppl", "δ mean", "δ p95", "δ max",
-        "recall", "out err", "KL", "top-1", "kv keep", "proj keep",
+        "δ bound mean", "recall", "out err", "KL", "top-1", "kv keep", "proj keep",
     ]  # fmt: skip
     align = ["---", "---", "---:"] + ["---:"] * (len(head) - 3)
     lines = [f"# {title}", ""] if title else []
@@ -530,7 +531,7 @@ def format_markdown(results: dict[str, Any], title: str = "") -> str:
         dppl = f"{r['ppl_increase']:+.3f} ({100 * r['ppl_increase_rel']:+.1f}%)" if r.get("ppl") is not None else "—"
         cells = [
             r["setting"], r["task"], length_label(r["length"]), str(r["n"]), _fmt(r.get("accuracy"), ".2f"), ppl, dppl,
-            _fmt(r["delta_mean"]), _fmt(r["delta_p95"]), _fmt(r["delta_max"]), _fmt(r["recall"]),
+            _fmt(r["delta_mean"]), _fmt(r["delta_p95"]), _fmt(r["delta_max"]), _fmt(r.get("bound_mean")), _fmt(r["recall"]),
             _fmt(r["output_error"]), _fmt(r["kl"], ".4f"), _fmt(r["top1"], ".3f"), _fmt(r["kv_keep"]), _fmt(r["proj_keep"]),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
