@@ -17,6 +17,8 @@ Sections (each writes its rows into one JSON and one markdown table, plus PNG pl
   batch      dense and KV keep 0.2 at 32K for batch 1/4/16 (batch 32 at 32K needs 137 GB of KV
              beside 16 GB of weights: it does not fit one H200)
   hf         Hugging Face decoding of the same model: eager (dynamic cache) and static cache compiled
+  tune, gemv, select, profile   the probes of `benchmarks/probes.py` (kernel launch parameters, the
+             projection branch's pieces, per-policy selection cost, per-kernel profile of a step)
 
 The cache is filled with random keys and values (no prefill: timing does not depend on the values for
 fixed budgets, and a 128K prefill would cost more device time than the sweep itself).
@@ -40,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from policyzoo import AttentionTopK, Decoder, Quest, TopK  # noqa: E402
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK  # noqa: E402
 from policyzoo._compat import attn_implementation  # noqa: E402
 from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
 from policyzoo.bytes import ByteAccount  # noqa: E402
@@ -65,7 +67,14 @@ def settings() -> dict[str, tuple]:
         "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
+        "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
+        "entmax-kv0.1": (lambda: EntmaxKV(0.1, page=PAGE, window=64), None, 1.0, 0.1),
     }
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -331,7 +340,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
              f"model shape {MODEL} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
              "byte floor = step bytes (policyzoo.bytes) / copy bandwidth; bound = ideal speedup from bytes.", ""]
-    for section in ("kernel", "step", "compiled", "batch", "hf"):
+    for section in ("kernel", "tune", "gemv", "select", "profile", "step", "compiled", "batch", "hf"):
         sec = [r for r in rows if r["section"] == section]
         if not sec:
             continue
@@ -369,7 +378,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--only", default="kernel,step,batch,compiled,hf")
+    p.add_argument("--only", default="kernel,step,batch,compiled,hf", help="sections, run in this order")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
@@ -377,13 +386,16 @@ def main(argv=None) -> None:
     p.add_argument("--compiled", default="dense@32768,topk0.5@32768,quest0.2@32768,topk0.5+quest0.2@32768,"
                    "dense@131072,quest0.1@131072,dense@4096,topk0.5@4096",
                    help="setting@context pairs for the compiled section (dense first: speedups divide by it)")
+    p.add_argument("--profile", default="dense@32768,topk0.5@4096,dense@4096,topk0.5+quest0.2@32768",
+                   help="setting@context pairs for the profile section")
+    p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
+    p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use 32)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (smoke tests)")
     args = p.parse_args(argv)
     global DEVICE
     DEVICE = args.device
-    only = set(args.only.split(","))
     contexts = [int(c) for c in args.contexts.split(",")]
     import transformers
     import triton
@@ -407,31 +419,56 @@ def main(argv=None) -> None:
     elif args.layers:
         acct = ByteAccount(**{**acct.__dict__, "layers": args.layers})
     names = args.settings.split(",")
+    sys.modules.setdefault("sweep", sys.modules[__name__])  # the probes read this module's DEVICE
+    import probes
+
     compiled_dense: dict[int, float] = {}  # dense ms per context, shared across the compiled rows
+    model = None
+
+    def full_model():
+        nonlocal model
+        model = model if model is not None else llama8b(args.layers, args.tiny)
+        return model
+
+    def run_profile():
+        small = llama8b(args.profile_layers, args.tiny)
+        items = [(i.split("@")[0], int(i.split("@")[1])) for i in args.profile.split(",")]
+        probes.section_profile(small, items, rows, out, deadline)
+
+    def run_batch():
+        for b in (1, 4, 16):
+            section_step(full_model(), [32768], ["dense", "quest0.2", "attn-topk0.2"], rows, bw, acct, save, deadline,
+                         batch=b, section="batch")
+
+    def run_compiled():
+        for item in args.compiled.split(","):
+            name, n = item.split("@")
+            section_step(full_model(), [int(n)], [name], rows, bw, acct, save, deadline, section="compiled",
+                         mode="compiled", dense_ms=compiled_dense)
+
+    sections = {
+        "kernel": lambda: section_kernel(contexts, rows),
+        "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),
+        "gemv": lambda: probes.section_gemv(rows),
+        "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline),
+        "profile": run_profile,
+        "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline),
+        "batch": run_batch,
+        "compiled": run_compiled,
+        "hf": lambda: section_hf(full_model(), [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline),
+    }
+    unknown = [name for name in args.only.split(",") if name not in sections]
+    if unknown:
+        p.error(f"--only: unknown sections {unknown}; known: {', '.join(sections)}")
     try:
-        if "kernel" in only:
-            section_kernel(contexts, rows)
+        for name in args.only.split(","):  # in the order given: the first ones matter most under a deadline
+            sections[name]()
             save()
-        model = llama8b(args.layers, args.tiny) if only & {"step", "compiled", "batch", "hf"} else None
-        if "step" in only:
-            section_step(model, contexts, names, rows, bw, acct, save, deadline)
-        if "batch" in only:
-            for b in (1, 4, 16):
-                section_step(model, [32768], ["dense", "quest0.2", "attn-topk0.2"], rows, bw, acct, save, deadline,
-                             batch=b, section="batch")
-        if "compiled" in only:
-            for item in args.compiled.split(","):
-                name, n = item.split("@")
-                section_step(model, [int(n)], [name], rows, bw, acct, save, deadline, section="compiled",
-                             mode="compiled", dense_ms=compiled_dense)
-        if "hf" in only:
-            section_hf(model, [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline)
     except Deadline:
         print("deadline reached: later rows not run", flush=True)
         meta["stopped_at_deadline"] = True
     finally:
         save()
-
 
 if __name__ == "__main__":
     main()

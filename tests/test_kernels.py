@@ -49,7 +49,7 @@ pytestmark = pytest.mark.skipif(not dispatch.HAS_TRITON, reason="triton does not
 here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_kernels_in_fresh_interpreter")
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
-KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv) if m is not None)
+KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv, dispatch._select) if m is not None)
 
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
@@ -67,10 +67,10 @@ ATTENTION_SETTINGS = settings(max_examples=25, deadline=None, database=None)
 
 @contextmanager
 def poisoned():
-    """Make every buffer the kernels allocate start as NaN."""
+    """Make every buffer the kernels allocate start as NaN (integer buffers as -7)."""
 
     def alloc(*shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
 
     with ExitStack() as stack:
         for mod in KERNEL_MODULES:
@@ -488,3 +488,58 @@ def test_torch_compile_traces_through(monkeypatch):
     got = compiled(q, keys, values, sel.indices, sel.count, sel.log_weight, start, length)
     out, lse = ref.decode_attention(*args)
     torch.testing.assert_close(got, (out * 2, lse), rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-count selection
+
+
+@here
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 5),
+    n=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    absolute=st.booleans(),
+    ties=st.booleans(),
+    infinities=st.booleans(),
+    data=st.data(),
+)
+def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
+    """Same positions as the reference, ties (frequent in bf16 and after rounding) included."""
+    g = gen(seed)
+    s = torch.randn(rows, n, generator=g)
+    if ties:
+        s = (s * 4).round() / 4  # many equal scores, ±0 among them
+    if infinities:
+        s[:, : n // 3] = -torch.inf  # invalid entries
+        s[:, n - n // 4 :] = torch.inf  # forced entries
+    s = s.to(dtype).to(DEVICE)
+    k_max = data.draw(st.integers(0, n))
+    count = torch.tensor(data.draw(st.lists(st.integers(0, k_max + 2), min_size=rows, max_size=rows)), device=DEVICE)
+    if infinities and not absolute:  # callers never ask for invalid entries
+        count = torch.minimum(count, (s > -torch.inf).sum(-1))
+    with poisoned():
+        got = dispatch.select_top(s, count, k_max, absolute)
+    assert torch.equal(got, ref.select_top(s, count, k_max, absolute))
+
+
+@here
+def test_select_top_rows_longer_than_a_tile():
+    """Rows re-read per bisection step (longer than one tile) select what the reference selects."""
+    g = gen(5)
+    s = ((torch.randn(3, 300, generator=g) * 4).round() / 4).to(DEVICE)
+    count = torch.tensor([0, 17, 250], device=DEVICE)
+    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64), poisoned():
+        got = dispatch._select.select_top(s, count, 260)
+    assert torch.equal(got, ref.select_top(s, count, 260))
+
+
+def test_select_top_reference_semantics():
+    s = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.0, -torch.inf]])
+    # the 3 largest: 2.0 (pos 1), 2.0 (pos 3), 0.5 (pos 0) -> ascending positions, then zeros
+    assert ref.select_top(s, torch.tensor([3]), 5).tolist() == [[0, 1, 3, 0, 0]]
+    # a tie at the boundary goes to the lower position; |x| with absolute
+    assert ref.select_top(s, torch.tensor([1]), 2).tolist() == [[1, 0]]
+    assert ref.select_top(torch.tensor([[-3.0, 1.0, 2.0]]), torch.tensor([2]), 2, absolute=True).tolist() == [[0, 2]]

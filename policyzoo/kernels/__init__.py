@@ -36,6 +36,15 @@ def quest_page_bound(q, page_min, page_max, scale):
     return reference.quest_page_bound(q, page_min, page_max, scale)
 
 
+def select_top(scores, count, k_max, absolute=False):
+    """Positions of each row's ``count`` largest scores, ascending → ``int32[R, k_max]``; see
+    `reference.select_top`. Rows longer than the kernel keeps in registers go to the reference
+    (a sort), which is the faster of the two there."""
+    if dispatch.use_triton(scores) and scores.shape[-1] <= dispatch.MAX_SELECT_N:
+        return dispatch.select_top(scores, count, k_max, absolute)
+    return reference.select_top(scores, count, k_max, absolute)
+
+
 def sparse_linear(x, weight, bias, keep):
     """``F.linear`` over the kept input features only; see `reference.sparse_linear`."""
     if dispatch.use_triton(x):
@@ -64,6 +73,7 @@ __all__ = [
     "decode_attention_entmax15",
     "dense_probs",
     "quest_page_bound",
+    "select_top",
     "sparse_gemv_index",
     "sparse_gemv_threshold",
     "sparse_linear",

@@ -51,6 +51,9 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 # 64 tokens and 4 warps read ~2.5 TB/s at B=4 with 2k tokens and ~4 TB/s at B=4 with 32k.
 BLOCK_T = 64  # tokens per tile
 NUM_WARPS = 4  # of the kernels that read keys or values
+NUM_STAGES = 3  # software pipelining of the tile loop (the CUDA default)
+TARGET_PROGRAMS = 512  # chunks x KV heads x rows the split aims at
+MIN_CHUNK_TOKENS = 128  # tokens per program at least
 BLOCK_C = 32  # chunk partials per merge step
 # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
 # selection is then one step per pass).
@@ -378,12 +381,13 @@ def _entmax_out_kernel(
 
 
 def default_chunk(k_max: int, block: int, rows: int) -> int:
-    """Entries per chunk: enough programs to fill a GPU (~512), at least ~128 tokens per program.
+    """Entries per chunk: enough programs to fill a GPU (`TARGET_PROGRAMS`), at least
+    `MIN_CHUNK_TOKENS` tokens per program.
 
     Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
     """
     tokens = k_max * block
-    splits = max(1, min(triton.cdiv(tokens, 128), triton.cdiv(512, max(rows, 1))))
+    splits = max(1, min(triton.cdiv(tokens, MIN_CHUNK_TOKENS), triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
     return max(1, triton.cdiv(k_max, splits))
 
 
@@ -427,6 +431,7 @@ def decode_attention(
         G=g, G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot wants M >= 16
         D=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK=block, BLOCK_T=BLOCK_T, UPCAST=upcast, PRECISION=dtype_precision, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     grid = (n_chunks, h_kv, b)
     out = _alloc(b, h, d, dtype=q.dtype, device=q.device)

@@ -31,12 +31,16 @@ from ..selection import Selection
 try:
     from . import decode_attention as _attn
     from . import page_score as _page
+    from . import select_top as _select
     from . import sparse_gemv as _gemv
 
     HAS_TRITON = True
 except Exception:  # no triton, or a triton that cannot load here: the references serve every call
-    _attn = _page = _gemv = None
+    _attn = _page = _gemv = _select = None
     HAS_TRITON = False
+
+
+MAX_SELECT_N = 16384  # rows up to this long are selected by the Triton kernel (held in registers)
 
 
 def use_triton(t: Tensor) -> bool:
@@ -131,6 +135,26 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
 def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "max") -> Tensor:
     """`reference.quest_page_bound_grouped` on Triton: ``float32[B, H_kv, P]``."""
     return torch.ops.policyzoo.quest_page_bound(q, page_min, page_max, float(scale), agg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-count selection
+
+
+@torch.library.custom_op("policyzoo::select_top", mutates_args=())
+def _select_top_op(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
+    _need_triton()
+    return _select.select_top(scores, count, k_max, absolute)
+
+
+@_select_top_op.register_fake
+def _(scores, count, k_max, absolute=False):
+    return scores.new_empty(scores.shape[0], k_max, dtype=torch.int32)
+
+
+def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
+    """`reference.select_top` on Triton: ``int32[R, k_max]`` ascending positions, zeros after count."""
+    return torch.ops.policyzoo.select_top(scores, count, int(k_max), bool(absolute))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -191,13 +191,18 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
         scores: ``[B, H_kv, N]``, ``-inf`` where the entry is invalid.
         forced: ``bool[B, N]`` entries always kept (they outrank every score).
         k_max: static width of the selection.
-        count: ``int64[B]`` entries wanted per row; raised to the number of forced entries, capped
-            at ``k_max`` and at the number of valid entries.
+        count: entries wanted, ``int64[B]`` per row or ``[B, H_kv]`` per KV head; raised to the
+            number of forced entries, capped at ``k_max`` and at the number of valid entries.
+
+    The kept entries come in ascending position order (`kernels.select_top`: one threshold search
+    instead of a sorted top-k; the reads then follow memory order).
     """
+    b, h_kv, n = scores.shape
     valid = scores > -torch.inf
     ranked = torch.where(forced[:, None, :] & valid, torch.inf, scores)
-    top, idx = torch.topk(ranked, k_max, dim=-1, sorted=True)
     n_forced = (forced[:, None, :] & valid).sum(-1)
     n_valid = valid.sum(-1)
-    want = torch.maximum(count[:, None], n_forced).clamp(max=k_max)
-    return Selection(indices=idx.int(), count=torch.minimum(want, n_valid).int(), block=block)
+    want = torch.maximum(count if count.dim() == 2 else count[:, None], n_forced).clamp(max=k_max)
+    kept = torch.minimum(want, n_valid).int()
+    idx = kernels.select_top(ranked.reshape(b * h_kv, n), kept.reshape(-1), k_max)
+    return Selection(indices=idx.view(b, h_kv, k_max), count=kept, block=block)

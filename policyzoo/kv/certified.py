@@ -48,6 +48,29 @@ def _kept_per_page(state: KVState, sel: Selection) -> Tensor:
     return mask.view(*mask.shape[:2], cache.num_pages, cache.page_size).sum(-1)
 
 
+def priority_order(state: KVState, q: Tensor, wide: Selection, base: Selection, slack: float = DEFAULT_SLACK) -> Selection:
+    """``wide`` reordered for growing: ``base``'s entries first, then the others by page bound.
+
+    Policies return their entries in position order (`choose_topk`), but a certified prefix must
+    start with what the policy itself keeps (sinks, window, its budget) and then add the entries
+    most likely to carry mass. Any order gives valid bounds; this one certifies soonest. ``base``
+    must be a subset of ``wide`` (the same policy at a smaller budget is).
+    """
+    cache = state.cache
+    b, h, _ = q.shape
+    h_kv = state.keys.shape[1]
+    idx = wide.indices.long()
+    first_token = (idx * wide.block).clamp(max=cache.capacity - 1)
+    in_base = torch.gather(base.token_mask(cache.capacity), 2, first_token)
+    u = _page_bounds(state, q, slack).view(b, h_kv, h // h_kv, -1).amax(2)  # [B, H_kv, P]
+    page_of = torch.div(first_token, cache.page_size, rounding_mode="floor")
+    priority = torch.gather(u, 2, page_of)
+    priority = torch.where(in_base, torch.inf, priority)
+    priority = torch.where(wide.entry_valid(), priority, -torch.inf)
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    return Selection(torch.gather(wide.indices, 2, order), wide.count, block=wide.block)
+
+
 def _log_dropped_bound(state: KVState, q: Tensor, sel: Selection, slack: float) -> Tensor:
     """``float64[B, H]``: ``log U`` over the pages' unselected visible tokens."""
     b, h, _ = q.shape
@@ -162,9 +185,9 @@ def grow_until_certified(
 class Certified(KVSelector):
     """Grow a policy's selection until the certified dropped-mass bound is under ``eps``.
 
-    ``policy`` must produce priority-ordered selections without ``log_weight`` and have a
-    ``budget`` field (`Quest`, `AttentionTopK`, `EntmaxKV`): its own budget is the minimum, the same
-    policy at ``max_budget`` gives the candidates (static width), and the kept count is the
+    ``policy`` must produce selections without ``log_weight`` and have a ``budget`` field (`Quest`,
+    `AttentionTopK`, `EntmaxKV`): its own budget is the minimum, the same policy at ``max_budget``
+    gives the candidates (static width; reordered by `priority_order`), and the kept count is the
     shortest prefix that certifies (or all candidates). The bound of each step is left in
     ``state.store["certified_bound"]`` (``float32[B, H]``, allocated at prefill and written in place;
     no host sync). Cost per step: the policy's scoring twice (its own budget and the wide copy) plus
@@ -211,6 +234,7 @@ class Certified(KVSelector):
         wide = self._wide.select(state, q)
         if wide.log_weight is not None or base.log_weight is not None:
             raise ValueError("Certified needs a policy whose selections have no log_weight")
+        wide = priority_order(state, q, wide, base, self.slack)
         sel, bound = grow_until_certified(state, q, wide, self.eps, min_count=base.count, slack=self.slack)
         kept = state.store.get("certified_bound")
         if kept is not None and kept.shape == bound.shape:

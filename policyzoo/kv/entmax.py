@@ -206,10 +206,8 @@ class EntmaxKV(KVSelector):
         valid = state.page_valid()
         scores = self.page_scores(state, q)
         forced = forced_pages(state, self.sinks, self.window)
-        sel = choose_topk(scores, forced, k_max, count, block=self.page)
         if self.mode == "gaussian":
-            # Forced pages rank first, then positive margins: keep forced ∪ candidates under the cap.
+            # Keep forced ∪ candidates (positive margins), the best of them under the cap.
             f = forced[:, None, :] & valid[:, None, :]
-            keep = (f | (scores > 0)).sum(-1)
-            sel.count = torch.minimum(sel.count, keep.int())
-        return sel
+            count = torch.minimum(count[:, None], (f | (scores > 0)).sum(-1))  # per KV head
+        return choose_topk(scores, forced, k_max, count, block=self.page)

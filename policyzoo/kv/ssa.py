@@ -161,7 +161,7 @@ class SSA(KVSelector):
         state = self._rng.get(key)
         if state is None:
             state = torch.tensor([self.seed & _MASK32, (self.seed >> 32) & _MASK32, 0], device=device)
-            if state.device.type == "cuda":
+            if state.device.type == "cuda" and not torch.compiler.is_compiling():
                 torch._dynamo.mark_static_address(state)
             self._rng[key] = state
         return state

@@ -1,0 +1,240 @@
+"""Device probes behind the sweep's targets: why a step costs what it costs.
+
+Sections (``python benchmarks/sweep.py --only tune,gemv,select,profile``):
+  tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
+  gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
+           GEMV at keep 0.5 from an index list and from a threshold, and the top-k that names the kept
+           features
+  select   each KV policy's selection cost, separately from the attention it feeds, on one layer
+           (32 q / 8 KV heads, head dim 128, pages of 16), with the selection compiled
+           (torch.compile, default mode) and captured in a CUDA graph
+  profile  per-kernel GPU time of a compiled decode step (few layers, no CUDA graphs so the profiler
+           sees every kernel), grouped by kernel name; written as a table per setting
+
+Every figure is a median of CUDA-event timings after warm-up (`sweep.cuda_time_ms`, `graph_time_ms`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import sweep
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, kernels
+from policyzoo._compat import attn_implementation
+from policyzoo.attention import ATTN_IMPLEMENTATION
+from policyzoo.cache import PagedKVCache
+from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
+from policyzoo.kv.base import KVState
+from policyzoo.selection import Selection
+
+H, H_KV, D, PAGE = 32, 8, 128, 16
+
+
+def _dense_selection(b: int, pages: int, device) -> Selection:
+    idx = torch.arange(pages, device=device, dtype=torch.int32).expand(b, H_KV, -1).contiguous()
+    return Selection(idx, torch.full((b, H_KV), pages, device=device, dtype=torch.int32), block=PAGE)
+
+
+# ------------------------------------------------------------------------------------------ tune
+def section_tune(contexts, rows, grid=None):
+    """Time the dense split-K kernel over launch-parameter variants; SDPA on the same cache."""
+    dev = sweep.DEVICE
+    grid = grid or [(bt, w, st, tp) for bt in (64, 128) for w in (4, 8) for st in (2, 3, 4) for tp in (512, 1056)]
+    if dev == "cpu":  # smoke test under the interpreter: one variant
+        grid = grid[:1]
+    saved = (attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS)
+    for n in contexts:
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
+        sel, scale = _dense_selection(1, n // PAGE, dev), D**-0.5
+        ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
+        t_sdpa = sweep.graph_time_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True))
+        kv_bytes = 2 * H_KV * n * D * 2
+        rows.append({"section": "tune", "setting": "torch SDPA", "context": n, "us": t_sdpa * 1e3,
+                     "TB/s": kv_bytes / (t_sdpa * 1e-3) / 1e12})
+        for bt, w, st, tp in grid:
+            row = {"section": "tune", "setting": f"BLOCK_T={bt} warps={w} stages={st} programs={tp}", "context": n}
+            try:
+                attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS = bt, w, st, tp
+                out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = sweep.graph_time_ms(lambda: attn_module.decode_attention(
+                    q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale))
+                row.update({"us": t * 1e3, "TB/s": kv_bytes / (t * 1e-3) / 1e12, "vs_sdpa": t_sdpa / t, "rel_err": err})
+                print(f"tune n={n} {row['setting']:<42} {t*1e3:7.1f} us  x{t_sdpa/t:4.2f} of SDPA  err {err:.1e}", flush=True)
+            except Exception as e:  # a variant that does not compile (too many registers) is a row too
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+        attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS = saved
+
+
+# ------------------------------------------------------------------------------------------ gemv
+GEMV_SHAPES = {"q|k|v 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096),
+               "gate|up 4096->28672": (4096, 28672), "down 14336->4096": (14336, 4096)}
+
+
+def section_gemv(rows, keep: float = 0.5):
+    dev = sweep.DEVICE
+    for label, (d_in, d_out) in GEMV_SHAPES.items():
+        if dev == "cpu":  # smoke test: the same code at toy sizes
+            d_in, d_out = d_in // 64, d_out // 64
+        x = torch.randn(1, d_in, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(d_out, d_in, device=dev, dtype=torch.bfloat16) * 0.02
+        w_t = w.t().contiguous()
+        k = math.ceil(keep * d_in)
+        idx = x.abs().topk(k, dim=-1, sorted=False).indices
+        t = x.abs().float().kthvalue(d_in - k + 1, dim=-1).values.reshape(())
+        wbytes = d_in * d_out * 2
+        variants = {
+            "cuBLAS x@W^T (W out-major)": (lambda: F.linear(x, w), 1.0),
+            "cuBLAS x@w_t (input-major view)": (lambda: F.linear(x, w_t.t()), 1.0),
+            f"sparse GEMV index keep {keep}": (lambda: kernels.sparse_gemv_index(x, idx, w_t), keep),
+            f"sparse GEMV threshold keep {keep}": (lambda: kernels.sparse_gemv_threshold(x, t, w_t), keep),
+            f"topk of |x| (k={k})": (lambda: x.abs().topk(k, dim=-1, sorted=False), 0.0),
+            f"topk + sparse GEMV index": (lambda: kernels.sparse_gemv_index(x, x.abs().topk(k, dim=-1, sorted=False).indices, w_t), keep),
+        }
+        dense_us = None
+        for name, (fn, frac) in variants.items():
+            us = sweep.graph_time_ms(fn) * 1e3
+            dense_us = dense_us or us
+            row = {"section": "gemv", "shape": label, "setting": name, "us": us,
+                   "TB/s": wbytes * frac / (us * 1e-6) / 1e12 if frac else float("nan"), "vs_cublas": dense_us / us}
+            rows.append(row)
+            print(f"gemv {label:<22} {name:<36} {us:7.1f} us  {row['TB/s']:5.2f} TB/s  x{dense_us/us:4.2f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------- select
+def select_policies(keep: float = 0.1) -> dict:
+    return {
+        f"quest{keep}": lambda: Quest(keep, page=PAGE, window=64),
+        f"attn-topk{keep}": lambda: AttentionTopK(keep, window=64),
+        f"ssa{keep / 2}+{keep / 2}": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64),
+        f"entmax-kv{keep} (softmax)": lambda: EntmaxKV(keep, page=PAGE, window=64),
+    }
+
+
+def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
+    dev = sweep.DEVICE
+    cache = PagedKVCache(1, 1, H_KV, D, n + margin, page_size=PAGE, dtype=torch.bfloat16, device=dev)
+    cache.reset(torch.zeros(1, dtype=torch.long, device=dev), n)
+    g = torch.Generator(device=dev).manual_seed(1)
+    cache.keys[0][:, :, :n].normal_(generator=g)
+    cache.values[0][:, :, :n].normal_(generator=g)
+    cache._summarise(0, slice(0, math.ceil(n / PAGE)))
+    return cache
+
+
+def section_select(contexts, rows, deadline: float, keep: float = 0.1):
+    """Per layer: selection time, attention time over it, and dense attention, for each policy."""
+    dev = sweep.DEVICE
+    for n in contexts:
+        if time.perf_counter() > deadline:
+            raise sweep.Deadline
+        cache = filled_cache(n)
+        state = KVState(cache, 0, D**-0.5)
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        dense = _dense_selection(1, cache.num_pages, dev)
+        dense.count = torch.full_like(dense.count, math.ceil(n / PAGE))
+
+        def attend(sel):
+            return kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, state.scale)
+
+        dense_us = sweep.graph_time_ms(lambda: attend(dense)) * 1e3
+        rows.append({"section": "select", "setting": "dense", "context": n, "attention_us": dense_us, "total_us": dense_us})
+        for name, make in select_policies(keep).items():
+            row = {"section": "select", "setting": name, "context": n}
+            try:
+                policy = make()
+                policy.select(state, q)  # eager first: lazily made state (SSA's generator) exists before tracing
+                torch._dynamo.reset()
+                t0 = time.perf_counter()
+                try:
+                    select = torch.compile(lambda: policy.select(state, q), dynamic=False)
+                    sel = select()
+                except Exception as e:  # Triton 3.6 rejects some very wide persistent reductions
+                    print(f"select {name}@{n}: compile failed ({type(e).__name__}); retrying without persistent reductions")
+                    row["note"] = "compiled without persistent reductions"
+                    torch._dynamo.reset()
+                    select = torch.compile(lambda: policy.select(state, q), dynamic=False,
+                                           options={"triton.persistent_reductions": False})
+                    sel = select()
+                compile_s = time.perf_counter() - t0
+                kept = float((sel.count.float() * sel.block).mean()) / n
+                sel_us = sweep.graph_time_ms(select) * 1e3
+                attn_us = sweep.graph_time_ms(lambda: attend(sel)) * 1e3
+                total = sel_us + attn_us
+                row.update({"kv_keep": kept, "select_us": sel_us, "attention_us": attn_us, "total_us": total,
+                            "attention_speedup": dense_us / attn_us, "speedup": dense_us / total,
+                            "bound": 1 / kept, "compile_s": compile_s})
+                print(f"select n={n:>7} {name:<24} keep {kept:5.3f} select {sel_us:6.1f} us + attention {attn_us:6.1f} us "
+                      f"vs dense {dense_us:6.1f} us: x{dense_us/total:4.2f} (attention alone x{dense_us/attn_us:4.2f}, bound {1/kept:4.1f})",
+                      flush=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                print(f"select n={n} {name}: FAILED {row['error']}", flush=True)
+                traceback.print_exc()
+            rows.append(row)
+
+
+# --------------------------------------------------------------------------------------- profile
+def section_profile(model, items, rows, out, deadline: float, steps: int = 5):
+    """Per-kernel GPU time of compiled decode steps; ``items`` are ``(setting, context)`` pairs."""
+    for name, n in items:
+        if time.perf_counter() > deadline:
+            raise sweep.Deadline
+        try:
+            _profile_one(model, name, n, rows, out, steps)
+        except Exception as e:
+            rows.append({"section": "profile", "setting": name, "context": n, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"profile {name}@{n}: FAILED {e}", flush=True)
+            traceback.print_exc()
+
+
+def _profile_one(model, name, n, rows, out, steps):
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = sweep.DEVICE
+    layers = len(model.model.layers)
+    out.mkdir(parents=True, exist_ok=True)
+    activity = ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU  # cpu: smoke test
+    kv_f, proj_f, _, _ = sweep.settings()[name]
+    torch._dynamo.reset()
+    dec = Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
+    token = torch.randint(1, 1000, (1, 1), device=dev)
+    try:
+        with attn_implementation(model, ATTN_IMPLEMENTATION):
+            sweep.fill_cache(dec, 1, n, margin=64)
+            dec.runtime.phase = "decode"
+            dec.compile(mode="default")  # no CUDA graphs: the profiler then sees each kernel
+            for _ in range(3):
+                dec._step(token)
+            dec.runtime.cache.length.fill_(n)
+            sweep.sync()
+            with profile(activities=[activity]) as prof:
+                for _ in range(steps):
+                    dec._step(token)
+                sweep.sync()
+    finally:
+        dec.runtime.phase = "idle"
+    events = [e for e in prof.key_averages() if e.device_type.name == dev.upper() and e.device_time_total > 0]
+    total_us = sum(e.device_time_total for e in events) / steps
+    launches = sum(e.count for e in events) / steps
+    lines = [f"## {name} @ {n} ({layers} layers): {total_us:.0f} us of kernels per step, {launches:.0f} kernels per step", "",
+             "| kernel | per step (us) | calls per step | share |", "|---|---|---|---|"]
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:40]:
+        per = e.device_time_total / steps
+        lines.append(f"| `{e.key[:90]}` | {per:.1f} | {e.count / steps:.0f} | {per / total_us:.1%} |")
+    (out / f"profile-{name}-{n}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:25]), flush=True)
+    rows.append({"section": "profile", "setting": name, "context": n, "layers": layers,
+                 "kernel_us_per_step": total_us, "kernels_per_step": launches})
+    dec = None
+    if dev == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,136 @@
+"""Top-``count`` selection by threshold search and compaction (Triton); spec: `reference.select_top`.
+
+``torch.topk`` on a GPU costs 20–50 µs per call at decode sizes (a radix select over several
+launches, plus a sort when the order matters), more than the reads it saves for a keep-0.5
+projection or a page selection. Here one program per row does it in one launch:
+
+1. Map each score to an ``int32`` key with the same order (a float's bits, negatives flipped), so
+   ties are exact; bf16 inputs carry only 16 significant bits, so their keys are shifted right by 16.
+2. Bisect for the largest key ``T`` with ``#{key >= T} >= count`` (one count per step: 32 steps for
+   fp32, 16 for bf16, 15 for bf16 magnitudes).
+3. Keep every key ``> T`` and the first ``count − #{key > T}`` keys ``== T`` by position, and write
+   their positions in ascending order (a running prefix sum), zeros after ``count``.
+
+The whole row is held in registers when it fits one tile (``BLOCK_N``, up to 16384 entries: every
+activation vector and the pages of a 256K context); longer rows are re-read per step (correct, but
+the torch reference is the faster choice there, see `dispatch.select_top`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
+
+
+def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The output comes from here (uninitialised; the tests poison it)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
+    """Order-preserving int32 keys of the scores at ``offs`` (``-2^31`` off the end)."""
+    x = tl.load(s_row + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if ABS:
+        x = tl.abs(x)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0 as floats, but not as bits
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives: larger magnitude, smaller key
+    key = key >> SHIFT
+    return tl.where(offs < n, key, -2147483648)
+
+
+@triton.jit
+def _select_top_kernel(
+    s_ptr, cnt_ptr, idx_ptr,
+    n, k_max, s_row_stride, i_row_stride,
+    ABS: tl.constexpr, SHIFT: tl.constexpr, ITERS: tl.constexpr, LO: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    s_row = s_ptr + row * s_row_stride
+    i_row = idx_ptr + row * i_row_stride
+    c = tl.minimum(tl.load(cnt_ptr + row).to(tl.int32), k_max)
+    c = tl.minimum(tl.maximum(c, 0), n)
+    offs = tl.arange(0, BLOCK_N)
+    # Padding first: positions count..k_max-1 hold 0.
+    for p0 in range(0, k_max, BLOCK_N):
+        p = p0 + offs
+        tl.store(i_row + p, tl.zeros((BLOCK_N,), tl.int32), mask=(p < k_max) & (p >= c))
+
+    want = tl.maximum(c, 1)  # count 0 selects nothing (masked below); the search needs >= 1
+    lo = tl.full((), LO, tl.int64)
+    hi = tl.full((), LO + (1 << ITERS), tl.int64)
+    if SINGLE:
+        key = _keys(s_row, offs, n, ABS, SHIFT).to(tl.int64)
+    for _ in range(ITERS):
+        mid = lo + (hi - lo) // 2
+        if SINGLE:
+            n_ge = tl.sum((key >= mid).to(tl.int32), axis=0)
+        else:
+            n_ge = tl.zeros((), tl.int32)
+            for t0 in range(0, n, BLOCK_N):
+                k = _keys(s_row, t0 + offs, n, ABS, SHIFT).to(tl.int64)
+                n_ge += tl.sum((k >= mid).to(tl.int32), axis=0)
+        up = n_ge >= want
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid)
+    threshold = lo
+
+    # Compaction: every key above the threshold, then ties by position until count is reached.
+    if SINGLE:
+        n_gt = tl.sum((key > threshold).to(tl.int32), axis=0)
+    else:
+        n_gt = tl.zeros((), tl.int32)
+        for t0 in range(0, n, BLOCK_N):
+            k = _keys(s_row, t0 + offs, n, ABS, SHIFT).to(tl.int64)
+            n_gt += tl.sum((k > threshold).to(tl.int32), axis=0)
+    ties_wanted = c - n_gt
+    ties_seen = tl.zeros((), tl.int32)
+    written = tl.zeros((), tl.int32)
+    for t0 in range(0, n, BLOCK_N):
+        if SINGLE:
+            k = key
+        else:
+            k = _keys(s_row, t0 + offs, n, ABS, SHIFT).to(tl.int64)
+        valid = (t0 + offs) < n
+        tie = (k == threshold) & valid
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among ties so far
+        keep = valid & ((k > threshold) | (tie & (tie_rank <= ties_wanted)))
+        keep = keep & (tl.zeros_like(tie_rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
+        pos = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(i_row + pos, (t0 + offs).to(tl.int32), mask=keep)
+        ties_seen += tl.sum(tie.to(tl.int32), axis=0)
+        written += tl.sum(keep.to(tl.int32), axis=0)
+
+
+def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
+    """``int32[R, k_max]``: per row of ``scores [R, N]``, the positions of its ``count[r]`` largest
+    entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros (`reference.select_top`)."""
+    from .decode_attention import INTERPRET
+
+    if scores.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    if scores.dim() != 2 or count.shape != scores.shape[:1]:
+        raise ValueError(f"expected scores [R, N] and count [R], got {tuple(scores.shape)} and {tuple(count.shape)}")
+    r, n = scores.shape
+    idx = _alloc(r, k_max, dtype=torch.int32, device=scores.device)
+    if r == 0 or k_max == 0:
+        return idx
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    count = count.contiguous()
+    half = scores.dtype == torch.bfloat16  # 16 significant bits: the low half of the key is zero
+    shift = 16 if half else 0
+    bits = 32 - shift - (1 if absolute else 0)  # a magnitude's key is never negative
+    lo = 0 if absolute else -(1 << (31 - shift))
+    block = min(MAX_BLOCK_N, triton.next_power_of_2(max(n, 16)))
+    num_warps = 4 if block <= 4096 else 8 if block <= 8192 else 16
+    _select_top_kernel[(r,)](
+        scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
+        ABS=absolute, SHIFT=shift, ITERS=bits, LO=lo, BLOCK_N=block, SINGLE=n <= block, num_warps=num_warps,
+    )
+    return idx
