@@ -90,6 +90,7 @@ def section_gemv(rows, keep: float = 0.5):
         w_t = w.t().contiguous()
         k = math.ceil(keep * d_in)
         idx = x.abs().topk(k, dim=-1, sorted=False).indices
+        count = torch.full((1,), k, dtype=torch.int32, device=dev)
         t = x.abs().float().kthvalue(d_in - k + 1, dim=-1).values.reshape(())
         wbytes = d_in * d_out * 2
         variants = {
@@ -98,7 +99,9 @@ def section_gemv(rows, keep: float = 0.5):
             f"sparse GEMV index keep {keep}": (lambda: kernels.sparse_gemv_index(x, idx, w_t), keep),
             f"sparse GEMV threshold keep {keep}": (lambda: kernels.sparse_gemv_threshold(x, t, w_t), keep),
             f"topk of |x| (k={k})": (lambda: x.abs().topk(k, dim=-1, sorted=False), 0.0),
-            f"topk + sparse GEMV index": (lambda: kernels.sparse_gemv_index(x, x.abs().topk(k, dim=-1, sorted=False).indices, w_t), keep),
+            "topk + sparse GEMV index": (lambda: kernels.sparse_gemv_index(x, x.abs().topk(k, dim=-1, sorted=False).indices, w_t), keep),
+            f"select_top of |x| (k={k})": (lambda: kernels.select_top(x, count, k, absolute=True), 0.0),
+            "select_top + sparse GEMV index": (lambda: kernels.sparse_gemv_index(x, kernels.select_top(x, count, k, absolute=True), w_t), keep),
         }
         dense_us = None
         for name, (fn, frac) in variants.items():
@@ -108,6 +111,39 @@ def section_gemv(rows, keep: float = 0.5):
                    "TB/s": wbytes * frac / (us * 1e-6) / 1e12 if frac else float("nan"), "vs_cublas": dense_us / us}
             rows.append(row)
             print(f"gemv {label:<22} {name:<36} {us:7.1f} us  {row['TB/s']:5.2f} TB/s  x{dense_us/us:4.2f}", flush=True)
+
+
+def section_gemv_tune(rows, keep: float = 0.5):
+    """The index GEMV at keep 0.5 over launch parameters (outputs per program, rows per tile, warps)."""
+    from policyzoo.kernels.dispatch import _gemv as gemv_module
+
+    dev = sweep.DEVICE
+    saved = (gemv_module.BLOCK_K, gemv_module.NUM_WARPS)
+    grid = [(bn, bk, w) for bn in (64, 128, 256) for bk in (32, 64, 128) for w in (4, 8)]
+    if dev == "cpu":
+        grid = grid[:1]
+    for label, (d_in, d_out) in GEMV_SHAPES.items():
+        if dev == "cpu":
+            d_in, d_out = d_in // 64, d_out // 64
+        x = torch.randn(1, d_in, device=dev, dtype=torch.bfloat16)
+        w_t = torch.randn(d_in, d_out, device=dev, dtype=torch.bfloat16) * 0.02
+        idx = kernels.select_top(x, torch.full((1,), math.ceil(keep * d_in), dtype=torch.int32, device=dev),
+                                 math.ceil(keep * d_in), absolute=True)
+        ref = kernels.reference.sparse_gemv_index(x.float(), idx, w_t.float())
+        wbytes = d_in * d_out * 2 * keep
+        for bn, bk, w in grid:
+            row = {"section": "gemvtune", "shape": label, "setting": f"BLOCK_N={bn} BLOCK_K={bk} warps={w}"}
+            try:
+                gemv_module.BLOCK_K, gemv_module.NUM_WARPS = bk, w
+                y = gemv_module.sparse_gemv_index(x, idx, w_t, block_n=bn)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                us = sweep.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t, block_n=bn)) * 1e3
+                row.update({"us": us, "TB/s": wbytes / (us * 1e-6) / 1e12, "rel_err": err})
+                print(f"gemvtune {label:<22} {row['setting']:<34} {us:7.1f} us {row['TB/s']:5.2f} TB/s err {err:.1e}", flush=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+        gemv_module.BLOCK_K, gemv_module.NUM_WARPS = saved
 
 
 # ---------------------------------------------------------------------------------------- select

@@ -41,7 +41,7 @@ def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives: larger magnitude, smaller key
     key = key >> SHIFT
-    return tl.where(offs < n, key, -2147483648)
+    return tl.where(offs < n, key, -2147483647 - 1)
 
 
 @triton.jit
@@ -66,20 +66,21 @@ def _select_top_kernel(
     lo = tl.full((), LO, tl.int64)
     hi = tl.full((), LO + (1 << ITERS), tl.int64)
     if SINGLE:
-        key = _keys(s_row, offs, n, ABS, SHIFT).to(tl.int64)
+        key = _keys(s_row, offs, n, ABS, SHIFT)
     for _ in range(ITERS):
-        mid = lo + (hi - lo) // 2
+        # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
+        mid = (lo + (hi - lo) // 2).to(tl.int32)
         if SINGLE:
             n_ge = tl.sum((key >= mid).to(tl.int32), axis=0)
         else:
             n_ge = tl.zeros((), tl.int32)
             for t0 in range(0, n, BLOCK_N):
-                k = _keys(s_row, t0 + offs, n, ABS, SHIFT).to(tl.int64)
+                k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
                 n_ge += tl.sum((k >= mid).to(tl.int32), axis=0)
         up = n_ge >= want
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid)
-    threshold = lo
+        lo = tl.where(up, mid.to(tl.int64), lo)
+        hi = tl.where(up, hi, mid.to(tl.int64))
+    threshold = lo.to(tl.int32)
 
     # Compaction: every key above the threshold, then ties by position until count is reached.
     if SINGLE:
@@ -87,7 +88,7 @@ def _select_top_kernel(
     else:
         n_gt = tl.zeros((), tl.int32)
         for t0 in range(0, n, BLOCK_N):
-            k = _keys(s_row, t0 + offs, n, ABS, SHIFT).to(tl.int64)
+            k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
             n_gt += tl.sum((k > threshold).to(tl.int32), axis=0)
     ties_wanted = c - n_gt
     ties_seen = tl.zeros((), tl.int32)
@@ -96,7 +97,7 @@ def _select_top_kernel(
         if SINGLE:
             k = key
         else:
-            k = _keys(s_row, t0 + offs, n, ABS, SHIFT).to(tl.int64)
+            k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
         valid = (t0 + offs) < n
         tie = (k == threshold) & valid
         tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among ties so far
