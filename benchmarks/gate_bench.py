@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import fill_cache, llama8b  # noqa: E402  (benchmarks/, the script's folder)
 from policyzoo import Decoder, Quest, TopK  # noqa: E402
 from policyzoo._compat import attn_implementation  # noqa: E402
 from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
@@ -54,40 +55,6 @@ from policyzoo.bytes import SETTINGS, ByteAccount, format_context, parse_tokens 
 from policyzoo.gate import Gate, device_name  # noqa: E402
 
 POLICIES = ("gate", "always-both", "always-proj", "always-kv", "always-dense")
-
-
-def build_model(device: str, tiny: bool, layers: int | None):
-    """Llama-3.1-8B shape with random weights (bf16 on CUDA), or a toy model of the same structure."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=128256, num_hidden_layers=layers or 32)  # fmt: skip
-    if tiny:
-        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, vocab_size=1024, num_hidden_layers=layers or 2)  # fmt: skip
-    cfg = LlamaConfig(**dims, max_position_embeddings=262144, rope_theta=500000.0, tie_word_embeddings=False,
-                      pad_token_id=0, eos_token_id=None, bos_token_id=None)  # fmt: skip
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-def fill(dec: Decoder, n: int, capacity: int, gen: torch.Generator) -> None:
-    """Reset the Decoder's cache (allocated once, for ``capacity`` tokens) to ``n`` random tokens."""
-    dev = dec.device
-    dec._prepare_cache(1, capacity, torch.zeros(1, dtype=torch.long, device=dev), n)
-    cache = dec.runtime.cache
-    for layer in range(cache.num_layers):
-        cache.keys[layer][:, :, :n].normal_(generator=gen)
-        cache.values[layer][:, :, :n].normal_(generator=gen)
-        cache._summarise(layer, slice(0, -(-n // cache.page_size)))
 
 
 @torch.no_grad()  # as in generate: the compiled step's entries are shared with it (grad mode is guarded)
@@ -113,7 +80,7 @@ def decode_ms(dec: Decoder, steps: int, token: torch.Tensor) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     device = args.device
-    model = build_model(device, args.tiny, args.layers)
+    model = llama8b(device, args.layers, args.tiny)
     kv = Quest(args.kv_keep, page=16, window=args.window)
     proj = TopK(args.proj_keep)
     dec = Decoder(model, kv=kv, proj=proj, compile=args.compile)
@@ -126,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
 
     gen = torch.Generator(device=device).manual_seed(args.seed)
     with attn_implementation(model, ATTN_IMPLEMENTATION):
-        fill(dec, min(calib), capacity, gen)  # the cache at its final size: calibration reuses it (no recompile later)
+        fill_cache(dec, 1, min(calib), capacity, gen)  # the cache at its final size: calibration reuses it (no recompile later)
     t0 = time.perf_counter()
     quality = json.loads(Path(args.quality).read_text()) if args.quality else None
     gate = Gate.calibrate(dec, contexts=calib, steps=args.calib_steps, reps=args.calib_reps, warmup=3 if args.compile else 1,
@@ -145,11 +112,11 @@ def run(args: argparse.Namespace) -> dict:
     with attn_implementation(model, ATTN_IMPLEMENTATION):
         for s in available:  # warm-up: compile each setting's step once, outside the timed runs
             dec.use(s)
-            fill(dec, min(requests), capacity, gen)
+            fill_cache(dec, 1, min(requests), capacity, gen)
             decode_ms(dec, 3, token)
         for i, n in enumerate(requests):
             context = n + new // 2
-            fill(dec, n, capacity, gen)
+            fill_cache(dec, 1, n, capacity, gen)
             for k in range(len(POLICIES)):  # every policy on this request, in an order that rotates
                 policy = POLICIES[(i + k) % len(POLICIES)]
                 setting = gate.choose(context, available) if policy == "gate" else policy.removeprefix("always-")

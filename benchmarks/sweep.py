@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import statistics
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common  # noqa: E402  (benchmarks/, the script's folder)
 from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK  # noqa: E402
 from policyzoo._compat import attn_implementation  # noqa: E402
 from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
@@ -131,38 +131,12 @@ def copy_bandwidth() -> float:
 
 # ------------------------------------------------------------------------------------- model
 def llama8b(layers: int | None = None, tiny: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=128256)
-    if tiny:  # the smoke test's stand-in: same structure, toy sizes
-        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, vocab_size=1024)
-    cfg = LlamaConfig(
-        **dims, num_hidden_layers=layers or 32, max_position_embeddings=262144,
-        rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-    try:
-        with torch.device(DEVICE):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.generation_config.eos_token_id = None
-    return model.eval()
+    return common.llama8b(DEVICE, layers, tiny)
 
 
 def fill_cache(dec: Decoder, batch: int, n: int, margin: int) -> None:
     """Allocate the Decoder's cache for ``n + margin`` tokens and fill ``n`` with random K/V."""
-    dec._prepare_cache(batch, n + margin, torch.zeros(batch, dtype=torch.long, device=DEVICE), n)
-    cache = dec.runtime.cache
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    for layer in range(cache.num_layers):
-        cache.keys[layer][:, :, :n].normal_(generator=g)
-        cache.values[layer][:, :, :n].normal_(generator=g)
-        cache._summarise(layer, slice(0, math.ceil(n / cache.page_size)))
+    common.fill_cache(dec, batch, n, n + margin, torch.Generator(device=DEVICE).manual_seed(1))
 
 
 def time_step(dec: Decoder, batch: int, n: int, steps: int, reps: int, mode: str) -> tuple[float, float]:

@@ -1,0 +1,46 @@
+"""What the device benchmarks share: the Llama-3.1-8B-shaped model with random weights, and a cache
+filled with random keys and values (speed does not depend on the values at fixed budgets)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from policyzoo import Decoder
+
+
+def llama8b(device: str, layers: int | None = None, tiny: bool = False):
+    """Llama-3.1-8B shape with random weights (bf16 on CUDA), or a toy model of the same structure
+    (``tiny``, for CPU smoke tests); ``layers`` defaults to 32 (2 when tiny)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, vocab_size=128256)  # fmt: skip
+    if tiny:
+        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=32, vocab_size=1024)  # fmt: skip
+    cfg = LlamaConfig(**dims, num_hidden_layers=layers or (2 if tiny else 32), max_position_embeddings=262144,
+                      rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None,
+                      bos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch.Generator) -> None:
+    """Give the Decoder a cache for ``capacity`` tokens (reused when it already has one that size) and
+    fill its first ``n`` slots with random keys and values, summaries included (no prefill)."""
+    dec._prepare_cache(batch, capacity, torch.zeros(batch, dtype=torch.long, device=dec.device), n)
+    cache = dec.runtime.cache
+    for layer in range(cache.num_layers):
+        cache.keys[layer][:, :, :n].normal_(generator=generator)
+        cache.values[layer][:, :, :n].normal_(generator=generator)
+        cache._summarise(layer, slice(0, math.ceil(n / cache.page_size)))
