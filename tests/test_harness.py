@@ -196,3 +196,13 @@ def test_cli_eval_runs_a_saved_dataset(tmp_path, monkeypatch):
     (row,) = res["rows"]
     assert (row["setting"], row["task"], row["length"], row["n"], row["steps"]) == ("attn-topk:16,sinks=2,window=4", "ppl", 48, 3, 6)
     assert not (out / "accuracy.png").exists()
+
+
+def test_a_sampling_policy_gives_each_batch_the_same_draws_whatever_ran_before():
+    # SSA's random stream restarts per batch: a record's result does not depend on the grid's order.
+    model = tiny_model("llama")
+    first, second = [_ppl_record(length=90, seed=3)], [_ppl_record(length=70, seed=4)]
+    settings = harness.make_settings(["ssa:budget=4,sample=4,proxy=exact,window=4"], ["none"])
+    alone = harness.evaluate(model, None, settings, second, progress=False)["rows"][0]
+    after = [r for r in harness.evaluate(model, None, settings, first + second, progress=False)["rows"] if r["length"] == 70]
+    assert after[0]["ppl"] == alone["ppl"] and after[0]["delta_mean"] == alone["delta_mean"]
