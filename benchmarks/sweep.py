@@ -46,6 +46,7 @@ from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK  # noqa
 from policyzoo._compat import attn_implementation  # noqa: E402
 from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
 from policyzoo.bytes import ByteAccount  # noqa: E402
+from policyzoo.proj.base import uninstall as uninstall_projections  # noqa: E402
 from policyzoo.selection import Selection  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -277,7 +278,7 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
             self.t.append(time.perf_counter())
             return scores
 
-    Decoder(model)  # drops projection wrappers a previous setting left on the model
+    uninstall_projections(model)  # the plain HF model: no wrappers a previous setting left on it
     for n in contexts:
         ids = torch.randint(1, 1000, (1, n), device=DEVICE)
         for label, kwargs in (("HF eager (dynamic cache)", {}), ("HF static cache compiled", {"cache_implementation": "static"})):

@@ -21,7 +21,7 @@ from .attention import ATTN_IMPLEMENTATION, Runtime
 from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState
 from .kv.dense import Dense
-from .proj.base import ProjectionSparsifier
+from .proj.base import ProjectionSparsifier, fuse_shared_inputs
 from .proj.base import uninstall as uninstall_projections
 
 DEFAULT_PAGE_SIZE = 16
@@ -31,8 +31,10 @@ class Decoder:
     """Sparse decoding over a loaded HF causal LM (Llama, Mistral, Qwen2, Qwen3 families).
 
     Args:
-        model: a ``*ForCausalLM`` model; it is modified in place (attention implementation and,
-            with ``proj``, its linear layers).
+        model: a ``*ForCausalLM`` model; it is modified in place: its attention implementation
+            while decoding, and its linear layers (``proj``'s wrappers; on CUDA, q/k/v and gate/up
+            become one GEMM each over a shared weight buffer). `policyzoo.proj.base.uninstall(model)`
+            puts the plain linears back; a new Decoder on the same model replaces the old wrappers.
         kv: a KV policy (`Window`, `AttentionTopK`, `Quest`, ...); ``None`` attends densely.
         proj: a projection sparsifier (`TopK`, `Threshold`); ``None`` keeps projections dense.
         page_size: cache page size; defaults to the policy's page (e.g. ``Quest(page=32)``) or 16.
@@ -85,6 +87,8 @@ class Decoder:
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if proj is not None:
             proj.install(model, self.runtime)
+        else:
+            fuse_shared_inputs(model, self.runtime)  # q/k/v and gate/up as one GEMM each (kernel path)
         self._dense = self.runtime.policy if kv is None else Dense()  # one instance: a compiled step guards on it
         self.setting = ("both" if proj is not None else "kv") if kv is not None else ("proj" if proj is not None else "dense")
         self.last_choice: str | None = None

@@ -157,15 +157,8 @@ def test_shared_input_leaves_nothing_pending_and_recomputes_for_another_input(mo
         torch.testing.assert_close(y[:, 0], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_threshold_keeps_one_selection_per_projection(monkeypatch):
-    # Thresholds are per projection, so their kept sets differ: no sharing.
-    monkeypatch.setenv("POLICYZOO_TRITON", "1")
-    model = tiny_model("llama")
-    Decoder(model, proj=Threshold(0.5, thresholds={f"{i}.{t}": 0.5 for i in range(2) for t in ("q", "k", "v", "o", "gate", "up", "down")}))
-    assert model.model.layers[0].self_attn.q_proj.group is None
-
-
-def test_shared_input_groups_compile_into_one_graph(monkeypatch):
+@pytest.mark.parametrize("make", [lambda: TopK(0.5), lambda: None], ids=["topk", "dense"])
+def test_shared_input_groups_compile_into_one_graph(monkeypatch, make):
     # The group's hand-over between members is plain Python state: dynamo must trace it without a
     # graph break and leave it as it found it (no recompile from one step to the next).
     from torch._dynamo.utils import counters
@@ -173,11 +166,42 @@ def test_shared_input_groups_compile_into_one_graph(monkeypatch):
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
     model = tiny_model("llama")
     ids, mask = padded_batch(2, 10)
-    expected = Decoder(copy.deepcopy(model), proj=TopK(0.5)).generate(ids, 6, attention_mask=mask)
+    expected = Decoder(copy.deepcopy(model), proj=make()).generate(ids, 6, attention_mask=mask)
     torch._dynamo.reset()
     counters.clear()
-    dec = Decoder(model, proj=TopK(0.5), compile=True)
+    dec = Decoder(model, proj=make(), compile=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = dec.generate(ids, 6, attention_mask=mask)
     assert torch.equal(out, expected)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dense_decoding_fuses_shared_inputs_on_the_kernel_path(monkeypatch, family):
+    # Without a sparsifier, q/k/v and gate/up still run as one GEMM each on the kernel path, in
+    # prefill and decode; the logits are the plain model's.
+    model = tiny_model(family)
+    ids, mask = padded_batch(3, 12)
+    _, expected = _decode_logits(copy.deepcopy(model), ids, mask, None)
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    dec, got = _decode_logits(model, ids, mask, None)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert attn.q_proj.group is attn.v_proj.group is not None and attn.q_proj.sparsifier is None
+    assert mlp.gate_proj.group is mlp.up_proj.group is not None and not isinstance(mlp.down_proj, SparseLinear)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_gated_dense_setting_uses_the_fused_gemm_and_threshold_keeps_its_own_selection(monkeypatch):
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 10)
+    thresholds = {f"{i}.{t}": 0.3 + 0.1 * j for i in range(2) for j, t in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
+    expected = Decoder(copy.deepcopy(model), proj=Threshold(0.5, thresholds=dict(thresholds)))
+    monkeypatch.delenv("POLICYZOO_TRITON")
+    ref_tokens = expected.generate(ids, 5, attention_mask=mask)  # reference path: per-projection masks
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    dec = Decoder(model, proj=Threshold(0.5, thresholds=dict(thresholds)))
+    assert model.model.layers[0].self_attn.q_proj.group is not None  # grouped for its dense GEMM
+    assert torch.equal(dec.generate(ids, 5, attention_mask=mask), ref_tokens)
+    dense = Decoder(copy.deepcopy(model)).use("dense")
+    assert torch.equal(dec.use("dense").generate(ids, 5, attention_mask=mask), dense.generate(ids, 5, attention_mask=mask))

@@ -4,10 +4,12 @@ A sparsifier decides *which* input features each decode token keeps (`keep_mask`
 wraps an `nn.Linear` and, in decode, computes the projection over the kept features only through
 `kernels.sparse_linear` (a sparse GEMV that reads only the kept weight columns). Prefill stays dense.
 
-Where the kept set depends on the input alone (`ProjectionSparsifier.input_only`, e.g. `TopK`),
-projections that read the same input (q/k/v, gate/up: `_compat.SHARED_INPUT`) form a `SharedInput`
-group on the kernel path: one selection and one GEMV over their concatenated input-major weights
-serve the whole group, instead of one top-k and one launch per projection.
+On the kernel path, projections that read the same input (q/k/v, gate/up: `_compat.SHARED_INPUT`)
+form a `SharedInput` group: one GEMM over their concatenated input-major weights computes all of
+them when they run dense (prefill, dense decoding: `fuse_shared_inputs` groups them for a Decoder
+without a sparsifier too), and, where the kept set depends on the input alone
+(`ProjectionSparsifier.input_only`, e.g. `TopK`), one selection and one sparse GEMV serve the group
+in sparse decoding, instead of one top-k and one launch per projection.
 """
 
 from __future__ import annotations
@@ -67,24 +69,48 @@ class ProjectionSparsifier:
         return kernels.sparse_linear(x, w_t.t(), bias, keep)
 
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
-        """Replace the target linears of every decoder layer by `SparseLinear` wrappers, grouping
-        projections of a shared input where the selection allows it."""
-        for i, layer in enumerate(decoder_layers(model)):
-            wrapped = {}
-            for target in self.targets:
-                parent_name, linear_name = PROJECTIONS[target]
-                parent = getattr(layer, parent_name)
-                linear = getattr(parent, linear_name)
-                if isinstance(linear, SparseLinear):
-                    linear = linear.linear
-                wrapped[target] = SparseLinear(linear, f"{i}.{target}", self, runtime)
-                setattr(parent, linear_name, wrapped[target])
-            if not self.input_only:
-                continue
-            for group in SHARED_INPUT:
-                members = [wrapped[t] for t in group if t in wrapped]
-                if len(members) > 1 and all(m.w_t is not None for m in members):
-                    SharedInput(members)
+        """Replace the target linears of every decoder layer by `SparseLinear` wrappers, and group
+        the projections of a shared input (`fuse_shared_inputs`)."""
+        _wrap(model, runtime, self.targets, self)
+        fuse_shared_inputs(model, runtime)
+
+
+def _wrap(model: nn.Module, runtime: "Runtime", targets: Sequence[str], sparsifier: "ProjectionSparsifier | None") -> None:
+    for i, layer in enumerate(decoder_layers(model)):
+        _wrap_layer(layer, i, targets, runtime, sparsifier)
+
+
+def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
+    """Group q/k/v and gate/up of every layer into `SharedInput`s on the kernel path.
+
+    Projections not wrapped yet are wrapped dense (no sparsifier). A group forms only when its
+    members share one sparsifier (or none): a projection sparsified alone keeps its own GEMV.
+    """
+    if not kernels.dispatch.use_triton(next(model.parameters())):
+        return  # the reference path keeps the model's own linears
+    targets = [t for group in SHARED_INPUT for t in group]
+    for i, layer in enumerate(decoder_layers(model)):
+        current = {t: getattr(getattr(layer, PROJECTIONS[t][0]), PROJECTIONS[t][1]) for t in targets}
+        dense = [t for t, m in current.items() if not isinstance(m, SparseLinear)]
+        if dense:
+            _wrap_layer(layer, i, dense, runtime)
+        for group in SHARED_INPUT:
+            members = [getattr(getattr(layer, PROJECTIONS[t][0]), PROJECTIONS[t][1]) for t in group]
+            same = all(m.sparsifier is members[0].sparsifier for m in members)
+            if same and all(m.w_t is not None and m.group is None for m in members):
+                SharedInput(members)
+
+
+def _wrap_layer(
+    layer: nn.Module, i: int, targets: Sequence[str], runtime: "Runtime", sparsifier: "ProjectionSparsifier | None" = None
+) -> None:
+    for target in targets:
+        parent_name, linear_name = PROJECTIONS[target]
+        parent = getattr(layer, parent_name)
+        linear = getattr(parent, linear_name)
+        if isinstance(linear, SparseLinear):
+            linear = linear.linear
+        setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", sparsifier, runtime))
 
 
 def uninstall(model: nn.Module) -> None:
@@ -100,7 +126,8 @@ def uninstall(model: nn.Module) -> None:
 
 
 class SparseLinear(nn.Module):
-    """An `nn.Linear` that reads only the kept input features during decode.
+    """An `nn.Linear` that reads only the kept input features during decode (with a sparsifier), or
+    a dense member of a `SharedInput` group (``sparsifier=None``).
 
     Where the sparse GEMV kernel runs (CUDA), the weight is stored input-major once, at wrap time:
     ``w_t [d_in, d_out]``, so each kept input feature is one contiguous row read. The linear's own
@@ -108,7 +135,7 @@ class SparseLinear(nn.Module):
     layout).
     """
 
-    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier, runtime: "Runtime") -> None:
+    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier | None, runtime: "Runtime") -> None:
         super().__init__()
         self.linear = linear
         self.name = name
@@ -121,8 +148,15 @@ class SparseLinear(nn.Module):
         self.register_buffer("w_t", w_t, persistent=False)
         self.group: SharedInput | None = None
 
+    def sparse_now(self) -> bool:
+        """Whether this call computes the sparse projection (decode, with sparse projections on)."""
+        return self.sparsifier is not None and self.runtime.phase == "decode" and self.runtime.sparse_proj
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.runtime.phase != "decode" or not self.runtime.sparse_proj:
+        if not self.sparse_now():
+            if self.group is not None:
+                y = self.group.output(self, x)
+                return y.view(*x.shape[:-1], y.shape[-1])
             return self.linear(x)
         if self.runtime.audit is not None:
             self.runtime.audit.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
@@ -137,7 +171,9 @@ class SparseLinear(nn.Module):
 
 
 class SharedInput:
-    """Projections that read one input, computed together: one selection, one sparse GEMV.
+    """Projections that read one input, computed together: one dense GEMM, or, in sparse decoding
+    with an input-only sparsifier, one selection and one sparse GEMV (a sparsifier whose kept set
+    depends on the projection, such as `Threshold`, runs each member's own sparse GEMV).
 
     The members' input-major weights are concatenated once into ``w_t [d_in, Σ d_out]``; each
     member's ``w_t`` and ``linear.weight`` become views of it (no second copy). The first member
@@ -167,9 +203,16 @@ class SharedInput:
 
     def output(self, member: SparseLinear, x: Tensor) -> Tensor:
         """``member``'s output ``[N, d_out]`` for input ``x [..., d_in]``."""
+        x2 = x.reshape(-1, x.shape[-1])
+        sparse = member.sparse_now()
+        if sparse and not member.sparsifier.input_only:
+            return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias)
         if self._input is not x:
             first = self.members[0]
-            y = first.sparsifier.project(first.name, x.reshape(-1, x.shape[-1]), self.w_t, self.bias)
+            if sparse:
+                y = first.sparsifier.project(first.name, x2, self.w_t, self.bias)
+            else:
+                y = torch.nn.functional.linear(x2, self.w_t.t(), self.bias)
             self._input, self._outputs, self._pending = x, y.split(self.sizes, dim=-1), len(self.members)
         out = self._outputs[self.members.index(member)]
         self._pending -= 1
