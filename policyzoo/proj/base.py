@@ -71,13 +71,9 @@ class ProjectionSparsifier:
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
         """Replace the target linears of every decoder layer by `SparseLinear` wrappers, and group
         the projections of a shared input (`fuse_shared_inputs`)."""
-        _wrap(model, runtime, self.targets, self)
+        for i, layer in enumerate(decoder_layers(model)):
+            _wrap(layer, i, self.targets, runtime, self)
         fuse_shared_inputs(model, runtime)
-
-
-def _wrap(model: nn.Module, runtime: "Runtime", targets: Sequence[str], sparsifier: "ProjectionSparsifier | None") -> None:
-    for i, layer in enumerate(decoder_layers(model)):
-        _wrap_layer(layer, i, targets, runtime, sparsifier)
 
 
 def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
@@ -88,21 +84,22 @@ def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
     """
     if not kernels.dispatch.use_triton(next(model.parameters())):
         return  # the reference path keeps the model's own linears
-    targets = [t for group in SHARED_INPUT for t in group]
     for i, layer in enumerate(decoder_layers(model)):
-        current = {t: getattr(getattr(layer, PROJECTIONS[t][0]), PROJECTIONS[t][1]) for t in targets}
-        dense = [t for t, m in current.items() if not isinstance(m, SparseLinear)]
-        if dense:
-            _wrap_layer(layer, i, dense, runtime)
         for group in SHARED_INPUT:
-            members = [getattr(getattr(layer, PROJECTIONS[t][0]), PROJECTIONS[t][1]) for t in group]
+            _wrap(layer, i, [t for t in group if not isinstance(_linear(layer, t), SparseLinear)], runtime, None)
+            members = [_linear(layer, t) for t in group]
             same = all(m.sparsifier is members[0].sparsifier for m in members)
             if same and all(m.w_t is not None and m.group is None for m in members):
                 SharedInput(members)
 
 
-def _wrap_layer(
-    layer: nn.Module, i: int, targets: Sequence[str], runtime: "Runtime", sparsifier: "ProjectionSparsifier | None" = None
+def _linear(layer: nn.Module, target: str) -> nn.Module:
+    parent_name, linear_name = PROJECTIONS[target]
+    return getattr(getattr(layer, parent_name), linear_name)
+
+
+def _wrap(
+    layer: nn.Module, i: int, targets: Sequence[str], runtime: "Runtime", sparsifier: "ProjectionSparsifier | None"
 ) -> None:
     for target in targets:
         parent_name, linear_name = PROJECTIONS[target]
