@@ -108,11 +108,12 @@ class PagedKVCache:
     def _summarise(self, layer: int, pages: slice | Tensor) -> None:
         b, h, d, p = self.batch, self.num_kv_heads, self.head_dim, self.page_size
         keys = self.keys[layer].view(b, h, self.num_pages, p, d)
-        valid = self.token_valid().view(b, self.num_pages, p)
         if isinstance(pages, slice):
-            k, m = keys[:, :, pages], valid[:, pages]
-        else:
-            k, m = keys.index_select(2, pages), valid.index_select(1, pages)
+            k, m = keys[:, :, pages], self.token_valid().view(b, self.num_pages, p)[:, pages]
+        else:  # visibility of the touched pages' slots only: a decode step costs O(page), not O(capacity)
+            k = keys.index_select(2, pages)
+            pos = pages[:, None] * p + torch.arange(p, device=pages.device)  # [n, P]
+            m = (pos >= self.start[:, None, None]) & (pos < self.length)  # [B, n, P]
         stats = page_summaries(k, m[:, None, :, :, None].expand_as(k))
         for name, value in zip(SUMMARIES, stats):
             dest = getattr(self, name)[layer]
