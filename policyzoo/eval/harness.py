@@ -585,12 +585,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
             if metric == "accuracy":
                 ax.set_ylim(-0.05, 1.05)
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-        fig.tight_layout()
-        path = out / "accuracy.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save_with_legend(fig, axes, out / "accuracy.png"))
     lengths = sorted({r["length"] for r in rows})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths) + 2.8, 4.2), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
@@ -602,13 +597,19 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_title(f"mean dropped mass δ per layer, {length_label(length)}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("δ (mean over steps, heads, tasks)")
+    written.append(_save_with_legend(fig, axes, out / "delta_per_layer.png"))
+    return written
+
+
+def _save_with_legend(fig: Any, axes: Any, path: Path) -> Path:
+    """One legend right of the last panel, then write and close the figure."""
+    import matplotlib.pyplot as plt
+
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    path = out / "delta_per_layer.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
 
 
 def versions() -> dict[str, str]:

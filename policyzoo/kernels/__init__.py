@@ -40,7 +40,7 @@ def select_top(scores, count, k_max, absolute=False):
     """Positions of each row's ``count`` largest scores, ascending → ``int32[R, k_max]``; see
     `reference.select_top`. Rows longer than the kernel keeps in registers go to the reference
     (a sort), which is the faster of the two there."""
-    if dispatch.use_triton(scores) and scores.shape[-1] <= dispatch.MAX_SELECT_N:
+    if dispatch.use_triton(scores) and scores.shape[-1] <= dispatch._select.MAX_BLOCK_N:
         return dispatch.select_top(scores, count, k_max, absolute)
     return reference.select_top(scores, count, k_max, absolute)
 

@@ -40,9 +40,6 @@ except Exception:  # no triton, or a triton that cannot load here: the reference
     HAS_TRITON = False
 
 
-MAX_SELECT_N = 16384  # rows up to this long are selected by the Triton kernel (held in registers)
-
-
 def use_triton(t: Tensor) -> bool:
     """Whether calls on tensor ``t`` should go to the Triton kernels.
 

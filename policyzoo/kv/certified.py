@@ -48,13 +48,14 @@ def _kept_per_page(state: KVState, sel: Selection) -> Tensor:
     return mask.view(*mask.shape[:2], cache.num_pages, cache.page_size).sum(-1)
 
 
-def priority_order(state: KVState, q: Tensor, wide: Selection, base: Selection, slack: float = DEFAULT_SLACK) -> Selection:
+def priority_order(state: KVState, q: Tensor, wide: Selection, base: Selection, bounds: Tensor) -> Selection:
     """``wide`` reordered for growing: ``base``'s entries first, then the others by page bound.
 
     Policies return their entries in position order (`choose_topk`), but a certified prefix must
     start with what the policy itself keeps (sinks, window, its budget) and then add the entries
     most likely to carry mass. Any order gives valid bounds; this one certifies soonest. ``base``
-    must be a subset of ``wide`` (the same policy at a smaller budget is).
+    must be a subset of ``wide`` (the same policy at a smaller budget is). ``bounds`` are the
+    widened page bounds ``float64[B, H, P]`` (`_page_bounds`, computed once per step by the caller).
     """
     cache = state.cache
     b, h, _ = q.shape
@@ -62,7 +63,7 @@ def priority_order(state: KVState, q: Tensor, wide: Selection, base: Selection, 
     idx = wide.indices.long()
     first_token = (idx * wide.block).clamp(max=cache.capacity - 1)
     in_base = torch.gather(base.token_mask(cache.capacity), 2, first_token)
-    u = _page_bounds(state, q, slack).view(b, h_kv, h // h_kv, -1).amax(2)  # [B, H_kv, P]
+    u = bounds.view(b, h_kv, h // h_kv, -1).amax(2)  # [B, H_kv, P]
     page_of = torch.div(first_token, cache.page_size, rounding_mode="floor")
     priority = torch.gather(u, 2, page_of)
     priority = torch.where(in_base, torch.inf, priority)
@@ -107,6 +108,7 @@ def grow_until_certified(
     eps: float,
     min_count: Tensor | None = None,
     slack: float = DEFAULT_SLACK,
+    bounds: Tensor | None = None,
 ) -> tuple[Selection, Tensor]:
     """The shortest prefix of ``ranked`` whose certified bound is at most ``eps``.
 
@@ -115,6 +117,7 @@ def grow_until_certified(
             ``K_max``), unique and visible, without ``log_weight``.
         eps: target bound on the dropped mass, for every query head of each KV head's group.
         min_count: ``int[B, H_kv]`` (or ``[B]``) shortest prefix allowed (default 0).
+        bounds: the widened page bounds (`_page_bounds` with ``slack``) when the caller has them.
 
     Returns:
         ``(selection, bound)``: ``ranked`` with ``count`` cut to the chosen prefix (the whole list
@@ -148,7 +151,8 @@ def grow_until_certified(
     prefix_lse = torch.cat([neg, torch.logcumsumexp(entry_lse, dim=-1)], -1)  # [.., K+1]: k entries
 
     # log U of each prefix: the candidates after it plus everything outside the candidate list.
-    u = _page_bounds(state, q, slack).view(b, h_kv, g, -1)  # [B, H_kv, G, P]
+    bounds = _page_bounds(state, q, slack) if bounds is None else bounds
+    u = bounds.view(b, h_kv, g, -1)  # [B, H_kv, G, P]
     page_of = torch.div(ranked.indices.long() * blk, cache.page_size, rounding_mode="floor")
     page_of = page_of.clamp(0, cache.num_pages - 1)
     counts = cache.page_counts()  # [B, P]
@@ -234,8 +238,9 @@ class Certified(KVSelector):
         wide = self._wide.select(state, q)
         if wide.log_weight is not None or base.log_weight is not None:
             raise ValueError("Certified needs a policy whose selections have no log_weight")
-        wide = priority_order(state, q, wide, base, self.slack)
-        sel, bound = grow_until_certified(state, q, wide, self.eps, min_count=base.count, slack=self.slack)
+        bounds = _page_bounds(state, q, self.slack)  # once per step: ordering and certifying share it
+        wide = priority_order(state, q, wide, base, bounds)
+        sel, bound = grow_until_certified(state, q, wide, self.eps, min_count=base.count, slack=self.slack, bounds=bounds)
         kept = state.store.get("certified_bound")
         if kept is not None and kept.shape == bound.shape:
             kept.copy_(bound)
