@@ -20,6 +20,7 @@ from policyzoo.kv.base import (
     exact_scores,
     forced_pages,
     forced_tokens,
+    group_page_bounds,
     page_bound_scores,
 )
 
@@ -279,6 +280,9 @@ def test_state_and_scorers(data, cases):
     pb = page_bound_scores(state, case.q)
     assert pb.shape == (case.b, case.h, c.num_pages)
     torch.testing.assert_close(pb, reference.quest_page_bound(case.q, c.page_min[0], c.page_max[0], case.scale))
+    # The group fold in the kernel is the max over the group's per-head bounds, -inf off the context.
+    grouped = group_page_bounds(state, case.q)
+    assert torch.equal(grouped, aggregate_groups(pb, state.page_valid(), case.h_kv, "max"))
 
 
 def test_selector_base_is_abstract():

@@ -36,6 +36,14 @@ def quest_page_bound(q, page_min, page_max, scale):
     return reference.quest_page_bound(q, page_min, page_max, scale)
 
 
+def quest_page_bound_grouped(q, page_min, page_max, scale, agg="max"):
+    """Quest page bound folded over each GQA group in the kernel → ``float32[B, H_kv, P]`` (the
+    per-head bounds are never written); see `reference.quest_page_bound_grouped`."""
+    if dispatch.use_triton(q):
+        return dispatch.quest_page_bound_grouped(q, page_min, page_max, scale, agg)
+    return reference.quest_page_bound_grouped(q, page_min, page_max, scale, agg)
+
+
 def select_top(scores, count, k_max, absolute=False):
     """Positions of each row's ``count`` largest scores, ascending → ``int32[R, k_max]``; see
     `reference.select_top`. Rows longer than the kernel keeps in registers go to the reference
@@ -73,6 +81,7 @@ __all__ = [
     "decode_attention_entmax15",
     "dense_probs",
     "quest_page_bound",
+    "quest_page_bound_grouped",
     "select_top",
     "sparse_gemv_index",
     "sparse_gemv_threshold",

@@ -4,15 +4,19 @@
 launches, plus a sort when the order matters), more than the reads it saves for a keep-0.5
 projection or a page selection. Here one program per row does it in one launch:
 
-1. Map each score to an ``int32`` key with the same order (a float's bits, negatives flipped), so
-   ties are exact; bf16 inputs carry only 16 significant bits, so their keys are shifted right by 16.
-2. Bisect for the largest key ``T`` with ``#{key >= T} >= count`` (one count per step: 32 steps for
-   fp32, 16 for bf16, 15 for bf16 magnitudes).
+1. Map each score to an unsigned key with the same order (a float's bits, negatives flipped, the
+   sign bit set on non-negatives), so ties are exact. bf16 inputs carry only 16 significant bits,
+   so their keys are the top 16 bits.
+2. Find the largest key ``T`` with ``#{key >= T} >= count``. Two searches (``SEARCH``):
+   - ``"radix"`` (default): 8 bits of ``T`` per pass, from a 256-bin histogram of the keys that
+     share the bits found so far (2 passes for bf16, 4 for fp32). Few passes, each a histogram.
+   - ``"bisect"``: one bit per step, from one count per step (16 steps for bf16, 32 for fp32).
+     Each step is a block-wide reduction, so the cost is latency; kept to time against.
 3. Keep every key ``> T`` and the first ``count − #{key > T}`` keys ``== T`` by position, and write
    their positions in ascending order (a running prefix sum), zeros after ``count``.
 
 The whole row is held in registers when it fits one tile (``BLOCK_N``, up to 16384 entries: every
-activation vector and the pages of a 256K context); longer rows are re-read per step (correct, but
+activation vector and the pages of a 256K context); longer rows are re-read per pass (correct, but
 the torch reference is the faster choice there, see `dispatch.select_top`).
 """
 
@@ -24,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
+SEARCH = "radix"  # or "bisect" (see the module docstring)
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -32,24 +37,67 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
-def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
-    """Order-preserving int32 keys of the scores at ``offs`` (``-2^31`` off the end)."""
+def _keys(s_row, offs, n, ABS: tl.constexpr, LOW: tl.constexpr):
+    """Order-preserving unsigned keys of the scores at ``offs`` (their top ``32 − LOW`` bits; 0 off the end).
+
+    No real score maps to 0 (``-inf`` is the smallest, at ``0x007FFFFF``), so entries off the end
+    sort below all of them.
+    """
     x = tl.load(s_row + offs, mask=offs < n, other=0.0).to(tl.float32)
     if ABS:
         x = tl.abs(x)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0 as floats, but not as bits
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives: larger magnitude, smaller key
-    key = key >> SHIFT
-    return tl.where(offs < n, key, -2147483647 - 1)
+    # Negatives: larger magnitude, smaller key; then flip the sign bit so the order is unsigned.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) ^ (-2147483647 - 1)
+    key = key.to(tl.uint32, bitcast=True) >> LOW
+    return tl.where(offs < n, key, 0)
+
+
+@triton.jit
+def _count_above(s_row, key, offs, n, t, STRICT: tl.constexpr,
+                 ABS: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
+    """``#{key > t}`` (``STRICT``) or ``#{key >= t}`` over the row (its tile ``key`` when it fits one)."""
+    total = tl.zeros((), tl.int32)
+    for t0 in range(0, n, BLOCK_N):
+        if SINGLE:
+            k = key
+        else:
+            k = _keys(s_row, t0 + offs, n, ABS, LOW)
+        above = (k > t) if STRICT else (k >= t)
+        total += tl.sum(above.to(tl.int32), axis=0)
+    return total
+
+
+@triton.jit
+def _digit_histogram(s_row, key, offs, n, prefix, shift, FIRST: tl.constexpr,
+                     ABS: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+                     BINS: tl.constexpr):
+    """Histogram of the digit ``(key >> shift) % BINS`` over the keys whose higher bits equal ``prefix``."""
+    bins = tl.arange(0, BINS)
+    hist = tl.zeros((BINS,), tl.int32)
+    for t0 in range(0, n, BLOCK_N):
+        if SINGLE:
+            k = key
+        else:
+            k = _keys(s_row, t0 + offs, n, ABS, LOW)
+        match = (t0 + offs) < n
+        if not FIRST:  # the first pass has no prefix (and a shift by 32 is undefined)
+            match = match & ((k >> (shift + 8)) == prefix)
+        digit = ((k >> shift) & (BINS - 1)).to(tl.int32)
+        # Entries that do not match are counted in bin 0 and taken out again (no masked histogram
+        # in every Triton version).
+        missed = tl.sum((~match).to(tl.int32), axis=0)
+        hist += tl.histogram(tl.where(match, digit, 0), BINS) - tl.where(bins == 0, missed, 0)
+    return hist
 
 
 @triton.jit
 def _select_top_kernel(
     s_ptr, cnt_ptr, idx_ptr,
     n, k_max, s_row_stride, i_row_stride,
-    ABS: tl.constexpr, SHIFT: tl.constexpr, ITERS: tl.constexpr, LO: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+    ABS: tl.constexpr, LOW: tl.constexpr, KEY_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RADIX: tl.constexpr,
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row * s_row_stride
@@ -63,41 +111,43 @@ def _select_top_kernel(
         tl.store(i_row + p, tl.zeros((BLOCK_N,), tl.int32), mask=(p < k_max) & (p >= c))
 
     want = tl.maximum(c, 1)  # count 0 selects nothing (masked below); the search needs >= 1
-    lo = tl.full((), LO, tl.int64)
-    hi = tl.full((), LO + (1 << ITERS), tl.int64)
+    key = tl.zeros((BLOCK_N,), tl.uint32)
     if SINGLE:
-        key = _keys(s_row, offs, n, ABS, SHIFT)
-    for _ in range(ITERS):
-        # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
-        mid = (lo + (hi - lo) // 2).to(tl.int32)
-        if SINGLE:
-            n_ge = tl.sum((key >= mid).to(tl.int32), axis=0)
-        else:
-            n_ge = tl.zeros((), tl.int32)
-            for t0 in range(0, n, BLOCK_N):
-                k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
-                n_ge += tl.sum((k >= mid).to(tl.int32), axis=0)
-        up = n_ge >= want
-        lo = tl.where(up, mid.to(tl.int64), lo)
-        hi = tl.where(up, hi, mid.to(tl.int64))
-    threshold = lo.to(tl.int32)
+        key = _keys(s_row, offs, n, ABS, LOW)
+    if RADIX:
+        # Invariant: `want` of the keys that start with `prefix` are >= T; pick the next digit as
+        # the largest one that still has `want` keys at or above it.
+        BINS: tl.constexpr = 256
+        bins = tl.arange(0, BINS)
+        prefix = tl.zeros((), tl.uint32)
+        for j in tl.static_range(KEY_BITS // 8):
+            shift: tl.constexpr = KEY_BITS - 8 * (j + 1)
+            hist = _digit_histogram(s_row, key, offs, n, prefix, shift, j == 0, ABS, LOW, BLOCK_N, SINGLE, BINS)
+            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+            digit = tl.max(tl.where(at_or_above >= want, bins, 0), axis=0)
+            want -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+            prefix = (prefix << 8) | digit.to(tl.uint32)
+        threshold = prefix
+    else:
+        lo = tl.zeros((), tl.int64)
+        hi = tl.full((), 1 << KEY_BITS, tl.int64)
+        for _ in range(KEY_BITS):
+            # lo <= mid < hi <= 2^32: the bounds need int64, the midpoint fits the keys' uint32.
+            mid = (lo + (hi - lo) // 2).to(tl.uint32)
+            up = _count_above(s_row, key, offs, n, mid, False, ABS, LOW, BLOCK_N, SINGLE) >= want
+            lo = tl.where(up, mid.to(tl.int64), lo)
+            hi = tl.where(up, hi, mid.to(tl.int64))
+        threshold = lo.to(tl.uint32)
 
     # Compaction: every key above the threshold, then ties by position until count is reached.
-    if SINGLE:
-        n_gt = tl.sum((key > threshold).to(tl.int32), axis=0)
-    else:
-        n_gt = tl.zeros((), tl.int32)
-        for t0 in range(0, n, BLOCK_N):
-            k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
-            n_gt += tl.sum((k > threshold).to(tl.int32), axis=0)
-    ties_wanted = c - n_gt
+    ties_wanted = c - _count_above(s_row, key, offs, n, threshold, True, ABS, LOW, BLOCK_N, SINGLE)
     ties_seen = tl.zeros((), tl.int32)
     written = tl.zeros((), tl.int32)
     for t0 in range(0, n, BLOCK_N):
         if SINGLE:
             k = key
         else:
-            k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
+            k = _keys(s_row, t0 + offs, n, ABS, LOW)
         valid = (t0 + offs) < n
         tie = (k == threshold) & valid
         tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among ties so far
@@ -118,20 +168,20 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     if scores.dim() != 2 or count.shape != scores.shape[:1]:
         raise ValueError(f"expected scores [R, N] and count [R], got {tuple(scores.shape)} and {tuple(count.shape)}")
+    if SEARCH not in ("radix", "bisect"):
+        raise ValueError(f"select_top.SEARCH must be 'radix' or 'bisect', got {SEARCH!r}")
     r, n = scores.shape
     idx = _alloc(r, k_max, dtype=torch.int32, device=scores.device)
     if r == 0 or k_max == 0:
         return idx
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
-    half = scores.dtype == torch.bfloat16  # 16 significant bits: the low half of the key is zero
-    shift = 16 if half else 0
-    bits = 32 - shift - (1 if absolute else 0)  # a magnitude's key is never negative
-    lo = 0 if absolute else -(1 << (31 - shift))
+    key_bits = 16 if scores.dtype == torch.bfloat16 else 32  # bf16: the low half of the key is constant
     block = min(MAX_BLOCK_N, triton.next_power_of_2(max(n, 16)))
     num_warps = 4 if block <= 4096 else 8 if block <= 8192 else 16
     _select_top_kernel[(r,)](
         scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
-        ABS=absolute, SHIFT=shift, ITERS=bits, LO=lo, BLOCK_N=block, SINGLE=n <= block, num_warps=num_warps,
+        ABS=absolute, LOW=32 - key_bits, KEY_BITS=key_bits, BLOCK_N=block, SINGLE=n <= block,
+        RADIX=SEARCH == "radix", num_warps=num_warps,
     )
     return idx

@@ -136,6 +136,15 @@ def page_bound_scores(state: KVState, q: Tensor) -> Tensor:
     return kernels.quest_page_bound(q, state.cache.page_min[state.layer], state.cache.page_max[state.layer], state.scale)
 
 
+def group_page_bounds(state: KVState, q: Tensor) -> Tensor:
+    """``float32[B, H_kv, P]``: the largest Quest bound over each GQA group's query heads, ``-inf`` on
+    pages without visible tokens. Equal to ``aggregate_groups(page_bound_scores(...), ..., "max")``,
+    but the kernel folds the group itself, so the per-head bounds ``[B, H, P]`` are never written."""
+    c = state.cache
+    bound = kernels.quest_page_bound_grouped(q, c.page_min[state.layer], c.page_max[state.layer], state.scale, "max")
+    return bound.masked_fill(~state.page_valid()[:, None, :], -torch.inf)
+
+
 def aggregate_groups(scores: Tensor, valid: Tensor, num_kv_heads: int, how: Aggregate) -> Tensor:
     """Fold per-query-head logits ``[B, H, N]`` into one score per KV head ``[B, H_kv, N]``.
 

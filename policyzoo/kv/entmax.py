@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ..selection import Selection
-from .base import Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, page_bound_scores, page_budget
+from .base import Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, group_page_bounds, page_bound_scores, page_budget
 
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 
@@ -188,11 +188,11 @@ class EntmaxKV(KVSelector):
         ``"topk"``: the group max of the Quest bound. ``"gaussian"``: the group max of the margin
         ``min(μ_p/2 + z·σ_p/2, u_p/2) − τ̂_h``; a page is a candidate iff its margin is positive.
         """
+        if self.mode == "topk":
+            return group_page_bounds(state, q)
         valid = state.page_valid()
         h_kv = state.keys.shape[1]
         bound = page_bound_scores(state, q)  # [B, H, P]
-        if self.mode == "topk":
-            return aggregate_groups(bound, valid, h_kv, "max")
         mu, sigma = page_gaussians(state, q)
         counts = state.cache.page_counts()[:, None, :].expand_as(mu)
         m = torch.where(valid[:, None, :], mu * 0.5, -torch.inf)

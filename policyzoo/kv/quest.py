@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..selection import Selection
-from .base import Aggregate, Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, page_bound_scores, page_budget
+from .base import Aggregate, Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, group_page_bounds, page_bound_scores, page_budget
 
 
 @dataclass
@@ -42,7 +42,9 @@ class Quest(KVSelector):
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "Quest")
-        valid = state.page_valid()
-        scores = aggregate_groups(page_bound_scores(state, q), valid, state.keys.shape[1], self.aggregate)
+        if self.aggregate == "max":
+            scores = group_page_bounds(state, q)
+        else:
+            scores = aggregate_groups(page_bound_scores(state, q), state.page_valid(), state.keys.shape[1], "sum")
         forced = forced_pages(state, self.sinks, self.window)
         return choose_topk(scores, forced, k_max, count, block=self.page)
