@@ -1,6 +1,8 @@
 """Device probes behind the sweep's targets: why a step costs what it costs.
 
-Sections (``python benchmarks/sweep.py --only tune,gemv,select,profile``):
+Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile``):
+  variants each kernel's alternatives (select_top's search, the page bound's tiles, ...) checked
+           against the reference and timed; the fastest correct one is kept for the rest of the run
   tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
            GEMV at keep 0.5 from an index list and from a threshold, and the top-k that names the kept
@@ -38,6 +40,13 @@ H, H_KV, D, PAGE = 32, 8, 128, 16
 def _dense_selection(b: int, pages: int, device) -> Selection:
     idx = torch.arange(pages, device=device, dtype=torch.int32).expand(b, H_KV, -1).contiguous()
     return Selection(idx, torch.full((b, H_KV), pages, device=device, dtype=torch.int32), block=PAGE)
+
+
+def _random_pages(pages: int, fraction: int, device) -> Selection:
+    """``pages // fraction`` random pages per KV head, in ascending order (as the policies give them)."""
+    k = max(1, pages // fraction)
+    idx = torch.stack([torch.randperm(pages, device=device)[:k].sort().values for _ in range(H_KV)]).int()[None]
+    return Selection(idx.contiguous(), torch.full((1, H_KV), k, device=device, dtype=torch.int32), block=PAGE)
 
 
 # ------------------------------------------------------------------------------------------ tune
@@ -144,6 +153,108 @@ def section_gemv_tune(rows, keep: float = 0.5):
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
         gemv_module.BLOCK_K, gemv_module.NUM_WARPS = saved
+
+
+# -------------------------------------------------------------------------------------- variants
+def _pick(rows, section, label, variants, apply):
+    """Time each correct variant, apply the fastest (``apply(name)``) and record every row.
+
+    ``variants``: name -> (function to time, check returning an error string or ""). The choice
+    holds for the rest of the run, so later sections (select, compiled) use the winner.
+    """
+    best = None
+    for name, (fn, check) in variants.items():
+        row = {"section": section, "shape": label, "setting": name}
+        try:
+            apply(name)
+            problem = check()
+            us = sweep.graph_time_ms(fn) * 1e3
+            row.update({"us": us, "correct": not problem})
+            if problem:
+                row["error"] = problem[:200]
+            elif best is None or us < best[1]:
+                best = (name, us)
+            print(f"{section} {label:<34} {name:<28} {us:8.2f} us {'ok' if not problem else 'WRONG: ' + problem}", flush=True)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            print(f"{section} {label} {name}: FAILED {row['error']}", flush=True)
+        rows.append(row)
+    if best is None:
+        raise RuntimeError(f"{section} {label}: no variant ran correctly")
+    apply(best[0])
+    rows.append({"section": section, "shape": label, "setting": f"chosen: {best[0]}", "us": best[1]})
+    print(f"{section} {label}: chose {best[0]}", flush=True)
+    return best[0]
+
+
+def section_variants(rows):
+    """The alternatives a kernel module offers, timed against each other and checked against the
+    torch reference; the fastest correct one is kept for the rest of the run (and printed, so the
+    defaults in the modules can follow the measurement)."""
+    from policyzoo.kernels.dispatch import _page as page_module
+    from policyzoo.kernels.dispatch import _select as select_module
+
+    dev = sweep.DEVICE
+    small = dev == "cpu"  # smoke test: toy sizes
+    # select_top: activation rows (bf16 |x|, keep 0.5) and page rows (fp32, keep 0.1, 8 KV heads).
+    shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
+              "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
+              "pages 2048 fp32 x8 keep 0.1": (8, 2048, torch.float32, False, 0.1),
+              "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1)}
+    for label, (r, n, dtype, absolute, keep) in shapes.items():
+        n = n // 64 if small else n
+        s = torch.randn(r, n, device=dev).to(dtype)
+        k = math.ceil(keep * n)
+        count = torch.full((r,), k, dtype=torch.int32, device=dev)
+        want = kernels.reference.select_top(s, count, k, absolute)
+
+        def check():
+            got = select_module.select_top(s, count, k, absolute)
+            return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
+
+        fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
+        _pick(rows, "variants", f"select_top {label}", {v: (fn, check) for v in ("radix", "bisect")},
+              lambda v: setattr(select_module, "SEARCH", v))
+
+    # Decode attention: the chunk merge as a second launch, or done by each group's last program.
+    for n in ((2048,) if small else (32768, 131072)):
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
+        for label, sel in (("dense", _dense_selection(1, n // PAGE, dev)), ("1/16 pages", _random_pages(n // PAGE, 16, dev))):
+            ref, ref_lse = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
+
+            def check():
+                out, lse = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                lse_err = (lse - ref_lse).abs().max().item()
+                return "" if err < 1e-2 and lse_err < 1e-2 else f"rel err {err:.1e}, lse err {lse_err:.1e}"
+
+            fn = lambda: attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)  # noqa: E731
+            _pick(rows, "variants", f"attention {label} {n // 1024}K", {"separate merge": (fn, check), "fused merge": (fn, check)},
+                  lambda v: setattr(attn_module, "FUSED_MERGE", v == "fused merge"))
+
+    # Quest page bound over a 128K context, folded over the group: tile shapes, bf16 and fp32 summaries.
+    pages = 8192 // (64 if small else 1)
+    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+    centre = torch.randn(1, H_KV, pages, D, device=dev)
+    for dtype in (torch.bfloat16, torch.float32):
+        mn, mx = (centre - 0.5).to(dtype), (centre + 0.5).to(dtype)
+        want = kernels.reference.quest_page_bound_grouped(q, mn, mx, D**-0.5, "max")
+
+        def check():
+            got = page_module.quest_page_bound(q, mn, mx, D**-0.5, "max")
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            return "" if err < 1e-5 else f"max rel err {err:.1e}"
+
+        fn = lambda: page_module.quest_page_bound(q, mn, mx, D**-0.5, "max")  # noqa: E731
+        tiles = {f"BLOCK_P={bp} BLOCK_D={bd} warps={w}": (bp, bd, w)
+                 for bp in (16, 32, 64) for bd in (32, 64, 128) for w in (2, 4, 8)}
+        if small:
+            tiles = dict(list(tiles.items())[:2])
+        _pick(rows, "variants", f"page bound 128K {str(dtype)[6:]}", {name: (fn, check) for name in tiles},
+              lambda name: [setattr(page_module, a, v) for a, v in zip(("BLOCK_P", "BLOCK_D", "NUM_WARPS"), tiles[name])])
 
 
 # ---------------------------------------------------------------------------------------- select

@@ -315,7 +315,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
              f"model shape {MODEL} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
              "byte floor = step bytes (policyzoo.bytes) / copy bandwidth; bound = ideal speedup from bytes.", ""]
-    for section in ("kernel", "tune", "gemv", "gemvtune", "select", "profile", "step", "compiled", "batch", "hf"):
+    for section in ("variants", "kernel", "tune", "gemv", "gemvtune", "select", "profile", "step", "compiled", "batch", "hf"):
         sec = [r for r in rows if r["section"] == section]
         if not sec:
             continue
@@ -423,6 +423,7 @@ def main(argv=None) -> None:
 
     sections = {
         "kernel": lambda: section_kernel(contexts, rows),
+        "variants": lambda: probes.section_variants(rows),
         "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
