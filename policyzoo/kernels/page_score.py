@@ -21,8 +21,9 @@ from torch import Tensor
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
-BLOCK_P = 16
-BLOCK_D = 32
+BLOCK_P = 16  # pages per program
+BLOCK_D = 32  # head-dim slice per step
+NUM_WARPS = 4
 AGG_CODES = {"none": 0, "max": 1, "sum": 2}
 
 
@@ -93,7 +94,7 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
     out = _alloc(b, h if agg == "none" else h_kv, n_pages, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(n_pages, BLOCK_P), h_kv, b)
+    grid = (triton.cdiv(n_pages, BLOCK_P), h_kv, b)  # read at launch: a probe may retune them
     _quest_bound_kernel[grid](
         q, page_min, page_max, out,
         q.stride(0), q.stride(1),
@@ -102,7 +103,7 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
         out.stride(0), out.stride(1),
         n_pages, float(scale),
         G=g, G_PAD=triton.next_power_of_2(g), D=d,
-        BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, AGG=AGG_CODES[agg],
+        BLOCK_P=BLOCK_P, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(d)), AGG=AGG_CODES[agg], num_warps=NUM_WARPS,
     )
     return out
 
