@@ -2,21 +2,45 @@
 
 The oracle of α-entmax attention is the ``entmax`` package's ``entmax15``, applied to the dense
 logits of the visible tokens in float64.
+
+The Triton kernel of the pooled threshold (`kernels/entmax_threshold.py`) is checked against its
+torch reference at the end. Without a GPU it runs in the Triton interpreter, which needs
+``TRITON_INTERPRET=1`` before triton is first imported: set by conftest on CPU machines, and handled
+here as in ``test_kernels.py`` (a fresh interpreter re-runs the kernel tests when triton was loaded
+in compiled mode without a GPU).
 """
 
 from __future__ import annotations
 
-import math
+import os
+import sys
 
-import pytest
 import torch
-from entmax import entmax15
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from policyzoo.kernels import reference
-from policyzoo.kv import Dense, EntmaxKV, Quest
-from policyzoo.kv.entmax import censored_relu_sq, gaussian_entmax_threshold, gaussian_relu_sq
+if torch.cuda.is_available():
+    MODE = "cuda"  # test the compiled kernel
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    MODE = "interpret"  # set before the process started (or by conftest)
+elif "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+    MODE = "interpret"
+else:
+    MODE = "subprocess"  # triton loaded in compiled mode: interpreted kernels cannot run in this process
+
+import math  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+from entmax import entmax15  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from policyzoo import kernels  # noqa: E402
+from policyzoo.kernels import dispatch, reference  # noqa: E402
+from policyzoo.kv import Dense, EntmaxKV, Quest  # noqa: E402
+from policyzoo.kv.entmax import censored_relu_sq, gaussian_entmax_threshold, gaussian_relu_sq  # noqa: E402
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -233,3 +257,177 @@ def test_entmaxkv_needs_matching_cache(make_case):
     case = make_case(b=1, h_kv=1, g=1, d=8, page=4, prompt=8, steps=0, starts=[0], seed=0)
     with pytest.raises(ValueError, match="page_size"):
         EntmaxKV(page=8).select(case.state(), case.q)
+
+
+# ------------------------------------------------------------------------ threshold Triton kernel
+# Kernel tests run in this process only when the kernel can run here (``threshold_kernel`` in their
+# names: the subprocess runner selects them by it).
+kernel_here = pytest.mark.skipif(
+    not dispatch.HAS_TRITON or MODE == "subprocess", reason="no triton, or run by test_threshold_kernel_in_fresh_interpreter"
+)
+KERNEL_DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
+KERNEL_SETTINGS = settings(max_examples=20, deadline=None, database=None)
+
+
+@pytest.mark.skipif(not dispatch.HAS_TRITON or MODE != "subprocess", reason="the kernel runs in this process")
+def test_threshold_kernel_in_fresh_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "threshold_kernel"]
+    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+
+
+def _poisoned_alloc(*shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def poisoned():
+    """The kernel's output starts as NaN, so an unwritten row fails the comparison."""
+    return mock.patch.object(dispatch._entmax, "_alloc", _poisoned_alloc)
+
+
+@st.composite
+def threshold_pools(draw):
+    """``(m, s, n, cap)`` pools on the kernel's device: odd and multi-block page counts, point masses,
+    pages out of the pool (``n = 0`` or ``m = -inf``), empty rows, caps or none."""
+    lead = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    p = draw(st.integers(1, 64)) if draw(st.booleans()) else draw(st.integers(1000, 2500))
+    if p > 64:
+        lead = lead[:1]  # keep the interpreter's time down: few long rows
+    shape = (*lead, p)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    spread = draw(st.sampled_from([0.1, 1.0, 10.0, 60.0]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    m = torch.randn(shape, generator=gen, dtype=torch.float64) * spread
+    s_kind = draw(st.sampled_from(["zero", "some_zero", "random"]))
+    s = torch.rand(shape, generator=gen, dtype=torch.float64) * spread * draw(st.sampled_from([0.05, 0.5, 1.0]))
+    if s_kind == "zero":
+        s = torch.zeros_like(s)  # point masses
+    elif s_kind == "some_zero":
+        s = torch.where(torch.rand(shape, generator=gen) < 0.5, 0.0, s)
+    n = torch.randint(0, 17, shape, generator=gen)
+    n = torch.where(torch.rand(shape, generator=gen) < draw(st.sampled_from([0.0, 0.3, 0.9])), 0, n)
+    m = torch.where(torch.rand(shape, generator=gen) < draw(st.sampled_from([0.0, 0.3])), -torch.inf, m)
+    rows = m.view(-1, p)
+    if draw(st.booleans()):  # one row out of the pool entirely (either way)
+        r = draw(st.integers(0, rows.shape[0] - 1))
+        if draw(st.booleans()):
+            rows[r] = -torch.inf
+        else:
+            n.view(-1, p)[r] = 0
+    cap_kind = draw(st.sampled_from(["none", "finite", "mixed"]))
+    cap = None
+    if cap_kind != "none":
+        cap = m.nan_to_num(neginf=0.0) + torch.rand(shape, generator=gen, dtype=torch.float64) * spread
+        if cap_kind == "mixed":  # some +inf (uncensored), some below the mean (the mean guard)
+            u = torch.rand(shape, generator=gen)
+            cap = torch.where(u < 0.3, torch.inf, torch.where(u > 0.8, cap - 2 * spread, cap))
+        cap = cap.to(dtype).to(KERNEL_DEVICE)
+    n = n.to(draw(st.sampled_from([torch.int64, torch.float32])))
+    iters = draw(st.sampled_from([1, 12]))
+    # Short rows walk several blocks too when the kernel's page block is shrunk.
+    block = draw(st.sampled_from([16, 32, None])) if p <= 64 else None
+    return m.to(dtype).to(KERNEL_DEVICE), s.to(dtype).to(KERNEL_DEVICE), n.to(KERNEL_DEVICE), cap, iters, block
+
+
+@kernel_here
+@KERNEL_SETTINGS
+@given(pool=threshold_pools())
+def test_threshold_kernel_matches_reference(pool):
+    """The kernel is the reference's algorithm: same τ̂ to ~1e-9 (float64), -inf for empty rows."""
+    m, s, n, cap, iters, block = pool
+    patch_block = mock.patch.object(dispatch._entmax, "BLOCK_P", block or dispatch._entmax.BLOCK_P)
+    with poisoned(), patch_block:
+        got = dispatch.gaussian_entmax_threshold(m, s, n, cap, iters)
+    want = reference.gaussian_entmax_threshold(m.cpu(), s.cpu(), n.cpu(), None if cap is None else cap.cpu(), iters)
+    assert got.dtype == torch.float64 and got.shape == (*m.shape[:-1], 1)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-9)
+
+
+@kernel_here
+def test_threshold_kernel_edge_cases():
+    """Broadcast inputs (page counts shared by the heads), one page, all pages out of the pool."""
+    g = torch.Generator().manual_seed(3)
+    m = torch.randn(2, 3, 37, generator=g).to(KERNEL_DEVICE)
+    s = torch.rand(2, 3, 37, generator=g).to(KERNEL_DEVICE)
+    n = torch.randint(0, 5, (2, 1, 37), generator=g).to(KERNEL_DEVICE).expand(2, 3, 37)
+    with poisoned():
+        got = dispatch.gaussian_entmax_threshold(m, s, n, m + 1.0)
+        one = dispatch.gaussian_entmax_threshold(m[..., :1], s[..., :1] * 0, torch.ones_like(n[..., :1]))
+        empty = dispatch.gaussian_entmax_threshold(m, s, torch.zeros_like(n))
+    torch.testing.assert_close(got.cpu(), reference.gaussian_entmax_threshold(m.cpu(), s.cpu(), n.cpu(), m.cpu() + 1.0), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(one.cpu(), m[..., :1].double().cpu() - 1.0, rtol=1e-12, atol=1e-12)  # (x − τ)² = 1
+    assert bool((empty == -torch.inf).all()) and empty.shape == (2, 3, 1)
+
+
+def test_threshold_kernel_routing_defaults_to_the_reference(monkeypatch):
+    """Without POLICYZOO_TRITON, CPU calls of `kernels.gaussian_entmax_threshold` are the reference."""
+    monkeypatch.delenv("POLICYZOO_TRITON", raising=False)
+    g = torch.Generator().manual_seed(0)
+    m, s, n = torch.randn(2, 9, generator=g), torch.rand(2, 9, generator=g), torch.randint(0, 4, (2, 9), generator=g)
+    assert torch.equal(kernels.gaussian_entmax_threshold(m, s, n, m + 0.5, 7), gaussian_entmax_threshold(m, s, n, m + 0.5, 7))
+
+
+@kernel_here
+def test_threshold_kernel_needs_the_interpreter_on_cpu(monkeypatch):
+    monkeypatch.setattr(dispatch._attn, "INTERPRET", False)
+    x = torch.zeros(1, 4)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        dispatch._entmax.gaussian_entmax_threshold(x, x, x)
+
+
+@kernel_here
+@settings(max_examples=8, deadline=None, database=None)
+@given(data=st.data(), args=entmax_args(modes=("gaussian",)))
+def test_threshold_kernel_selects_like_the_reference(data, cases, args):
+    """EntmaxKV selects the same pages with the kernel path (POLICYZOO_TRITON=1) as with the
+    reference, and the kernel is what computed τ̂."""
+    case = data.draw(cases(page_sizes=(1, 4, 16), max_prompt=64))
+    policy = EntmaxKV(page=case.page, **args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("POLICYZOO_TRITON", raising=False)
+        want = policy.select(case.state(), case.q)
+        calls = []
+        launch = dispatch._entmax.gaussian_entmax_threshold
+        mp.setattr(dispatch._entmax, "gaussian_entmax_threshold", lambda *a: calls.append(1) or launch(*a))
+        mp.setenv("POLICYZOO_TRITON", "1")
+        with poisoned():
+            got = policy.select(case.state(), case.q)
+    assert len(calls) == 1
+    assert torch.equal(got.count, want.count)
+    for r in range(case.b):
+        for hk in range(case.h_kv):
+            c = int(want.count[r, hk])
+            assert sorted(got.indices[r, hk, :c].tolist()) == sorted(want.indices[r, hk, :c].tolist())
+
+
+@kernel_here
+def test_threshold_kernel_opcheck():
+    """Schema and fake (meta) implementation of ``policyzoo::gaussian_entmax_threshold``."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(2, 3, 20, generator=g).to(KERNEL_DEVICE)
+    s = torch.rand(2, 3, 20, generator=g).to(KERNEL_DEVICE)
+    n = torch.randint(0, 5, (2, 3, 20), generator=g).to(KERNEL_DEVICE)
+    op = torch.ops.policyzoo.gaussian_entmax_threshold.default
+    for cap in (None, m + 1.0):
+        torch.library.opcheck(op, (m, s, n, cap, 12), test_utils=("test_schema", "test_faketensor"))
+
+
+@kernel_here
+def test_threshold_kernel_torch_compile_traces_through(monkeypatch):
+    """A compiled function calling the threshold traces without graph breaks (fullgraph): the op is
+    one opaque node, so Inductor never sees the Newton passes."""
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    g = torch.Generator().manual_seed(2)
+    m = torch.randn(2, 4, 40, generator=g).to(KERNEL_DEVICE)
+    s = torch.rand(2, 4, 40, generator=g).to(KERNEL_DEVICE)
+    n = torch.randint(0, 5, (2, 1, 40), generator=g).to(KERNEL_DEVICE)
+
+    def step(m, s, n):
+        tau = kernels.gaussian_entmax_threshold(m * 0.5, s * 0.5, n.expand_as(m), 0.5 * m + 1.0, 12).float()
+        return m - tau
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(m, s, n)
+    want = m - reference.gaussian_entmax_threshold(m * 0.5, s * 0.5, n.expand_as(m), 0.5 * m + 1.0, 12).float()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -53,6 +53,14 @@ def select_top(scores, count, k_max, absolute=False):
     return reference.select_top(scores, count, k_max, absolute)
 
 
+def gaussian_entmax_threshold(m, s, n, cap=None, iters=12):
+    """Entmax threshold of a pool of censored Gaussians along the last dim → ``float64[..., 1]``
+    (`EntmaxKV`'s τ̂); see `reference.gaussian_entmax_threshold`."""
+    if dispatch.use_triton(m):
+        return dispatch.gaussian_entmax_threshold(m, s, n, cap, iters)
+    return reference.gaussian_entmax_threshold(m, s, n, cap, iters)
+
+
 def sparse_linear(x, weight, bias, keep):
     """``F.linear`` over the kept input features only; see `reference.sparse_linear`."""
     if dispatch.use_triton(x):
@@ -80,6 +88,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_entmax15",
     "dense_probs",
+    "gaussian_entmax_threshold",
     "quest_page_bound",
     "quest_page_bound_grouped",
     "select_top",

@@ -30,13 +30,14 @@ from ..selection import Selection
 
 try:
     from . import decode_attention as _attn
+    from . import entmax_threshold as _entmax
     from . import page_score as _page
     from . import select_top as _select
     from . import sparse_gemv as _gemv
 
     HAS_TRITON = True
 except Exception:  # no triton, or a triton that cannot load here: the references serve every call
-    _attn = _page = _gemv = _select = None
+    _attn = _entmax = _page = _gemv = _select = None
     HAS_TRITON = False
 
 
@@ -155,6 +156,29 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
+# Pooled Gaussian entmax threshold (EntmaxKV)
+
+
+@torch.library.custom_op("policyzoo::gaussian_entmax_threshold", mutates_args=())
+def _gaussian_entmax_threshold_op(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int = 12) -> Tensor:
+    _need_triton()
+    return _entmax.gaussian_entmax_threshold(m, s, n, cap, iters)
+
+
+@_gaussian_entmax_threshold_op.register_fake
+def _(m, s, n, cap, iters=12):
+    shapes = [t.shape for t in (m, s, n, cap) if t is not None]
+    return m.new_empty(*torch.broadcast_shapes(*shapes)[:-1], 1, dtype=torch.float64)
+
+
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12) -> Tensor:
+    """`reference.gaussian_entmax_threshold` on Triton: ``float64[..., 1]``. One opaque op, so that
+    `torch.compile` does not fuse the Newton passes into one reduction over all pages (which Triton
+    3.6 fails to compile at 8192 pages)."""
+    return torch.ops.policyzoo.gaussian_entmax_threshold(m, s, n, cap, int(iters))
+
+
+# --------------------------------------------------------------------------------------------------
 # Sparse GEMV
 
 
@@ -227,6 +251,7 @@ __all__ = [
     "HAS_TRITON",
     "use_triton",
     "decode_attention",
+    "gaussian_entmax_threshold",
     "quest_page_bound",
     "quest_page_bound_grouped",
     "sparse_gemv_index",
