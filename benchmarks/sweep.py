@@ -439,7 +439,14 @@ def main(argv=None) -> None:
         p.error(f"--only: unknown sections {unknown}; known: {', '.join(sections)}")
     try:
         for name in args.only.split(","):  # in the order given: the first ones matter most under a deadline
-            sections[name]()
+            try:
+                sections[name]()
+            except Deadline:
+                raise
+            except Exception as err:  # one broken section must not cost the device call's later ones
+                rows.append({"section": name, "error": f"{type(err).__name__}: {err}"[:300]})
+                print(f"section {name}: FAILED", flush=True)
+                traceback.print_exc()
             save()
     except Deadline:
         print("deadline reached: later rows not run", flush=True)
