@@ -138,20 +138,9 @@ def attention_cases(draw, dtypes=(torch.float32, torch.bfloat16)):
     )
 
 
-@contextmanager
-def merge_variant(fused):
-    """Route softmax calls through the two-launch (False) or fused (True) merge; None: the default.
-
-    Sets the module constant, which is what the dispatch op reads (it has no keyword for it)."""
-    with ExitStack() as stack:
-        if fused is not None:
-            stack.enter_context(mock.patch.object(dispatch._attn, "FUSED_MERGE", fused))
-        yield
-
-
-def run_attention(case, mode, fused=None):
+def run_attention(case, mode):
     args = (case["q"], case["keys"], case["values"], case["sel"], case["start"], case["length"], case["scale"])
-    with poisoned(), merge_variant(fused):
+    with poisoned():
         out, second = dispatch.decode_attention(*args, mode=mode, chunk=case["chunk"])
     reference = ref.decode_attention if mode == "softmax" else ref.decode_attention_entmax15
     ref_out, ref_second = reference(*args)
@@ -159,11 +148,10 @@ def run_attention(case, mode, fused=None):
 
 
 @here
-@pytest.mark.parametrize("fused", [False, True], ids=["merge_launch", "fused_merge"])
 @ATTENTION_SETTINGS
 @given(case=attention_cases())
-def test_decode_attention_softmax(case, fused):
-    out, lse, ref_out, ref_lse = run_attention(case, "softmax", fused)
+def test_decode_attention_softmax(case):
+    out, lse, ref_out, ref_lse = run_attention(case, "softmax")
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
@@ -183,12 +171,9 @@ def test_decode_attention_entmax15(case):
 
 
 @here
-@pytest.mark.parametrize(
-    "mode, fused", [("softmax", False), ("softmax", True), ("entmax15", None)],
-    ids=["softmax-merge_launch", "softmax-fused_merge", "entmax15"],
-)
+@pytest.mark.parametrize("mode", ["softmax", "entmax15"])
 @pytest.mark.parametrize("block", [1, 16])
-def test_decode_attention_empty(mode, fused, block):
+def test_decode_attention_empty(mode, block):
     """No visible entry (count 0, or every selected slot outside start..length): out 0, lse/tau -inf."""
     g_rand = gen(0)
     b, h_kv, group, n, d = 2, 2, 4, 64, 64
@@ -199,60 +184,10 @@ def test_decode_attention_empty(mode, fused, block):
     sel = Selection(indices, count, randn(g_rand, b, h_kv, 3), block)
     start = torch.tensor([0, block + 1], device=DEVICE)
     length = torch.tensor(n, device=DEVICE)
-    with poisoned(), merge_variant(fused):
+    with poisoned():
         out, second = dispatch.decode_attention(q, keys, values, sel, start, length, d**-0.5, mode=mode, chunk=1)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(second, torch.full_like(second, -torch.inf))
-
-
-@here
-@pytest.mark.parametrize("block", [1, 16])
-def test_decode_attention_fused_merge_counters(block):
-    """The fused merge leaves its arrival counters at 0, and a counter buffer reused by the next call
-    (as under CUDA graphs) gives the same result; both variants agree with the reference.
-
-    Several rows, KV heads and chunks per (row, KV head), counts from 0 to full, so that every group
-    has several arrivals and a last one (the interpreter runs programs in order)."""
-    g_rand = gen(1)
-    b, h_kv, group, d, k_max = 3, 3, 3, 64, 9
-    n = 48 if block == 1 else 3 * block
-    q = randn(g_rand, b, h_kv * group, d, dtype=torch.bfloat16)
-    keys = randn(g_rand, b, h_kv, n, d, dtype=torch.bfloat16)
-    values = randn(g_rand, b, h_kv, n, d, dtype=torch.bfloat16)
-    indices = torch.randint(0, n // block, (b, h_kv, k_max), generator=g_rand, dtype=torch.int32).to(DEVICE)
-    count = torch.tensor([[9, 0, 4], [1, 9, 7], [2, 8, 9]], dtype=torch.int32, device=DEVICE)
-    sel = Selection(indices, count, randn(g_rand, b, h_kv, k_max), block)
-    start = torch.tensor([0, 2, 5], device=DEVICE)
-    length = torch.tensor(n - 1, device=DEVICE)
-    args = (q, keys, values, sel.indices, sel.count, sel.log_weight, block, start, length, d**-0.5)
-
-    counters = []
-    zeros = torch.zeros
-
-    def zeros_reused(*shape, dtype=None, **kw):
-        """The counter buffer (the only int32 zeros of a call): the first one, on every call."""
-        if dtype != torch.int32:
-            return zeros(*shape, dtype=dtype, **kw)
-        if not counters:
-            counters.append(zeros(*shape, dtype=dtype, **kw))
-        return counters[0]
-
-    results = []
-    with poisoned(), mock.patch.object(torch, "zeros", zeros_reused):
-        for _ in range(2):
-            results.append(dispatch._attn.decode_attention(*args, chunk=2, fused_merge=True))
-            assert counters and counters[0].shape == (b * h_kv,)
-            assert torch.equal(counters[0], torch.zeros_like(counters[0]))
-        results.append(dispatch._attn.decode_attention(*args, chunk=2, fused_merge=False))
-    (out, lse), (out2, lse2), (out_launch, lse_launch) = results
-    assert torch.equal(out, out2) and torch.equal(lse, lse2)
-    assert not out.isnan().any() and not lse.isnan().any()
-    ref_out, ref_lse = ref.decode_attention(q, keys, values, sel, start, length, d**-0.5)
-    assert torch.isneginf(ref_lse[0, group : 2 * group]).all()  # the empty selection is in there
-    for o, l in ((out, lse), (out_launch, lse_launch)):
-        assert o.dtype == torch.bfloat16
-        assert_close(o.float(), ref_out.float(), torch.bfloat16)
-        assert_close(l, ref_lse, torch.float32)
 
 
 @here

@@ -3,22 +3,14 @@
 One query token per batch row attends to the cache entries a KV policy selected; the specification is
 `reference.decode_attention` (softmax) and `reference.decode_attention_entmax15`.
 
-Softmax, two launches, or one with the merge fused into it (`FUSED_MERGE`, or ``fused_merge=`` per call):
+Softmax, two launches:
 
 1. `_softmax_chunk_kernel`, grid ``(chunks, H_kv, B)``. A program takes ``chunk`` consecutive entries
    of the selection of one (row, KV head) — tokens when ``block == 1``, pages of ``block`` tokens
    otherwise — and all G query heads of the GQA group, so each selected key and value is read once
    per group. It walks the chunk's tokens in tiles of ``BLOCK_T`` (online softmax) and writes the
    chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
-2. Two-launch variant: `_merge_kernel`, grid ``(H, B)``, merges the chunks by log-sum-exp into ``out``
-   and ``lse``.
-   Fused variant ("last program merges"): the merge launch is latency bound (H·B programs that each
-   read a few KB; ~4.9 µs of a 41.7 µs call at 32K tokens on an H200), so instead each chunk program,
-   after writing its partials, increments an int32 arrival counter of its (row, KV head) group
-   (acq_rel, gpu scope, after a block barrier so every thread's stores precede it). The program that
-   arrives last reads the group's partials back (from L2: ``.cg`` loads), merges the G query heads
-   exactly as `_merge_kernel` does (one shared helper, `_merge_head`), and resets the counter to 0.
-   The counters come from a ``torch.zeros`` per call.
+2. `_merge_kernel`, grid ``(H, B)``: merges the chunks by log-sum-exp into ``out`` and ``lse``.
 
 1.5-entmax, two passes over the selection (keys in the first, values in the second):
 
@@ -63,11 +55,6 @@ NUM_STAGES = 3  # software pipelining of the tile loop (the CUDA default)
 TARGET_PROGRAMS = 512  # chunks x KV heads x rows the split aims at
 MIN_CHUNK_TOKENS = 128  # tokens per program at least
 BLOCK_C = 32  # chunk partials per merge step
-# Softmax merge: False = a second launch (`_merge_kernel`); True = the last chunk program of each
-# (row, KV head) merges (see the module docstring). `decode_attention(fused_merge=...)` overrides it
-# per call; the dispatch op (and so torch.compile / CUDA-graph paths) uses this constant.
-# TODO: time both on the H200 and pick the default from the measurement.
-FUSED_MERGE = False
 # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
 # selection is then one step per pass).
 BLOCK_M = 4096  # scratch entries per step of the entmax threshold search
@@ -129,22 +116,18 @@ def _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G: tl.constexpr, D: 
 @triton.jit
 def _softmax_chunk_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
-    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, arrive_ptr,
+    m_ptr, l_ptr, o_ptr,
     s_qb, s_qh,
     s_kb, s_kh, s_kn,
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
-    s_ob, s_oh,
     n, k_max, chunk, n_chunks, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    FUSED: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Partials of one chunk; with ``FUSED`` the group's last program also merges (``out``, ``lse``,
-    ``arrive_ptr`` are only touched then)."""
     c = tl.program_id(0)
     kv = tl.program_id(1)
     b = tl.program_id(2)
@@ -199,32 +182,17 @@ def _softmax_chunk_kernel(
         mask=g_mask[:, None] & (offs_d[None, :] < D),
     )
 
-    if FUSED:
-        # Last program merges. The barrier orders every thread's partial stores before the arrival
-        # (the atomic is issued by one thread; its release covers what the block wrote before the
-        # barrier); the acquire (and the barrier Triton puts after a scalar atomic to broadcast its
-        # result) orders the other programs' partials before the loads below, which also bypass L1
-        # (.cg) so that no line cached there earlier in this launch can be stale.
-        tl.debug_barrier()
-        group = b * tl.num_programs(1) + kv
-        arrived = tl.atomic_add(arrive_ptr + group, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_chunks - 1:
-            head0 = b * (G * tl.num_programs(1)) + kv * G
-            for g in range(G):
-                _merge_head(m_ptr, l_ptr, o_ptr, out_ptr + b * s_ob + (kv * G + g) * s_oh, lse_ptr,
-                            head0 + g, n_chunks, D, D_PAD, BLOCK_C, ".cg")
-            # Every chunk of the group has arrived, so nothing increments this counter again in this
-            # launch: leave it zeroed for the next call (a reused buffer, e.g. under CUDA graphs).
-            tl.store(arrive_ptr + group, 0)
-
 
 @triton.jit
-def _merge_head(
-    m_ptr, l_ptr, o_ptr, out_row, lse_ptr, head, n_chunks,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
+def _merge_kernel(
+    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr,
+    s_ob, s_oh, n_chunks,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Log-sum-exp merge of the chunk partials of query head ``head`` (flat ``b·H + h``) into
-    ``out_row[:D]`` (in its dtype) and ``lse_ptr[head]``; ``CACHE`` is the loads' cache modifier."""
+    """Log-sum-exp merge of the chunk partials of one (row, query head)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    head = b * tl.num_programs(0) + h
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, D_PAD)
 
@@ -234,13 +202,12 @@ def _merge_head(
     for c0 in range(0, n_chunks, BLOCK_C):
         cs = c0 + offs_c
         c_mask = cs < n_chunks
-        m = tl.load(m_ptr + head * n_chunks + cs, mask=c_mask, other=-float("inf"), cache_modifier=CACHE)
-        l = tl.load(l_ptr + head * n_chunks + cs, mask=c_mask, other=0.0, cache_modifier=CACHE)
+        m = tl.load(m_ptr + head * n_chunks + cs, mask=c_mask, other=-float("inf"))
+        l = tl.load(l_ptr + head * n_chunks + cs, mask=c_mask, other=0.0)
         o = tl.load(
             o_ptr + (head * n_chunks + cs)[:, None] * D + offs_d[None, :],
             mask=c_mask[:, None] & (offs_d[None, :] < D),
             other=0.0,
-            cache_modifier=CACHE,
         )
         m_new = tl.maximum(m_run, tl.max(m, 0))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
@@ -253,21 +220,8 @@ def _merge_head(
     empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
     out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_run))
     lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
-    tl.store(out_row + offs_d, out, mask=offs_d < D)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out, mask=offs_d < D)
     tl.store(lse_ptr + head, lse)
-
-
-@triton.jit
-def _merge_kernel(
-    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr,
-    s_ob, s_oh, n_chunks,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Log-sum-exp merge of the chunk partials of one (row, query head)."""
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    _merge_head(m_ptr, l_ptr, o_ptr, out_ptr + b * s_ob + h * s_oh, lse_ptr, b * tl.num_programs(0) + h,
-                n_chunks, D, D_PAD, BLOCK_C, "")
 
 
 @triton.jit
@@ -450,13 +404,11 @@ def decode_attention(
     scale: float,
     mode: str = "softmax",
     chunk: int = 0,
-    fused_merge: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the kernels; arguments as `reference.decode_attention` with the Selection unpacked.
 
     ``mode`` is ``"softmax"`` (returns ``(out, lse)``) or ``"entmax15"`` (returns ``(out, tau)``);
-    ``chunk`` is the number of selection entries per program (0: `default_chunk`); ``fused_merge``
-    picks the softmax merge (None: `FUSED_MERGE`; ignored by entmax15).
+    ``chunk`` is the number of selection entries per program (0: `default_chunk`).
     """
     if mode not in ("softmax", "entmax15"):
         raise ValueError(f"mode must be 'softmax' or 'entmax15', got {mode!r}")
@@ -489,32 +441,20 @@ def decode_attention(
     o_part = _alloc(b, h, n_chunks, d, dtype=torch.float32, device=q.device)
 
     if mode == "softmax":
-        fused = FUSED_MERGE if fused_merge is None else bool(fused_merge)
         m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
         l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
-        # Arrival counters of the fused merge, one per (row, KV head), must start at 0. A fresh
-        # torch.zeros per call (one small memset, not `_alloc`: it is no output) rather than a cached
-        # buffer: nothing survives between calls, so concurrent calls on several streams, a call
-        # captured into a CUDA graph (its memory then comes from the graph's pool), or a launch that
-        # died midway cannot leave a shared counter non-zero. (The kernel resets each counter anyway,
-        # so a cached buffer would also work if the memset turns out to cost what the fusion saves.)
-        # Two launches: a dummy pointer, never touched, so that path launches nothing more than before.
-        arrive = torch.zeros(b * h_kv, dtype=torch.int32, device=q.device) if fused else count
         _softmax_chunk_kernel[grid](
             q, keys, values, indices, count, lw, start, length,
-            m_part, l_part, o_part, out, second, arrive,
+            m_part, l_part, o_part,
             q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
             indices.stride(0), indices.stride(1), indices.stride(2),
             count.stride(0), count.stride(1),
             lw.stride(0), lw.stride(1), lw.stride(2),
-            out.stride(0), out.stride(1),
             n, k_max, chunk, n_chunks, float(scale),
-            HAS_LW=has_lw, FUSED=fused, BLOCK_C=BLOCK_C, **common,
+            HAS_LW=has_lw, **common,
         )
-        if fused:
-            return out, second
         _merge_kernel[(h, b)](
             m_part, l_part, o_part, out, second,
             out.stride(0), out.stride(1), n_chunks,
@@ -549,4 +489,4 @@ def decode_attention(
     return out, second
 
 
-__all__ = ["decode_attention", "default_chunk", "FUSED_MERGE", "INTERPRET"]
+__all__ = ["decode_attention", "default_chunk", "INTERPRET"]
