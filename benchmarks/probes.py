@@ -42,13 +42,6 @@ def _dense_selection(b: int, pages: int, device) -> Selection:
     return Selection(idx, torch.full((b, H_KV), pages, device=device, dtype=torch.int32), block=PAGE)
 
 
-def _random_pages(pages: int, fraction: int, device) -> Selection:
-    """``pages // fraction`` random pages per KV head, in ascending order (as the policies give them)."""
-    k = max(1, pages // fraction)
-    idx = torch.stack([torch.randperm(pages, device=device)[:k].sort().values for _ in range(H_KV)]).int()[None]
-    return Selection(idx.contiguous(), torch.full((1, H_KV), k, device=device, dtype=torch.int32), block=PAGE)
-
-
 # ------------------------------------------------------------------------------------------ tune
 def section_tune(contexts, rows, grid=None):
     """Time the dense split-K kernel over launch-parameter variants; SDPA on the same cache."""
@@ -215,25 +208,6 @@ def section_variants(rows):
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
         _pick(rows, "variants", f"select_top {label}", {v: (fn, check) for v in ("radix", "bisect")},
               lambda v: setattr(select_module, "SEARCH", v))
-
-    # Decode attention: the chunk merge as a second launch, or done by each group's last program.
-    for n in ((2048,) if small else (32768, 131072)):
-        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
-        keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
-        for label, sel in (("dense", _dense_selection(1, n // PAGE, dev)), ("1/16 pages", _random_pages(n // PAGE, 16, dev))):
-            ref, ref_lse = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
-
-            def check():
-                out, lse = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                lse_err = (lse - ref_lse).abs().max().item()
-                return "" if err < 1e-2 and lse_err < 1e-2 else f"rel err {err:.1e}, lse err {lse_err:.1e}"
-
-            fn = lambda: attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)  # noqa: E731
-            _pick(rows, "variants", f"attention {label} {n // 1024}K", {"separate merge": (fn, check), "fused merge": (fn, check)},
-                  lambda v: setattr(attn_module, "FUSED_MERGE", v == "fused merge"))
 
     # Quest page bound over a 128K context, folded over the group: tile shapes, bf16 and fp32 summaries.
     pages = 8192 // (64 if small else 1)

@@ -21,9 +21,12 @@ from torch import Tensor
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
+# Launch parameters, from the sweep's `variants` probe on an H200 (8,192 pages, 8 KV heads, GQA 4,
+# D=128, bf16 summaries): the whole head dim per step with 2 warps takes 25 µs, against 39 µs for
+# 32-wide slices with 4 warps (27 tile/warp combinations timed).
 BLOCK_P = 16  # pages per program
-BLOCK_D = 32  # head-dim slice per step
-NUM_WARPS = 4
+BLOCK_D = 128  # head-dim slice per step
+NUM_WARPS = 2
 AGG_CODES = {"none": 0, "max": 1, "sum": 2}
 
 

@@ -70,10 +70,10 @@ def _count_above(s_row, key, offs, n, t, STRICT: tl.constexpr,
 
 
 @triton.jit
-def _digit_histogram(s_row, key, offs, n, prefix, shift, FIRST: tl.constexpr,
+def _digit_histogram(s_row, key, offs, n, prefix, SHIFT: tl.constexpr, FIRST: tl.constexpr,
                      ABS: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
                      BINS: tl.constexpr):
-    """Histogram of the digit ``(key >> shift) % BINS`` over the keys whose higher bits equal ``prefix``."""
+    """Histogram of the digit ``(key >> SHIFT) % BINS`` over the keys whose higher bits equal ``prefix``."""
     bins = tl.arange(0, BINS)
     hist = tl.zeros((BINS,), tl.int32)
     for t0 in range(0, n, BLOCK_N):
@@ -83,8 +83,8 @@ def _digit_histogram(s_row, key, offs, n, prefix, shift, FIRST: tl.constexpr,
             k = _keys(s_row, t0 + offs, n, ABS, LOW)
         match = (t0 + offs) < n
         if not FIRST:  # the first pass has no prefix (and a shift by 32 is undefined)
-            match = match & ((k >> (shift + 8)) == prefix)
-        digit = ((k >> shift) & (BINS - 1)).to(tl.int32)
+            match = match & ((k >> (SHIFT + 8)) == prefix)
+        digit = ((k >> SHIFT) & (BINS - 1)).to(tl.int32)
         # Entries that do not match are counted in bin 0 and taken out again (no masked histogram
         # in every Triton version).
         missed = tl.sum((~match).to(tl.int32), axis=0)
@@ -121,8 +121,8 @@ def _select_top_kernel(
         bins = tl.arange(0, BINS)
         prefix = tl.zeros((), tl.uint32)
         for j in tl.static_range(KEY_BITS // 8):
-            shift: tl.constexpr = KEY_BITS - 8 * (j + 1)
-            hist = _digit_histogram(s_row, key, offs, n, prefix, shift, j == 0, ABS, LOW, BLOCK_N, SINGLE, BINS)
+            hist = _digit_histogram(s_row, key, offs, n, prefix, KEY_BITS - 8 * (j + 1), j == 0, ABS, LOW, BLOCK_N,
+                                    SINGLE, BINS)
             at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
             digit = tl.max(tl.where(at_or_above >= want, bins, 0), axis=0)
             want -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
