@@ -209,11 +209,30 @@ def section_variants(rows):
         _pick(rows, "variants", f"select_top {label}", {v: (fn, check) for v in ("radix", "bisect")},
               lambda v: setattr(select_module, "SEARCH", v))
 
+    # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
+    for n in ((2048,) if small else (32768, 131072)):
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
+        sel = _dense_selection(1, n // PAGE, dev)
+        ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
+
+        def check():
+            out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            return "" if err < 1e-2 else f"rel err {err:.1e}"
+
+        fn = lambda: attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)  # noqa: E731
+        merges = {f"merge BLOCK_C={bc or 'all'} warps={w}": (bc, w) for bc in (32, 0) for w in (1, 2, 4, 8)}
+        _pick(rows, "variants", f"attention dense {n // 1024}K", {name: (fn, check) for name in merges},
+              lambda name: [setattr(attn_module, a, v) for a, v in zip(("BLOCK_C", "MERGE_WARPS"), merges[name])])
+
     # Quest page bound over a 128K context, folded over the group: tile shapes, bf16 and fp32 summaries.
     pages = 8192 // (64 if small else 1)
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
     centre = torch.randn(1, H_KV, pages, D, device=dev)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16,):  # the cache keeps its extremes in its own dtype
         mn, mx = (centre - 0.5).to(dtype), (centre + 0.5).to(dtype)
         want = kernels.reference.quest_page_bound_grouped(q, mn, mx, D**-0.5, "max")
 

@@ -54,7 +54,9 @@ NUM_WARPS = 4  # of the kernels that read keys or values
 NUM_STAGES = 3  # software pipelining of the tile loop (the CUDA default)
 TARGET_PROGRAMS = 512  # chunks x KV heads x rows the split aims at
 MIN_CHUNK_TOKENS = 128  # tokens per program at least
-BLOCK_C = 32  # chunk partials per merge step
+BLOCK_C = 32  # chunk partials per merge step; 0: all of them in one step (up to MAX_BLOCK_C)
+MAX_BLOCK_C = 128
+MERGE_WARPS = 4
 # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
 # selection is then one step per pass).
 BLOCK_M = 4096  # scratch entries per step of the entmax threshold search
@@ -458,7 +460,8 @@ def decode_attention(
         _merge_kernel[(h, b)](
             m_part, l_part, o_part, out, second,
             out.stride(0), out.stride(1), n_chunks,
-            D=d, D_PAD=common["D_PAD"], BLOCK_C=BLOCK_C,
+            D=d, D_PAD=common["D_PAD"], num_warps=MERGE_WARPS,
+            BLOCK_C=BLOCK_C or min(MAX_BLOCK_C, max(16, triton.next_power_of_2(n_chunks))),
         )
         return out, second
 

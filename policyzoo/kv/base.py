@@ -171,9 +171,19 @@ def forced_tokens(state: KVState, sinks: int, window: int) -> Tensor:
 
 
 def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
-    """``bool[B, P]``: pages holding any forced token (the last page is always forced)."""
-    b, p = state.cache.batch, state.page_size
-    return forced_tokens(state, sinks, max(window, 1)).view(b, -1, p).any(-1)
+    """``bool[B, P]``: pages holding any forced token (the last page is always forced).
+
+    Computed in page space (the visible slot range of each page against the sink and window
+    ranges), not by folding `forced_tokens` over the whole capacity: a step then touches P
+    entries, not P·page.
+    """
+    c = state.cache
+    lo = torch.arange(c.num_pages, device=c.device) * c.page_size
+    first = torch.maximum(lo, c.start[:, None])  # [B, P]: the page's visible slots are first..last-1
+    last = torch.minimum(lo + c.page_size, c.length)
+    holds_sink = first < c.start[:, None] + sinks
+    holds_window = last > c.length - max(window, 1)
+    return (first < last) & (holds_sink | holds_window)
 
 
 def page_budget(state: KVState, budget: Budget, page: int, sinks: int, window: int, owner: str) -> tuple[int, Tensor]:
