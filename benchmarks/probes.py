@@ -180,7 +180,10 @@ def _pick(rows, section, label, variants, apply):
     return best[0]
 
 
-def section_variants(rows):
+VARIANT_GROUPS = ("select_top", "merge", "page_bound")
+
+
+def section_variants(rows, groups=VARIANT_GROUPS):
     """The alternatives a kernel module offers, timed against each other and checked against the
     torch reference; the fastest correct one is kept for the rest of the run (and printed, so the
     defaults in the modules can follow the measurement)."""
@@ -194,7 +197,7 @@ def section_variants(rows):
               "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
               "pages 2048 fp32 x8 keep 0.1": (8, 2048, torch.float32, False, 0.1),
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1)}
-    for label, (r, n, dtype, absolute, keep) in shapes.items():
+    for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
         k = math.ceil(keep * n)
@@ -206,11 +209,11 @@ def section_variants(rows):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        _pick(rows, "variants", f"select_top {label}", {v: (fn, check) for v in ("radix", "bisect")},
+        _pick(rows, "variants", f"select_top {label}", {v: (fn, check) for v in ("octiles", "bisect")},
               lambda v: setattr(select_module, "SEARCH", v))
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
-    for n in ((2048,) if small else (32768, 131072)):
+    for n in ((2048,) if small else (32768, 131072)) if "merge" in groups else ():
         q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
         keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
         values = torch.randn_like(keys)
@@ -232,7 +235,7 @@ def section_variants(rows):
     pages = 8192 // (64 if small else 1)
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
     centre = torch.randn(1, H_KV, pages, D, device=dev)
-    for dtype in (torch.bfloat16,):  # the cache keeps its extremes in its own dtype
+    for dtype in (torch.bfloat16,) if "page_bound" in groups else ():  # the cache keeps its extremes in its own dtype
         mn, mx = (centre - 0.5).to(dtype), (centre + 0.5).to(dtype)
         want = kernels.reference.quest_page_bound_grouped(q, mn, mx, D**-0.5, "max")
 

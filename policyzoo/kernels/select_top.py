@@ -7,11 +7,15 @@ projection or a page selection. Here one program per row does it in one launch:
 1. Map each score to an unsigned key with the same order (a float's bits, negatives flipped, the
    sign bit set on non-negatives), so ties are exact. bf16 inputs carry only 16 significant bits,
    so their keys are the top 16 bits.
-2. Find the largest key ``T`` with ``#{key >= T} >= count``. Two searches (``SEARCH``):
-   - ``"radix"`` (default): 8 bits of ``T`` per pass, from a 256-bin histogram of the keys that
-     share the bits found so far (2 passes for bf16, 4 for fp32). Few passes, each a histogram.
-   - ``"bisect"``: one bit per step, from one count per step (16 steps for bf16, 32 for fp32).
-     Each step is a block-wide reduction, so the cost is latency; kept to time against.
+2. Find the largest key ``T`` with ``#{key >= T} >= count`` by narrowing ``[lo, hi)``, which
+   starts as every key. Each step is a block-wide reduction, whose cost is latency, so the number
+   of steps is what matters. Two searches (``SEARCH``):
+   - ``"octiles"`` (default): count the keys at the 7 inner eighths of the interval in one
+     reduction (the counts packed into two int64s) and keep the eighth that holds ``T``: 3 bits
+     per step, 6 steps for bf16 and 11 for fp32.
+   - ``"bisect"``: one count per step, 16 steps for bf16 and 32 for fp32; kept to time against.
+   (A radix search, 8 bits per 256-bin ``tl.histogram`` pass, measured slower than the bisection
+   on an H200: 11 against 9 µs at 4,096 bf16 entries, 34 against 20 µs at 8 rows of 8,192 fp32.)
 3. Keep every key ``> T`` and the first ``count − #{key > T}`` keys ``== T`` by position, and write
    their positions in ascending order (a running prefix sum), zeros after ``count``.
 
@@ -28,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
-SEARCH = "radix"  # or "bisect" (see the module docstring)
+SEARCH = "octiles"  # or "bisect" (see the module docstring)
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -70,26 +74,56 @@ def _count_above(s_row, key, offs, n, t, STRICT: tl.constexpr,
 
 
 @triton.jit
-def _digit_histogram(s_row, key, offs, n, prefix, SHIFT: tl.constexpr, FIRST: tl.constexpr,
-                     ABS: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-                     BINS: tl.constexpr):
-    """Histogram of the digit ``(key >> SHIFT) % BINS`` over the keys whose higher bits equal ``prefix``."""
-    bins = tl.arange(0, BINS)
-    hist = tl.zeros((BINS,), tl.int32)
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _octile_step(s_row, key, offs, n, lo, hi, want,
+                 ABS: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
+    """One step of the 8-way search: count the keys at or above the 7 inner eighths of ``[lo, hi)``
+    and return the eighth ``[t_j, t_{j+1})`` with ``#{key >= t_j} >= want > #{key >= t_{j+1}}``.
+
+    The 7 counts of a tile come from one block reduction: each is < 2^16 (a tile holds at most
+    16384 keys), so four share an int64 and the two int64s are reduced together.
+    """
+    width = hi - lo
+    t1 = lo + width // 8
+    t2 = lo + width * 2 // 8
+    t3 = lo + width * 3 // 8
+    t4 = lo + width * 4 // 8
+    t5 = lo + width * 5 // 8
+    t6 = lo + width * 6 // 8
+    t7 = lo + width * 7 // 8
+    n1 = tl.zeros((), tl.int64)
+    n2 = tl.zeros((), tl.int64)
+    n3 = tl.zeros((), tl.int64)
+    n4 = tl.zeros((), tl.int64)
+    n5 = tl.zeros((), tl.int64)
+    n6 = tl.zeros((), tl.int64)
+    n7 = tl.zeros((), tl.int64)
     for t0 in range(0, n, BLOCK_N):
         if SINGLE:
-            k = key
+            k = key.to(tl.int64)
         else:
-            k = _keys(s_row, t0 + offs, n, ABS, LOW)
-        match = (t0 + offs) < n
-        if not FIRST:  # the first pass has no prefix (and a shift by 32 is undefined)
-            match = match & ((k >> (SHIFT + 8)) == prefix)
-        digit = ((k >> SHIFT) & (BINS - 1)).to(tl.int32)
-        # Entries that do not match are counted in bin 0 and taken out again (no masked histogram
-        # in every Triton version).
-        missed = tl.sum((~match).to(tl.int32), axis=0)
-        hist += tl.histogram(tl.where(match, digit, 0), BINS) - tl.where(bins == 0, missed, 0)
-    return hist
+            k = _keys(s_row, t0 + offs, n, ABS, LOW).to(tl.int64)
+        one = tl.full((), 1, tl.int64)
+        packed_a = (tl.where(k >= t1, one, 0) + (tl.where(k >= t2, one, 0) << 16)
+                    + (tl.where(k >= t3, one, 0) << 32) + (tl.where(k >= t4, one, 0) << 48))
+        packed_b = tl.where(k >= t5, one, 0) + (tl.where(k >= t6, one, 0) << 16) + (tl.where(k >= t7, one, 0) << 32)
+        sum_a, sum_b = tl.reduce((packed_a, packed_b), 0, _add_pairs)
+        n1 += sum_a & 0xFFFF
+        n2 += (sum_a >> 16) & 0xFFFF
+        n3 += (sum_a >> 32) & 0xFFFF
+        n4 += (sum_a >> 48) & 0xFFFF
+        n5 += sum_b & 0xFFFF
+        n6 += (sum_b >> 16) & 0xFFFF
+        n7 += (sum_b >> 32) & 0xFFFF
+    # The counts fall with j, so the eighth to keep is the number of thresholds still reaching `want`.
+    j = ((n1 >= want).to(tl.int64) + (n2 >= want).to(tl.int64) + (n3 >= want).to(tl.int64)
+         + (n4 >= want).to(tl.int64) + (n5 >= want).to(tl.int64) + (n6 >= want).to(tl.int64)
+         + (n7 >= want).to(tl.int64))
+    return lo + width * j // 8, lo + width * (j + 1) // 8
 
 
 @triton.jit
@@ -97,7 +131,7 @@ def _select_top_kernel(
     s_ptr, cnt_ptr, idx_ptr,
     n, k_max, s_row_stride, i_row_stride,
     ABS: tl.constexpr, LOW: tl.constexpr, KEY_BITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, RADIX: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, OCTILES: tl.constexpr,
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row * s_row_stride
@@ -114,30 +148,19 @@ def _select_top_kernel(
     key = tl.zeros((BLOCK_N,), tl.uint32)
     if SINGLE:
         key = _keys(s_row, offs, n, ABS, LOW)
-    if RADIX:
-        # Invariant: `want` of the keys that start with `prefix` are >= T; pick the next digit as
-        # the largest one that still has `want` keys at or above it.
-        BINS: tl.constexpr = 256
-        bins = tl.arange(0, BINS)
-        prefix = tl.zeros((), tl.uint32)
-        for j in tl.static_range(KEY_BITS // 8):
-            hist = _digit_histogram(s_row, key, offs, n, prefix, KEY_BITS - 8 * (j + 1), j == 0, ABS, LOW, BLOCK_N,
-                                    SINGLE, BINS)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            digit = tl.max(tl.where(at_or_above >= want, bins, 0), axis=0)
-            want -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            prefix = (prefix << 8) | digit.to(tl.uint32)
-        threshold = prefix
+    # Invariant: #{key >= lo} >= want > #{key >= hi}; T is lo once the interval has width 1.
+    lo = tl.zeros((), tl.int64)
+    hi = tl.full((), 1 << KEY_BITS, tl.int64)  # lo <= T < hi <= 2^32: int64 bounds, uint32 keys
+    if OCTILES:
+        for _ in range((KEY_BITS + 2) // 3):  # each step keeps an eighth: 3 bits of T
+            lo, hi = _octile_step(s_row, key, offs, n, lo, hi, want, ABS, LOW, BLOCK_N, SINGLE)
     else:
-        lo = tl.zeros((), tl.int64)
-        hi = tl.full((), 1 << KEY_BITS, tl.int64)
         for _ in range(KEY_BITS):
-            # lo <= mid < hi <= 2^32: the bounds need int64, the midpoint fits the keys' uint32.
-            mid = (lo + (hi - lo) // 2).to(tl.uint32)
-            up = _count_above(s_row, key, offs, n, mid, False, ABS, LOW, BLOCK_N, SINGLE) >= want
-            lo = tl.where(up, mid.to(tl.int64), lo)
-            hi = tl.where(up, hi, mid.to(tl.int64))
-        threshold = lo.to(tl.uint32)
+            mid = lo + (hi - lo) // 2
+            up = _count_above(s_row, key, offs, n, mid.to(tl.uint32), False, ABS, LOW, BLOCK_N, SINGLE) >= want
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid)
+    threshold = lo.to(tl.uint32)
 
     # Compaction: every key above the threshold, then ties by position until count is reached.
     ties_wanted = c - _count_above(s_row, key, offs, n, threshold, True, ABS, LOW, BLOCK_N, SINGLE)
@@ -168,8 +191,8 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     if scores.dim() != 2 or count.shape != scores.shape[:1]:
         raise ValueError(f"expected scores [R, N] and count [R], got {tuple(scores.shape)} and {tuple(count.shape)}")
-    if SEARCH not in ("radix", "bisect"):
-        raise ValueError(f"select_top.SEARCH must be 'radix' or 'bisect', got {SEARCH!r}")
+    if SEARCH not in ("octiles", "bisect"):
+        raise ValueError(f"select_top.SEARCH must be 'octiles' or 'bisect', got {SEARCH!r}")
     r, n = scores.shape
     idx = _alloc(r, k_max, dtype=torch.int32, device=scores.device)
     if r == 0 or k_max == 0:
@@ -182,6 +205,6 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
     _select_top_kernel[(r,)](
         scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
         ABS=absolute, LOW=32 - key_bits, KEY_BITS=key_bits, BLOCK_N=block, SINGLE=n <= block,
-        RADIX=SEARCH == "radix", num_warps=num_warps,
+        OCTILES=SEARCH == "octiles", num_warps=num_warps,
     )
     return idx
