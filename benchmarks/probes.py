@@ -1,7 +1,7 @@
 """Device probes behind the sweep's targets: why a step costs what it costs.
 
 Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile``):
-  variants each kernel's alternatives (select_top's search, the page bound's tiles, ...) checked
+  variants each kernel's alternatives (the attention merge's width and warps, the page bound's tiles) checked
            against the reference and timed; the fastest correct one is kept for the rest of the run
   tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
@@ -180,7 +180,7 @@ def _pick(rows, section, label, variants, apply):
     return best[0]
 
 
-VARIANT_GROUPS = ("select_top", "merge", "page_bound")
+VARIANT_GROUPS = ("merge", "page_bound")
 
 
 def section_variants(rows, groups=VARIANT_GROUPS):
@@ -188,30 +188,9 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     torch reference; the fastest correct one is kept for the rest of the run (and printed, so the
     defaults in the modules can follow the measurement)."""
     from policyzoo.kernels.dispatch import _page as page_module
-    from policyzoo.kernels.dispatch import _select as select_module
 
     dev = sweep.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
-    # select_top: activation rows (bf16 |x|, keep 0.5) and page rows (fp32, keep 0.1, 8 KV heads).
-    shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
-              "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
-              "pages 2048 fp32 x8 keep 0.1": (8, 2048, torch.float32, False, 0.1),
-              "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1)}
-    for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
-        n = n // 64 if small else n
-        s = torch.randn(r, n, device=dev).to(dtype)
-        k = math.ceil(keep * n)
-        count = torch.full((r,), k, dtype=torch.int32, device=dev)
-        want = kernels.reference.select_top(s, count, k, absolute)
-
-        def check():
-            got = select_module.select_top(s, count, k, absolute)
-            return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
-
-        fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        _pick(rows, "variants", f"select_top {label}", {v: (fn, check) for v in ("octiles", "bisect")},
-              lambda v: setattr(select_module, "SEARCH", v))
-
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((2048,) if small else (32768, 131072)) if "merge" in groups else ():
         q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)

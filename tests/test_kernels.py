@@ -504,12 +504,10 @@ def test_torch_compile_traces_through(monkeypatch):
     absolute=st.booleans(),
     ties=st.booleans(),
     infinities=st.booleans(),
-    search=st.sampled_from(["octiles", "bisect"]),
     data=st.data(),
 )
-def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, search, data):
-    """Same positions as the reference, ties (frequent in bf16 and after rounding) included, with
-    either threshold search."""
+def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
+    """Same positions as the reference, ties (frequent in bf16 and after rounding) included."""
     g = gen(seed)
     s = torch.randn(rows, n, generator=g)
     if ties:
@@ -522,7 +520,7 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, search, da
     count = torch.tensor(data.draw(st.lists(st.integers(0, k_max + 2), min_size=rows, max_size=rows)), device=DEVICE)
     if infinities and not absolute:  # callers never ask for invalid entries
         count = torch.minimum(count, (s > -torch.inf).sum(-1))
-    with mock.patch.object(dispatch._select, "SEARCH", search), poisoned():
+    with poisoned():
         got = dispatch.select_top(s, count, k_max, absolute)
     assert torch.equal(got, ref.select_top(s, count, k_max, absolute))
 
@@ -533,16 +531,9 @@ def test_select_top_rows_longer_than_a_tile():
     g = gen(5)
     s = ((torch.randn(3, 300, generator=g) * 4).round() / 4).to(DEVICE)
     count = torch.tensor([0, 17, 250], device=DEVICE)
-    for search in ("octiles", "bisect"):
-        with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64), mock.patch.object(dispatch._select, "SEARCH", search), poisoned():
-            got = dispatch._select.select_top(s, count, 260)
-        assert torch.equal(got, ref.select_top(s, count, 260)), search
-
-
-@here
-def test_select_top_unknown_search():
-    with mock.patch.object(dispatch._select, "SEARCH", "sort"), pytest.raises(ValueError, match="octiles"):
-        dispatch._select.select_top(torch.zeros(1, 4, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE), 2)
+    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64), poisoned():
+        got = dispatch._select.select_top(s, count, 260)
+    assert torch.equal(got, ref.select_top(s, count, 260))
 
 
 def test_select_top_reference_semantics():
