@@ -149,9 +149,12 @@ def run_attention(case, mode):
 
 @here
 @ATTENTION_SETTINGS
-@given(case=attention_cases())
-def test_decode_attention_softmax(case):
-    out, lse, ref_out, ref_lse = run_attention(case, "softmax")
+@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]))
+def test_decode_attention_softmax(case, merge):
+    """``merge``: the merge's (BLOCK_C, MAX_BLOCK_C), i.e. every chunk in one step, in steps of at
+    most 16 (with > 16 chunks), or in fixed steps of 32."""
+    with mock.patch.object(dispatch._attn, "BLOCK_C", merge[0]), mock.patch.object(dispatch._attn, "MAX_BLOCK_C", merge[1]):
+        out, lse, ref_out, ref_lse = run_attention(case, "softmax")
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
