@@ -13,10 +13,10 @@ and the result is cast to x's dtype. Three ways to say which features are kept, 
 Grid ``(cdiv(d_out, BLOCK_N), split, B)``: a program computes ``BLOCK_N`` outputs of one row over
 one slice of the kept features (split-K), walking it in tiles of ``BLOCK_K``; with more than one
 slice the fp32 partials are summed, the bias added and the result cast by one more small kernel
-(`_sum_slices_kernel`; done in torch, that epilogue was two launches, 4.4 µs per GEMV on an H200). The index kernel gathers
-``BLOCK_K`` weight rows per tile; the threshold and mask kernels walk all of ``d_in`` but predicate
-the weight loads on the keep decision, so rows of dropped features are never fetched (a masked-off
-load issues no memory transaction). ``w_t`` may be any strided view (``weight.t()`` of an
+(`_sum_slices_kernel`; done in torch, that epilogue was two launches, 4.4 µs per GEMV on an H200).
+The index kernel gathers ``BLOCK_K`` weight rows per tile; the threshold and mask kernels walk all
+of ``d_in`` but predicate the weight loads on the keep decision, so rows of dropped features are
+never fetched (a masked-off load issues no memory transaction). ``w_t`` may be any strided view (``weight.t()`` of an
 ``nn.Linear`` works, though reading it is only coalesced when ``w_t`` is contiguous).
 """
 

@@ -45,7 +45,6 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels.reference import (  # noqa: F401  (re-exported: the references live beside their kernel)
-    _censored_moments,
     censored_relu_sq,
     gaussian_entmax_threshold,
     gaussian_relu,
@@ -53,6 +52,7 @@ from ..kernels.reference import (  # noqa: F401  (re-exported: the references li
 )
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, group_page_bounds, page_bound_scores, page_budget
+
 
 def page_gaussians(state: KVState, q: Tensor) -> tuple[Tensor, Tensor]:
     """Per query head and page, the Gaussian model of ``scale·q·k``: ``(μ, σ) float32[B, H, P]``."""
