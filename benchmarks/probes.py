@@ -1,8 +1,9 @@
 """Device probes behind the sweep's targets: why a step costs what it costs.
 
 Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile``):
-  variants each kernel's alternatives (the attention merge's width and warps, the page bound's tiles) checked
-           against the reference and timed; the fastest correct one is kept for the rest of the run
+  variants each kernel's alternatives (select_top's warps, the attention merge's width and warps, the
+           page bound's tiles) checked against the reference and timed; the fastest correct one is
+           kept for the rest of the run (select_top goes back to its by-tile rule afterwards)
   tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
            GEMV at keep 0.5 from an index list and from a threshold, and the top-k that names the kept
@@ -180,7 +181,7 @@ def _pick(rows, section, label, variants, apply):
     return best[0]
 
 
-VARIANT_GROUPS = ("merge", "page_bound")
+VARIANT_GROUPS = ("select_top", "merge", "page_bound")
 
 
 def section_variants(rows, groups=VARIANT_GROUPS):
@@ -191,6 +192,32 @@ def section_variants(rows, groups=VARIANT_GROUPS):
 
     dev = sweep.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
+    # select_top's warps: by tile size, or fixed. Rows of activations (bf16 |x|, keep 0.5) and of
+    # pages (fp32, keep 0.1, 8 KV heads), including a page count just over a power of two.
+    from policyzoo.kernels.dispatch import _select as select_module
+
+    shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
+              "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
+              "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
+              "pages 8200 fp32 x8 keep 0.1": (8, 8200, torch.float32, False, 0.1)}
+    for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
+        n = n // 64 if small else n
+        s = torch.randn(r, n, device=dev).to(dtype)
+        k = math.ceil(keep * n)
+        count = torch.full((r,), k, dtype=torch.int32, device=dev)
+        want = kernels.reference.select_top(s, count, k, absolute)
+
+        def check():
+            got = select_module.select_top(s, count, k, absolute)
+            return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
+
+        fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
+        warps = {"warps by tile size": 0, **{f"warps={w}": w for w in ((4,) if small else (4, 8, 16, 32))}}
+        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in warps},
+              lambda name: setattr(select_module, "NUM_WARPS", warps[name]))
+    if "select_top" in groups:
+        select_module.NUM_WARPS = 0  # one fixed count would not suit every row length: keep the rule
+
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
         q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)

@@ -29,6 +29,11 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
+# Warps per program: 0 picks by tile size (4 up to 4096 entries, 8 up to 8192, 16 above). A row just
+# over a power of two doubles the tile (8,200 pages → 16,384), and the 16-warp program measured
+# 56 µs in a Quest step at 128K against 20 µs at 8,192 entries; the sweep's `variants` probe times
+# fixed warp counts against this rule.
+NUM_WARPS = 0
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -134,7 +139,7 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
     bits = 32 - shift - (1 if absolute else 0)  # a magnitude's key is never negative
     lo = 0 if absolute else -(1 << (31 - shift))
     block = min(MAX_BLOCK_N, triton.next_power_of_2(max(n, 16)))
-    num_warps = 4 if block <= 4096 else 8 if block <= 8192 else 16
+    num_warps = NUM_WARPS or (4 if block <= 4096 else 8 if block <= 8192 else 16)
     _select_top_kernel[(r,)](
         scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
         ABS=absolute, SHIFT=shift, ITERS=bits, LO=lo, BLOCK_N=block, SINGLE=n <= block, num_warps=num_warps,
