@@ -43,6 +43,17 @@ def _dense_selection(b: int, pages: int, device) -> Selection:
     return Selection(idx, torch.full((b, H_KV), pages, device=device, dtype=torch.int32), block=PAGE)
 
 
+def _dense_layer(n: int):
+    """One layer's random bf16 decode inputs at context ``n`` with every page selected:
+    ``(q, keys, values, start, length, selection)``."""
+    dev = sweep.DEVICE
+    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+    keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
+    return q, keys, values, start, length, _dense_selection(1, n // PAGE, dev)
+
+
 # ------------------------------------------------------------------------------------------ tune
 def section_tune(contexts, rows, grid=None):
     """Time the dense split-K kernel over launch-parameter variants; SDPA on the same cache."""
@@ -52,11 +63,8 @@ def section_tune(contexts, rows, grid=None):
         grid = grid[:1]
     saved = (attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS)
     for n in contexts:
-        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
-        keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
-        sel, scale = _dense_selection(1, n // PAGE, dev), D**-0.5
+        q, keys, values, start, length, sel = _dense_layer(n)
+        scale = D**-0.5
         ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
         t_sdpa = sweep.graph_time_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True))
         kv_bytes = 2 * H_KV * n * D * 2
@@ -189,12 +197,12 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     torch reference; the fastest correct one is kept for the rest of the run (and printed, so the
     defaults in the modules can follow the measurement)."""
     from policyzoo.kernels.dispatch import _page as page_module
+    from policyzoo.kernels.dispatch import _select as select_module
 
     dev = sweep.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
     # select_top's warps: by tile size, or fixed. Rows of activations (bf16 |x|, keep 0.5) and of
     # pages (fp32, keep 0.1, 8 KV heads), including a page count just over a power of two.
-    from policyzoo.kernels.dispatch import _select as select_module
 
     shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
               "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
@@ -220,11 +228,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
-        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
-        keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        start, length = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor(n, device=dev)
-        sel = _dense_selection(1, n // PAGE, dev)
+        q, keys, values, start, length, sel = _dense_layer(n)
         ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
 
         def check():
@@ -239,12 +243,13 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         _pick(rows, "variants", f"attention dense {n // 1024}K", {name: (fn, check) for name in merges},
               lambda name: [setattr(attn_module, a, v) for a, v in zip(("BLOCK_C", "MERGE_WARPS"), merges[name])])
 
-    # Quest page bound over a 128K context, folded over the group: tile shapes, bf16 and fp32 summaries.
-    pages = 8192 // (64 if small else 1)
-    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
-    centre = torch.randn(1, H_KV, pages, D, device=dev)
-    for dtype in (torch.bfloat16,) if "page_bound" in groups else ():  # the cache keeps its extremes in its own dtype
-        mn, mx = (centre - 0.5).to(dtype), (centre + 0.5).to(dtype)
+    # Quest page bound over a 128K context, folded over the group: tile shapes and warps, on bf16
+    # summaries (the cache keeps its extremes in its own dtype).
+    if "page_bound" in groups:
+        pages = 8192 // (64 if small else 1)
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        centre = torch.randn(1, H_KV, pages, D, device=dev)
+        mn, mx = (centre - 0.5).to(torch.bfloat16), (centre + 0.5).to(torch.bfloat16)
         want = kernels.reference.quest_page_bound_grouped(q, mn, mx, D**-0.5, "max")
 
         def check():
@@ -257,7 +262,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
                  for bp in (16, 32, 64) for bd in (32, 64, 128) for w in (2, 4, 8)}
         if small:
             tiles = dict(list(tiles.items())[:2])
-        _pick(rows, "variants", f"page bound 128K {str(dtype)[6:]}", {name: (fn, check) for name in tiles},
+        _pick(rows, "variants", "page bound 128K bfloat16", {name: (fn, check) for name in tiles},
               lambda name: [setattr(page_module, a, v) for a, v in zip(("BLOCK_P", "BLOCK_D", "NUM_WARPS"), tiles[name])])
 
 

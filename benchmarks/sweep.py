@@ -86,17 +86,11 @@ def cuda_time_ms(fn, steps: int = 10, reps: int = 15, warmup: int = 3) -> float:
     the figure means nothing there, and the interpreter is slow.
     """
     if DEVICE == "cpu":
-        steps, reps, warmup = 1, 1, 0
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
-    if DEVICE == "cpu":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / steps)
-        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

@@ -75,11 +75,17 @@ class PagedKVCache:
         """``bool[B, capacity]``: slot ``t`` of row ``b`` holds a real, visible token."""
         return visible(self.start, self.length, self.capacity)
 
-    def page_counts(self) -> Tensor:
-        """``int64[B, pages]``: visible tokens per page (0 for pages of padding or the future)."""
+    def page_spans(self) -> tuple[Tensor, Tensor]:
+        """``(first, last) int64[B, pages]``: page ``p`` of row ``b`` holds visible slots
+        ``first .. last-1`` (none when ``first >= last``)."""
         lo = torch.arange(self.num_pages, device=self.device) * self.page_size
         first = torch.maximum(lo, self.start[:, None])
         last = torch.minimum(lo + self.page_size, self.length.expand(self.batch)[:, None])
+        return first, last
+
+    def page_counts(self) -> Tensor:
+        """``int64[B, pages]``: visible tokens per page (0 for pages of padding or the future)."""
+        first, last = self.page_spans()
         return (last - first).clamp(min=0)
 
     # ---------------------------------------------------------------------------------- writes

@@ -178,9 +178,7 @@ def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
     entries, not P·page.
     """
     c = state.cache
-    lo = torch.arange(c.num_pages, device=c.device) * c.page_size
-    first = torch.maximum(lo, c.start[:, None])  # [B, P]: the page's visible slots are first..last-1
-    last = torch.minimum(lo + c.page_size, c.length)
+    first, last = c.page_spans()
     holds_sink = first < c.start[:, None] + sinks
     holds_window = last > c.length - max(window, 1)
     return (first < last) & (holds_sink | holds_window)
