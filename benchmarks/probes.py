@@ -189,7 +189,7 @@ def _pick(rows, section, label, variants, apply):
     return best[0]
 
 
-VARIANT_GROUPS = ("select_top", "merge", "page_bound")
+VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages")
 
 
 def section_variants(rows, groups=VARIANT_GROUPS):
@@ -201,13 +201,14 @@ def section_variants(rows, groups=VARIANT_GROUPS):
 
     dev = sweep.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
-    # select_top's warps: by tile size, or fixed. Rows of activations (bf16 |x|, keep 0.5) and of
-    # pages (fp32, keep 0.1, 8 KV heads), including a page count just over a power of two.
-
+    # select_top's warps (by tile size, or fixed) on rows of activations (bf16 |x|, keep 0.5) and of
+    # pages (fp32, keep 0.1, 8 KV heads); on page rows also the register tile's cap (`MAX_BLOCK_N`:
+    # longer rows are re-read from cache per step), which matters for a row just over a power of two.
     shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
               "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
               "pages 8200 fp32 x8 keep 0.1": (8, 8200, torch.float32, False, 0.1)}
+    saved_select = (select_module.NUM_WARPS, select_module.MAX_BLOCK_N)
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
@@ -220,11 +221,13 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        warps = {"warps by tile size": 0, **{f"warps={w}": w for w in ((4,) if small else (4, 8, 16, 32))}}
-        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in warps},
-              lambda name: setattr(select_module, "NUM_WARPS", warps[name]))
-    if "select_top" in groups:
-        select_module.NUM_WARPS = 0  # one fixed count would not suit every row length: keep the rule
+        warps = (0, 4) if small else (0, 8, 16) if label.startswith("pages") else (0, 4, 8, 16)
+        caps = (16384, 4096) if small else (16384, 8192, 4096) if label.startswith("pages") else (16384,)
+        knobs = {f"warps={w or 'by tile'} tile<={cap}": (w, cap) for cap in caps for w in warps}
+        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
+              lambda name: [setattr(select_module, a, v) for a, v in zip(("NUM_WARPS", "MAX_BLOCK_N"), knobs[name])])
+    # One fixed choice would not suit every row length: back to the module's rule.
+    select_module.NUM_WARPS, select_module.MAX_BLOCK_N = saved_select
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
@@ -243,7 +246,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         _pick(rows, "variants", f"attention dense {n // 1024}K", {name: (fn, check) for name in merges},
               lambda name: [setattr(attn_module, a, v) for a, v in zip(("BLOCK_C", "MERGE_WARPS"), merges[name])])
 
-    # Quest page bound over a 128K context, folded over the group: tile shapes and warps, on bf16
+    # Quest page bound over a 128K context, folded over the group: method, tile and warps, on bf16
     # summaries (the cache keeps its extremes in its own dtype).
     if "page_bound" in groups:
         pages = 8192 // (64 if small else 1)
@@ -258,12 +261,43 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if err < 1e-5 else f"max rel err {err:.1e}"
 
         fn = lambda: page_module.quest_page_bound(q, mn, mx, D**-0.5, "max")  # noqa: E731
-        tiles = {f"BLOCK_P={bp} BLOCK_D={bd} warps={w}": (bp, bd, w)
-                 for bp in (16, 32, 64) for bd in (32, 64, 128) for w in (2, 4, 8)}
+        tiles = {f"{m} BLOCK_P={bp} warps={w}": (m, bp, w)
+                 for m in page_module.METHODS for bp in (16, 32, 64) for w in (2, 4, 8)}
         if small:
-            tiles = dict(list(tiles.items())[:2])
+            tiles = dict(list(tiles.items())[::9])
         _pick(rows, "variants", "page bound 128K bfloat16", {name: (fn, check) for name in tiles},
-              lambda name: [setattr(page_module, a, v) for a, v in zip(("BLOCK_P", "BLOCK_D", "NUM_WARPS"), tiles[name])])
+              lambda name: [setattr(page_module, a, v) for a, v in zip(("METHOD", "BLOCK_P", "NUM_WARPS"), tiles[name])])
+
+    # Decode attention over a sparse page selection (1/10 of the pages at 128K, as Quest(0.1) picks):
+    # the split's size and the tile. Reported only (the dense kernel's parameters are restored after:
+    # the compiled rows compare both through one set of parameters).
+    if "attention_pages" in groups:
+        n = 4096 if small else 131072
+        q, keys, values, start, length, _ = _dense_layer(n)
+        pages = n // PAGE
+        k10 = math.ceil(pages / 10)
+        perm = torch.stack([torch.randperm(pages, device=dev)[:k10].sort().values for _ in range(H_KV)]).int()[None]
+        sel = Selection(perm.contiguous(), torch.full((1, H_KV), k10, device=dev, dtype=torch.int32), block=PAGE)
+        ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
+
+        def check():
+            out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            return "" if err < 1e-2 else f"rel err {err:.1e}"
+
+        fn = lambda: attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)  # noqa: E731
+        names = ("TARGET_PROGRAMS", "BLOCK_T", "NUM_WARPS", "NUM_STAGES")
+        saved = tuple(getattr(attn_module, a) for a in names)
+        knobs = {f"programs={tp} BLOCK_T={bt} warps={w} stages={st}": (tp, bt, w, st)
+                 for tp in (512, 1024, 2048) for bt in (32, 64) for w in (4,) for st in (2, 3)}
+        if small:
+            knobs = dict(list(knobs.items())[::6])
+        try:
+            _pick(rows, "variants", "attention 1/10 pages 128K", {name: (fn, check) for name in knobs},
+                  lambda name: [setattr(attn_module, a, v) for a, v in zip(names, knobs[name])])
+        finally:
+            for a, v in zip(names, saved):
+                setattr(attn_module, a, v)
 
 
 # ---------------------------------------------------------------------------------------- select

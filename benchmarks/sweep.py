@@ -364,7 +364,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default="dense@32768,topk0.5@4096,dense@4096,topk0.5+quest0.2@32768",
                    help="setting@context pairs for the profile section")
     p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
-    p.add_argument("--variants", default="select_top,merge,page_bound", help="groups of the variants section")
+    p.add_argument("--variants", default="select_top,merge,page_bound,attention_pages", help="groups of the variants section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use 32)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")

@@ -279,6 +279,19 @@ def test_entmax15_reference_attention_matches_plain_entmax():
 # --------------------------------------------------------------------------------------------------
 # Page scores
 
+PAGE_METHODS = dispatch._page.METHODS if dispatch._page is not None else ("loop",)
+
+
+@contextmanager
+def page_method(method: str):
+    """The page-bound kernel computed by ``method`` (a module constant the sweep's probe sets)."""
+    saved = dispatch._page.METHOD
+    dispatch._page.METHOD = method
+    try:
+        yield
+    finally:
+        dispatch._page.METHOD = saved
+
 
 @here
 @SETTINGS
@@ -292,16 +305,20 @@ def test_entmax15_reference_attention_matches_plain_entmax():
     pages=st.integers(1, 37),
     agg=st.sampled_from(["none", "max", "sum"]),
     width=st.sampled_from([0.0, 1.0]),
+    summaries_like_q=st.booleans(),
+    method=st.sampled_from(PAGE_METHODS),
 )
-def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg, width):
+def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg, width, summaries_like_q, method):
     g_rand = gen(seed)
     q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
     centre = randn(g_rand, b, h_kv, pages, d)
     # width 0: single-key pages (min == max), whose bounds are often negative for every head.
     half = randn(g_rand, b, h_kv, pages, d).abs() * width
-    page_min, page_max = centre - half, centre + half  # fp32 summaries, as the cache keeps them
+    page_min, page_max = centre - half, centre + half
+    if summaries_like_q:  # the cache keeps its extremes in its own dtype (exact)
+        page_min, page_max = page_min.to(dtype), page_max.to(dtype)
     scale = d**-0.5
-    with poisoned():
+    with poisoned(), page_method(method):
         if agg == "none":
             got = dispatch.quest_page_bound(q, page_min, page_max, scale)
         else:
@@ -316,12 +333,13 @@ def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg, width):
 
 
 @here
+@pytest.mark.parametrize("method", PAGE_METHODS)
 @pytest.mark.parametrize("group", [3, 5])
-def test_quest_page_bound_grouped_negative(group):
+def test_quest_page_bound_grouped_negative(group, method):
     """Groups padded to a power of two: the padding heads must not enter the max (all bounds < 0)."""
     q = torch.rand(2, 2 * group, 64, device=DEVICE) + 0.1
     centre = -torch.rand(2, 2, 7, 64, device=DEVICE) - 0.1
-    with poisoned():
+    with poisoned(), page_method(method):
         got = dispatch.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
     expected = ref.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
     assert (expected < 0).all()

@@ -5,11 +5,19 @@ and maxima ``[B, H_kv, P, D]`` (specification: `reference.quest_page_bound`), ei
 ``[B, H, P]`` or aggregated over the G query heads of each GQA group ``[B, H_kv, P]`` (max or sum;
 `reference.quest_page_bound_grouped`), which is what a KV-head-level page choice needs.
 
+Since ``max_d >= min_d``, the larger product is ``q_d·max_d`` where ``q_d >= 0`` and ``q_d·min_d``
+where ``q_d < 0`` (the same float products, so nothing is rounded differently):
+
+    Σ_d max(q_d·min_d, q_d·max_d) = q⁺·max + q⁻·min,   q⁺ = max(q, 0), q⁻ = min(q, 0)
+
+two dot products per page instead of a channel-wise max. ``METHOD`` picks how they are computed:
+``"loop"`` walks the G query heads of the group over a ``[BLOCK_P, D]`` tile held in registers;
+``"dot"`` does both with ``tl.dot`` (tensor cores; the G heads padded to 16 rows; bf16 q⁺ and q⁻ are
+exact since q is bf16, fp32 summaries use full-precision dots). An earlier version broadcast a
+``[G, BLOCK_P, BLOCK_D]`` product and reduced its max, which held 8K floats per program.
+
 Grid ``(cdiv(P, BLOCK_P), H_kv, B)``: a program scores ``BLOCK_P`` pages of one KV head for all G
-query heads of its group, so the summaries (the bytes that matter) are read once per group. The
-head dim is walked in ``BLOCK_D`` slices to bound the ``[G, BLOCK_P, BLOCK_D]`` product in registers.
-The channel-wise max is not a dot product, so there is no tl.dot here (the kernel is memory bound
-anyway: 2·D summary values per page and head against G·D·2 multiply-adds).
+query heads of its group, so the summaries (the bytes that matter) are read once per group.
 """
 
 from __future__ import annotations
@@ -21,13 +29,15 @@ from torch import Tensor
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
-# Launch parameters, from the sweep's `variants` probe on an H200 (8,192 pages, 8 KV heads, GQA 4,
-# D=128, bf16 summaries): the whole head dim per step with 2 warps takes 25 µs, against 39 µs for
-# 32-wide slices with 4 warps (27 tile/warp combinations timed).
+# Launch parameters. The broadcast version measured 25 µs at its best (16 pages, 2 warps) over
+# 8,192 pages, 8 KV heads, GQA 4, D=128, bf16 summaries on an H200 (sweep `variants`,
+# `benchmarks/results/2026-11-29-h200-run3`); the sweep's `variants` probe times these methods
+# and tiles.
+METHOD = "loop"  # "loop" or "dot"
 BLOCK_P = 16  # pages per program
-BLOCK_D = 128  # head-dim slice per step
 NUM_WARPS = 2
 AGG_CODES = {"none": 0, "max": 1, "sum": 2}
+METHODS = ("loop", "dot")
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -43,44 +53,65 @@ def _quest_bound_kernel(
     s_xb, s_xh, s_xp,
     s_ob, s_oh,
     n_pages, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, AGG: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, AGG: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     kv = tl.program_id(1)
     b = tl.program_id(2)
-    offs_g = tl.arange(0, G_PAD)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    g_mask = offs_g < G
+    offs_d = tl.arange(0, D_PAD)
     p_mask = offs_p < n_pages
+    pd_mask = p_mask[:, None] & (offs_d < D)[None, :]
+    # Padding pages and channels load 0 and add 0.
+    mn = tl.load(mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp + offs_d[None, :], mask=pd_mask, other=0.0)
+    mx = tl.load(mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp + offs_d[None, :], mask=pd_mask, other=0.0)
+    q_group = q_ptr + b * s_qb + kv * G * s_qh
 
-    q_rows = q_ptr + b * s_qb + (kv * G + offs_g) * s_qh
-    mn_rows = mn_ptr + b * s_mb + kv * s_mh + offs_p * s_mp
-    mx_rows = mx_ptr + b * s_xb + kv * s_xh + offs_p * s_xp
-    acc = tl.zeros([G_PAD, BLOCK_P], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d < D
-        # Padding heads and channels load q = 0 and add max(0, 0) = 0.
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        pd_mask = p_mask[:, None] & d_mask[None, :]
-        mn = tl.load(mn_rows[:, None] + offs_d[None, :], mask=pd_mask, other=0.0)
-        mx = tl.load(mx_rows[:, None] + offs_d[None, :], mask=pd_mask, other=0.0)
-        q = q.to(tl.float32)[:, None, :]
-        lo = q * mn.to(tl.float32)[None, :, :]
-        hi = q * mx.to(tl.float32)[None, :, :]
-        acc += tl.sum(tl.maximum(lo, hi), 2)
-    acc = acc * scale
-
-    if AGG == 0:  # per query head: out [B, H, P]
-        out_rows = out_ptr + b * s_ob + (kv * G + offs_g) * s_oh
-        tl.store(out_rows[:, None] + offs_p[None, :], acc, mask=g_mask[:, None] & p_mask[None, :])
-    else:  # per KV head: out [B, H_kv, P]
+    if DOT:
+        offs_g = tl.arange(0, G_PAD)
+        g_mask = offs_g < G
+        q = tl.load(q_group + offs_g[:, None] * s_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & (offs_d < D)[None, :], other=0.0)
+        # Signs are split in fp32 (exact), then cast back to the summaries' dtype (exact for a
+        # 16-bit q of the same dtype; fp32 otherwise).
+        q = q.to(tl.float32)
+        q_pos = tl.maximum(q, 0.0)
+        q_neg = tl.minimum(q, 0.0)
+        if IEEE:  # fp32 somewhere: full-precision dots
+            mx, mn = mx.to(tl.float32), mn.to(tl.float32)
+            acc = tl.dot(q_pos, tl.trans(mx), input_precision="ieee")
+            acc = tl.dot(q_neg, tl.trans(mn), acc, input_precision="ieee")
+        else:  # q and the summaries share a 16-bit dtype: its products are exact in the fp32 accumulator
+            acc = tl.dot(q_pos.to(mx.dtype), tl.trans(mx))
+            acc = tl.dot(q_neg.to(mn.dtype), tl.trans(mn), acc)
+        acc = acc * scale  # [G_PAD, BLOCK_P]
+        if AGG == 0:  # per query head: out [B, H, P]
+            out_rows = out_ptr + b * s_ob + (kv * G + offs_g) * s_oh
+            tl.store(out_rows[:, None] + offs_p[None, :], acc, mask=g_mask[:, None] & p_mask[None, :])
+        else:  # per KV head: out [B, H_kv, P]
+            if AGG == 1:
+                red = tl.max(tl.where(g_mask[:, None], acc, -float("inf")), 0)
+            else:
+                red = tl.sum(acc, 0)  # padding heads are exactly 0
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+    else:
+        mn = mn.to(tl.float32)
+        mx = mx.to(tl.float32)
+        red = tl.zeros([BLOCK_P], tl.float32)
         if AGG == 1:
-            red = tl.max(tl.where(g_mask[:, None], acc, -float("inf")), 0)
-        else:
-            red = tl.sum(acc, 0)  # padding heads are exactly 0
-        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+            red = red - float("inf")
+        for g in tl.static_range(G):
+            q = tl.load(q_group + g * s_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            bound = tl.sum(tl.where(q[None, :] >= 0.0, q[None, :] * mx, q[None, :] * mn), 1) * scale
+            if AGG == 0:
+                tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, bound, mask=p_mask)
+            elif AGG == 1:
+                red = tl.maximum(red, bound)
+            else:
+                red += bound
+        if AGG != 0:
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
 
 
 def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "none") -> Tensor:
@@ -97,7 +128,11 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
     out = _alloc(b, h if agg == "none" else h_kv, n_pages, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(n_pages, BLOCK_P), h_kv, b)  # read at launch: a probe may retune them
+    if METHOD not in METHODS:
+        raise ValueError(f"page_score.METHOD must be one of {METHODS}, got {METHOD!r}")
+    # Read at launch: a probe may retune them. tl.dot needs 16 rows and columns at least.
+    block_p = max(16, BLOCK_P) if METHOD == "dot" else BLOCK_P
+    grid = (triton.cdiv(n_pages, block_p), h_kv, b)
     _quest_bound_kernel[grid](
         q, page_min, page_max, out,
         q.stride(0), q.stride(1),
@@ -105,8 +140,11 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
         page_max.stride(0), page_max.stride(1), page_max.stride(2),
         out.stride(0), out.stride(1),
         n_pages, float(scale),
-        G=g, G_PAD=triton.next_power_of_2(g), D=d,
-        BLOCK_P=BLOCK_P, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(d)), AGG=AGG_CODES[agg], num_warps=NUM_WARPS,
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
+        BLOCK_P=block_p, AGG=AGG_CODES[agg], DOT=METHOD == "dot",
+        # fp32 dots where a dtype is fp32 or differs, and under the interpreter, whose tl.dot multiplies
+        # bf16 operands as raw bits (see decode_attention.INTERPRET); bf16 products are exact in fp32.
+        IEEE=INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32, num_warps=NUM_WARPS,
     )
     return out
 
