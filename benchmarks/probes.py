@@ -201,14 +201,12 @@ def section_variants(rows, groups=VARIANT_GROUPS):
 
     dev = sweep.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
-    # select_top's warps (by tile size, or fixed) on rows of activations (bf16 |x|, keep 0.5) and of
-    # pages (fp32, keep 0.1, 8 KV heads); on page rows also the register tile's cap (`MAX_BLOCK_N`:
-    # longer rows are re-read from cache per step), which matters for a row just over a power of two.
+    # select_top's warps (by entries held, or fixed) on rows of activations (bf16 |x|, keep 0.5) and
+    # of pages (fp32, keep 0.1, 8 KV heads), one of them just over a power of two (tile and tail).
     shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
               "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
-              "pages 8200 fp32 x8 keep 0.1": (8, 8200, torch.float32, False, 0.1)}
-    saved_select = (select_module.NUM_WARPS, select_module.MAX_BLOCK_N)
+              "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1)}
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
@@ -221,13 +219,11 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        warps = (0, 4) if small else (0, 8, 16) if label.startswith("pages") else (0, 4, 8, 16)
-        caps = (16384, 4096) if small else (16384, 8192, 4096) if label.startswith("pages") else (16384,)
-        knobs = {f"warps={w or 'by tile'} tile<={cap}": (w, cap) for cap in caps for w in warps}
-        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
-              lambda name: [setattr(select_module, a, v) for a, v in zip(("NUM_WARPS", "MAX_BLOCK_N"), knobs[name])])
-    # One fixed choice would not suit every row length: back to the module's rule.
-    select_module.NUM_WARPS, select_module.MAX_BLOCK_N = saved_select
+        warps = {f"warps={w or 'by size'}": w for w in ((0, 4) if small else (0, 4, 8, 16))}
+        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in warps},
+              lambda name: setattr(select_module, "NUM_WARPS", warps[name]))
+    if "select_top" in groups:
+        select_module.NUM_WARPS = 0  # one fixed count would not suit every row length: keep the rule
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -76,6 +77,15 @@ def settings() -> dict[str, tuple]:
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Release the last row's cache and graphs. A Decoder, its runtime and the model's wrappers
+    reference each other, so only the cycle collector frees them; without it the next 128K cache
+    did not fit (the fourth session's first call ran out of memory on the H200)."""
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -251,6 +261,8 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 speedup = dense_ms.get(n, float("nan")) / ms
                 row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
                             "bound": bound, "speedup": speedup, "speedup/bound": speedup / bound, "setup_s": setup_s})
+                if DEVICE == "cuda":
+                    row["gpu_GB"] = torch.cuda.memory_allocated() / 1e9  # weights + this row's cache and graph
                 print(f"{section}/{mode} b={batch} n={n:>7} {name:<22} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f}) "
                       f"speedup {speedup:5.2f} / bound {bound:5.2f}  setup {setup_s:5.1f}s", flush=True)
             except Exception as err:  # keep the sweep going; the row says what failed
@@ -260,8 +272,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             rows.append(row)
             save()
             dec = None
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+            free_memory()
 
 
 def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
@@ -303,8 +314,7 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
                 traceback.print_exc()
             rows.append(row)
             save()
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+            free_memory()
 
 
 # ------------------------------------------------------------------------------------- output

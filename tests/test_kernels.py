@@ -557,6 +557,21 @@ def test_select_top_rows_longer_than_a_tile():
     assert torch.equal(got, ref.select_top(s, count, 260))
 
 
+@here
+@pytest.mark.parametrize("n", [129, 150, 257, 4100])
+def test_select_top_row_with_a_tail_tile(n):
+    """A row just over a power of two is held as a tile and a small tail (`select_top.tiles`):
+    the tail's keys are counted and emitted after the tile's, ties ranked across both."""
+    block, tail = dispatch._select.tiles(n)
+    assert 0 < tail < block and n <= block + tail
+    g = gen(n)
+    s = ((torch.randn(2, n, generator=g) * 2).round() / 2).to(DEVICE)  # ties across the boundary
+    count = torch.tensor([n // 3, n - 1], device=DEVICE)
+    with poisoned():
+        got = dispatch._select.select_top(s, count, n)
+    assert torch.equal(got, ref.select_top(s, count, n))
+
+
 def test_select_top_reference_semantics():
     s = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.0, -torch.inf]])
     # the 3 largest: 2.0 (pos 1), 2.0 (pos 3), 0.5 (pos 0) -> ascending positions, then zeros

@@ -29,12 +29,12 @@ from torch import Tensor
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
-# Launch parameters. The broadcast version measured 25 µs at its best (16 pages, 2 warps) over
-# 8,192 pages, 8 KV heads, GQA 4, D=128, bf16 summaries on an H200 (sweep `variants`,
-# `benchmarks/results/2026-11-29-h200-run3`); the sweep's `variants` probe times these methods
-# and tiles.
-METHOD = "loop"  # "loop" or "dot"
-BLOCK_P = 16  # pages per program
+# Launch parameters, from the sweep's `variants` probe on an H200 (8,192 pages, 8 KV heads, GQA 4,
+# D=128, bf16 summaries; `benchmarks/results/2026-11-29-h200-run4`): tl.dot over 64 pages with 2 warps
+# takes 9.7 µs, the per-head loop 10.2 µs at best (32 pages, 2 warps), the former broadcast-and-max
+# 25 µs at best.
+METHOD = "dot"  # "loop" or "dot"
+BLOCK_P = 64  # pages per program
 NUM_WARPS = 2
 AGG_CODES = {"none": 0, "max": 1, "sum": 2}
 METHODS = ("loop", "dot")

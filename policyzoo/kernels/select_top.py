@@ -16,9 +16,12 @@ projection or a page selection. Here one program per row does it in one launch:
 3. Keep every key ``> T`` and the first ``count − #{key > T}`` keys ``== T`` by position, and write
    their positions in ascending order (a running prefix sum), zeros after ``count``.
 
-The whole row is held in registers when it fits one tile (``BLOCK_N``, up to 16384 entries: every
-activation vector and the pages of a 256K context); longer rows are re-read per step (correct, but
-the torch reference is the faster choice there, see `dispatch.select_top`).
+The whole row is held in registers, up to 16384 entries (every activation vector and the pages of a
+256K context), as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a
+power of two would otherwise double the tile, and 8,203 pages in one 16,384-entry tile measured 39–46
+µs against 18 µs for 8,192 (H200, `benchmarks/results/2026-11-29-h200-run4`). Longer rows are
+re-read per step (correct, but the torch reference is the faster choice there, see
+`dispatch.select_top`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,9 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
-# Warps per program: 0 picks by tile size (4 up to 4096 entries, 8 up to 8192, 16 above). A row just
-# over a power of two doubles the tile (8,200 pages → 16,384), and the 16-warp program measured
-# 56 µs in a Quest step at 128K against 20 µs at 8,192 entries; the sweep's `variants` probe times
-# fixed warp counts against this rule.
+# Warps per program: 0 picks by the entries held (4 up to 4096, 8 above). On an H200 (sweep
+# `variants`), 8 warps beat 16 on 14,336 bf16 entries (20.8 against 22.5 µs) and on 8 rows of 8,192
+# fp32 (18.1 against 20.9 µs); 4 warps are as fast as 8 on 4,096 entries.
 NUM_WARPS = 0
 
 
@@ -55,11 +57,35 @@ def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _count_ge(key, mid):
+    return tl.sum((key >= mid).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _count_gt(key, threshold):
+    return tl.sum((key > threshold).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _emit(i_row, key, pos, n, threshold, ties_wanted, ties_seen, written, c):
+    """Write the positions of one tile's kept keys after the ``written`` ones; returns the updated
+    ``(ties_seen, written)``: every key above the threshold, ties by position until count is reached."""
+    valid = pos < n
+    tie = (key == threshold) & valid
+    tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among ties so far
+    keep = valid & ((key > threshold) | (tie & (tie_rank <= ties_wanted)))
+    keep = keep & (tl.zeros_like(tie_rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
+    out = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(i_row + out, pos.to(tl.int32), mask=keep)
+    return ties_seen + tl.sum(tie.to(tl.int32), axis=0), written + tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _select_top_kernel(
     s_ptr, cnt_ptr, idx_ptr,
     n, k_max, s_row_stride, i_row_stride,
     ABS: tl.constexpr, SHIFT: tl.constexpr, ITERS: tl.constexpr, LO: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TAIL: tl.constexpr, SINGLE: tl.constexpr,
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row * s_row_stride
@@ -75,18 +101,22 @@ def _select_top_kernel(
     want = tl.maximum(c, 1)  # count 0 selects nothing (masked below); the search needs >= 1
     lo = tl.full((), LO, tl.int64)
     hi = tl.full((), LO + (1 << ITERS), tl.int64)
-    if SINGLE:
+    if SINGLE:  # the row in registers: a power-of-two tile, and a smaller one for what is left
         key = _keys(s_row, offs, n, ABS, SHIFT)
+        if TAIL > 0:
+            offs_tail = BLOCK_N + tl.arange(0, TAIL)
+            key_tail = _keys(s_row, offs_tail, n, ABS, SHIFT)
     for _ in range(ITERS):
         # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
         mid = (lo + (hi - lo) // 2).to(tl.int32)
         if SINGLE:
-            n_ge = tl.sum((key >= mid).to(tl.int32), axis=0)
+            n_ge = _count_ge(key, mid)
+            if TAIL > 0:
+                n_ge += _count_ge(key_tail, mid)
         else:
             n_ge = tl.zeros((), tl.int32)
             for t0 in range(0, n, BLOCK_N):
-                k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
-                n_ge += tl.sum((k >= mid).to(tl.int32), axis=0)
+                n_ge += _count_ge(_keys(s_row, t0 + offs, n, ABS, SHIFT), mid)
         up = n_ge >= want
         lo = tl.where(up, mid.to(tl.int64), lo)
         hi = tl.where(up, hi, mid.to(tl.int64))
@@ -94,29 +124,38 @@ def _select_top_kernel(
 
     # Compaction: every key above the threshold, then ties by position until count is reached.
     if SINGLE:
-        n_gt = tl.sum((key > threshold).to(tl.int32), axis=0)
+        n_gt = _count_gt(key, threshold)
+        if TAIL > 0:
+            n_gt += _count_gt(key_tail, threshold)
     else:
         n_gt = tl.zeros((), tl.int32)
         for t0 in range(0, n, BLOCK_N):
-            k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
-            n_gt += tl.sum((k > threshold).to(tl.int32), axis=0)
+            n_gt += _count_gt(_keys(s_row, t0 + offs, n, ABS, SHIFT), threshold)
     ties_wanted = c - n_gt
     ties_seen = tl.zeros((), tl.int32)
     written = tl.zeros((), tl.int32)
-    for t0 in range(0, n, BLOCK_N):
-        if SINGLE:
-            k = key
-        else:
+    if SINGLE:
+        ties_seen, written = _emit(i_row, key, offs, n, threshold, ties_wanted, ties_seen, written, c)
+        if TAIL > 0:
+            ties_seen, written = _emit(i_row, key_tail, offs_tail, n, threshold, ties_wanted, ties_seen, written, c)
+    else:
+        for t0 in range(0, n, BLOCK_N):
             k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
-        valid = (t0 + offs) < n
-        tie = (k == threshold) & valid
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among ties so far
-        keep = valid & ((k > threshold) | (tie & (tie_rank <= ties_wanted)))
-        keep = keep & (tl.zeros_like(tie_rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
-        pos = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        tl.store(i_row + pos, (t0 + offs).to(tl.int32), mask=keep)
-        ties_seen += tl.sum(tie.to(tl.int32), axis=0)
-        written += tl.sum(keep.to(tl.int32), axis=0)
+            ties_seen, written = _emit(i_row, k, t0 + offs, n, threshold, ties_wanted, ties_seen, written, c)
+
+
+def tiles(n: int) -> tuple[int, int]:
+    """``(BLOCK_N, TAIL)`` for a row of ``n`` entries: the largest power of two up to ``n`` (16 at
+    least), then the smallest power of two covering the rest (0 if none), so a row just over a power
+    of two costs a few more lanes, not twice as many (8,203 pages: 8,192 + 16, not 16,384). Rows
+    longer than `MAX_BLOCK_N` are re-read in tiles of `MAX_BLOCK_N` (tail 0)."""
+    if n > MAX_BLOCK_N:
+        return MAX_BLOCK_N, 0
+    block = max(16, 1 << (max(n, 1).bit_length() - 1))
+    if block >= n:
+        return block, 0
+    tail = max(16, triton.next_power_of_2(n - block))
+    return (2 * block, 0) if tail == block else (block, tail)
 
 
 def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
@@ -138,10 +177,11 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
     shift = 16 if half else 0
     bits = 32 - shift - (1 if absolute else 0)  # a magnitude's key is never negative
     lo = 0 if absolute else -(1 << (31 - shift))
-    block = min(MAX_BLOCK_N, triton.next_power_of_2(max(n, 16)))
-    num_warps = NUM_WARPS or (4 if block <= 4096 else 8 if block <= 8192 else 16)
+    block, tail = tiles(n)
+    num_warps = NUM_WARPS or (4 if block + tail <= 4096 else 8)
     _select_top_kernel[(r,)](
         scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
-        ABS=absolute, SHIFT=shift, ITERS=bits, LO=lo, BLOCK_N=block, SINGLE=n <= block, num_warps=num_warps,
+        ABS=absolute, SHIFT=shift, ITERS=bits, LO=lo, BLOCK_N=block, TAIL=tail, SINGLE=n <= block + tail,
+        num_warps=num_warps,
     )
     return idx
