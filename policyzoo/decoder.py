@@ -83,6 +83,11 @@ class Decoder:
         self.num_layers = len(_compat.decoder_layers(model))
         self.runtime = Runtime(policy=kv if kv is not None else Dense())
         for layer, attn in enumerate(_compat.attention_modules(model)):
+            previous = getattr(attn, "_policyzoo", None)
+            if previous is not None:
+                # A Decoder that wrapped this model before no longer drives it: free its cache now
+                # rather than when the cycle collector finds it (a 128K cache is 17 GB on an 8B model).
+                previous[0].cache, previous[0].states = None, []
             attn._policyzoo = (self.runtime, layer)
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if proj is not None:
@@ -270,6 +275,7 @@ class Decoder:
         cache = self.runtime.cache
         capacity = math.ceil(needed / self.page_size) * self.page_size
         if cache is None or cache.batch != batch or cache.capacity < capacity:
+            self.runtime.cache, self.runtime.states, cache = None, [], None  # free the old one first
             cache = PagedKVCache(
                 self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
                 page_size=self.page_size, dtype=self.dtype, device=self.device,

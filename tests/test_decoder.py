@@ -74,6 +74,29 @@ def test_rewrapping_the_same_model_drops_the_old_wrappers():
     assert torch.equal(again, Decoder(copy.deepcopy(model)).generate(ids, 5, attention_mask=mask))
 
 
+def test_caches_are_freed_when_replaced_not_when_collected():
+    """A new Decoder on the same model frees the previous Decoder's cache, and a cache that must grow
+    is freed before its successor is allocated: neither waits for the cycle collector (two 128K
+    caches of an 8B model do not fit one GPU next to its weights)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(1, 16)
+    first = Decoder(model, kv=Quest(0.5, page=4))
+    first.generate(ids, 3, attention_mask=mask)
+    small = weakref.ref(first.runtime.cache.keys[0])
+    gc.disable()
+    try:
+        first.generate(ids, 40, attention_mask=mask)  # needs a larger cache
+        assert small() is None
+        grown = weakref.ref(first.runtime.cache.keys[0])
+        Decoder(model).generate(ids, 3, attention_mask=mask)
+        assert grown() is None and first.runtime.cache is None
+    finally:
+        gc.enable()
+
+
 def test_wrapped_model_stays_a_plain_hf_model_outside_generate():
     model = tiny_model("qwen3")
     ref = copy.deepcopy(model)
