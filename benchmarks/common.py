@@ -4,6 +4,7 @@ filled with random keys and values (speed does not depend on the values at fixed
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -44,3 +45,28 @@ def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch
         cache.keys[layer][:, :, :n].normal_(generator=generator)
         cache.values[layer][:, :, :n].normal_(generator=generator)
         cache._summarise(layer, slice(0, math.ceil(n / cache.page_size)))
+
+
+def plot_speedups(rows: list[dict], path: Path, title: str) -> None:
+    """Speedup over dense against context, one solid line per setting, its byte bound dashed in the
+    same colour (marked x, so a single context shows too). ``rows``: dicts with ``setting``, ``context``, ``speedup`` and ``bound``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in sorted({r["setting"] for r in rows}):
+        rs = sorted((r for r in rows if r["setting"] == name), key=lambda r: r["context"])
+        xs = [r["context"] / 1024 for r in rs]
+        (line,) = ax.plot(xs, [r["speedup"] for r in rs], marker="o", label=name)
+        ax.plot(xs, [r["bound"] for r in rs], linestyle="--", marker="x", color=line.get_color(), alpha=0.6)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (K tokens)")
+    ax.set_ylabel("speedup over dense (same kernel)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -338,26 +338,8 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "sweep.md").write_text("\n".join(lines))
     step = [r for r in rows if r["section"] == "step" and r["setting"] != "dense" and "speedup" in r]
     if step:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for i, name in enumerate(sorted({r["setting"] for r in step})):
-            rs = sorted((r for r in step if r["setting"] == name), key=lambda r: r["context"])
-            xs = [r["context"] / 1024 for r in rs]
-            line, = ax.plot(xs, [r["speedup"] for r in rs], marker="o", label=name)
-            ax.plot(xs, [r["bound"] for r in rs], linestyle="--", color=line.get_color(), alpha=0.6)
-        ax.axhline(1.0, color="gray", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (K tokens)")
-        ax.set_ylabel("speedup over dense (same kernel)")
-        ax.set_title(f"{MODEL} shape, batch 1, {meta['gpu']}: measured (solid) vs byte bound (dashed)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "sweep.png", dpi=120)
-        plt.close(fig)
+        common.plot_speedups(step, out / "sweep.png",
+                             f"{MODEL} shape, batch 1, {meta['gpu']}: measured (solid) vs byte bound (dashed)")
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,60 @@
+"""Plot the compiled decode steps of one results folder: speedup over dense against context.
+
+    python benchmarks/plot_results.py benchmarks/results/2026-11-29-h200-run4
+
+Reads every ``*.json`` the sweep wrote there (one per device call) and takes the ``compiled`` rows.
+Each speedup divides by the dense row of the same context *in the same file* (ratios from one run;
+timings drift by a few percent between calls), so a setting only gets a point where its call also
+timed dense. When several calls measured one (setting, context), the last file in name order wins.
+Writes ``compiled.png`` (bounds dashed) and ``compiled.md`` into the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+
+def compiled_points(folder: Path) -> list[dict]:
+    """One dict per (setting, context) with ``speedup`` over the same call's dense and ``bound``."""
+    points: dict[tuple[str, int], dict] = {}
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        rows = [r for r in data.get("rows", []) if r.get("section") == "compiled" and "ms" in r]
+        dense = {r["context"]: r["ms"] for r in rows if r["setting"] == "dense"}
+        for r in rows:
+            if r["setting"] == "dense" or r["context"] not in dense:
+                continue
+            speedup = dense[r["context"]] / r["ms"]
+            points[r["setting"], r["context"]] = {
+                "setting": r["setting"], "context": r["context"], "ms": r["ms"], "dense_ms": dense[r["context"]],
+                "speedup": speedup, "bound": r["bound"], "of_bound": speedup / r["bound"], "file": path.name,
+            }
+    return sorted(points.values(), key=lambda p: (p["setting"], p["context"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path)
+    args = p.parse_args(argv)
+    points = compiled_points(args.folder)
+    if not points:
+        raise SystemExit(f"{args.folder}: no compiled rows with a dense row of the same context and call")
+    gpu = next((json.loads(f.read_text())["meta"].get("gpu", "") for f in sorted(args.folder.glob("*.json"))), "")
+    common.plot_speedups(points, args.folder / "compiled.png",
+                         f"compiled decode step, llama-3.1-8b shape, batch 1, {gpu}\nmeasured (solid, o) vs byte bound (dashed, x)")
+    lines = ["| setting | context | ms | dense ms (same call) | speedup | bound | of bound | call |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {q['setting']} | {q['context']} | {q['ms']:.2f} | {q['dense_ms']:.2f} | {q['speedup']:.2f} | "
+              f"{q['bound']:.2f} | {q['of_bound']:.2f} | {q['file']} |" for q in points]
+    (args.folder / "compiled.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""`plot_results.py`: speedups divide by dense of the same call, never by another call's dense."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from plot_results import compiled_points, main
+
+
+def _call(path, rows):
+    path.write_text(json.dumps({"meta": {"gpu": "test GPU"}, "rows": rows}))
+
+
+def _row(setting, context, ms, bound=2.0):
+    return {"section": "compiled", "setting": setting, "context": context, "ms": ms, "bound": bound}
+
+
+def test_ratios_stay_within_one_call(tmp_path):
+    _call(tmp_path / "call1.json", [_row("dense", 1024, 10.0), _row("quest0.1", 1024, 5.0), _row("quest0.1", 2048, 4.0)])
+    _call(tmp_path / "call2.json", [_row("dense", 2048, 12.0), {"section": "step", "setting": "dense", "context": 4096},
+                                    _row("topk0.5", 1024, 9.0)])
+    points = {(p["setting"], p["context"]): p for p in compiled_points(tmp_path)}
+    # quest0.1@2048 has no dense in its own call; topk0.5@1024 none in call2: no points for them
+    assert set(points) == {("quest0.1", 1024)}
+    assert points["quest0.1", 1024]["speedup"] == pytest.approx(2.0)
+    assert points["quest0.1", 1024]["of_bound"] == pytest.approx(1.0)
+
+
+def test_later_call_wins_and_files_are_written(tmp_path):
+    _call(tmp_path / "call1.json", [_row("dense", 1024, 10.0), _row("quest0.1", 1024, 5.0)])
+    _call(tmp_path / "call2.json", [_row("dense", 1024, 9.0), _row("quest0.1", 1024, 6.0)])
+    main([str(tmp_path)])
+    table = (tmp_path / "compiled.md").read_text()
+    assert "| quest0.1 | 1024 | 6.00 | 9.00 | 1.50 |" in table and "call2.json" in table
+    assert (tmp_path / "compiled.png").stat().st_size > 0
+
+
+def test_folder_without_compiled_rows_is_an_error(tmp_path):
+    _call(tmp_path / "call1.json", [_row("dense", 1024, 10.0)])
+    with pytest.raises(SystemExit, match="no compiled rows"):
+        main([str(tmp_path)])
