@@ -3,9 +3,9 @@
     python benchmarks/plot_results.py benchmarks/results/2026-11-29-h200-run4
 
 Reads every ``*.json`` the sweep wrote there (one per device call) and takes the ``compiled`` rows.
-Each speedup divides by the dense row of the same context *in the same file* (ratios from one run;
-timings drift by a few percent between calls), so a setting only gets a point where its call also
-timed dense. When several calls measured one (setting, context), the last file in name order wins.
+Each speedup divides by the dense row of the same context and mode (``compiled`` or
+``compiled-dynamic``) *in the same file* (ratios from one run; timings drift by a few percent
+between calls), so a setting only gets a point where its call also timed dense. When several calls measured one (setting, context), the last file in name order wins.
 Writes ``compiled.png`` (bounds dashed) and ``compiled.md`` into the folder.
 """
 
@@ -27,13 +27,16 @@ def compiled_points(folder: Path) -> list[dict]:
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
         rows = [r for r in data.get("rows", []) if r.get("section") == "compiled" and "ms" in r]
-        dense = {r["context"]: r["ms"] for r in rows if r["setting"] == "dense"}
+        dense = {(r.get("mode"), r["context"]): r["ms"] for r in rows if r["setting"] == "dense"}
         for r in rows:
-            if r["setting"] == "dense" or r["context"] not in dense:
+            key = (r.get("mode"), r["context"])
+            if r["setting"] == "dense" or key not in dense:
                 continue
-            speedup = dense[r["context"]] / r["ms"]
-            points[r["setting"], r["context"]] = {
-                "setting": r["setting"], "context": r["context"], "ms": r["ms"], "dense_ms": dense[r["context"]],
+            speedup = dense[key] / r["ms"]
+            # a step compiled for every capacity at once is a different build: labelled apart
+            setting = r["setting"] + (" (dynamic capacity)" if r.get("mode") == "compiled-dynamic" else "")
+            points[setting, r["context"]] = {
+                "setting": setting, "context": r["context"], "ms": r["ms"], "dense_ms": dense[key],
                 "speedup": speedup, "bound": r["bound"], "of_bound": speedup / r["bound"], "file": path.name,
             }
     return sorted(points.values(), key=lambda p: (p["setting"], p["context"]))

@@ -13,7 +13,9 @@ Sections (each writes its rows into one JSON and one markdown table, plus PNG pl
   step       the whole decode step per setting and context, captured in a CUDA graph (`graph`: the
              eager step, policyzoo's kernels, no torch.compile), next to its byte floor and ideal
              bound, and its speedup over dense decoding through the same kernel
-  compiled   the same step under torch.compile (reduce-overhead: fused and CUDA-graphed) at 32K
+  compiled   the same step under torch.compile (reduce-overhead: fused and CUDA-graphed) at the
+             --compiled setting@context pairs; with --dynamic-capacity each setting compiles once for
+             all its contexts (`Decoder.compile(dynamic_capacity=True)`)
   batch      dense and KV keep 0.2 at 32K for batch 1/4/16 (batch 32 at 32K needs 137 GB of KV
              beside 16 GB of weights: it does not fit one H200)
   hf         Hugging Face decoding of the same model: eager (dynamic cache) and static cache compiled
@@ -39,6 +41,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -154,7 +157,8 @@ def time_step(dec: Decoder, batch: int, n: int, steps: int, reps: int, mode: str
     """(ms per decode step, seconds spent compiling or capturing) at context ``n``.
 
     ``graph``: the eager step captured once in a CUDA graph and replayed (launch overhead gone, no
-    fusion); ``compiled``: the Decoder's torch.compile step (reduce-overhead). Each step appends a
+    fusion); ``compiled``: the Decoder's torch.compile step (reduce-overhead); ``compiled-dynamic``:
+    the same, compiled once with a dynamic cache capacity and reused across contexts. Each step appends a
     token, so ``length`` is reset to ``n`` before timing and the cache has room for every step.
     """
     cache = dec.runtime.cache
@@ -178,8 +182,10 @@ def time_step(dec: Decoder, batch: int, n: int, steps: int, reps: int, mode: str
             dec._decode_step(token)
         run = graph.replay
     else:
-        dec.compile()
-        for _ in range(3):  # compile, record the CUDA graph, replay once
+        if mode == "compiled":
+            dec.compile()
+        # "compiled-dynamic": the Decoder was compiled once for every context (`section_step`)
+        for _ in range(3):  # compile (or not), record the CUDA graph, replay once
             dec._step(token)
 
         def run():
@@ -243,16 +249,25 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
     dense_ms = {} if dense_ms is None else dense_ms
     for name in names:
         kv_f, proj_f, r_p, r_kv = settings()[name]
+        shared = None  # compiled-dynamic: one Decoder, compiled once, for every context of the setting
         for n in contexts:
             if time.perf_counter() > deadline:
                 raise Deadline
             row = {"section": section, "mode": mode, "setting": name, "context": n, "batch": batch}
             try:
-                torch._dynamo.reset()
-                dec = Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
+                if shared is None:
+                    torch._dynamo.reset()
+                    dec = Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
+                    if mode == "compiled-dynamic":
+                        shared = dec.compile(dynamic_capacity=True)
+                else:
+                    dec = shared
                 with attn_implementation(model, ATTN_IMPLEMENTATION):
                     fill_cache(dec, batch, n, margin=steps * (reps + 3) + 64)
+                    graphs = counters["stats"]["unique_graphs"]
                     ms, setup_s = time_step(dec, batch, n, steps, reps, mode)
+                if mode != "graph":  # graphs Dynamo compiled for this row (0: it reused a compiled step)
+                    row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
                 if name == "dense":
                     dense_ms[n] = ms
                 union = None if batch == 1 or r_p == 1 else 1.0  # batched TopK: assume the union is all columns
@@ -353,6 +368,9 @@ def main(argv=None) -> None:
     p.add_argument("--compiled", default="dense@32768,topk0.5@32768,quest0.2@32768,topk0.5+quest0.2@32768,"
                    "dense@131072,quest0.1@131072,dense@4096,topk0.5@4096",
                    help="setting@context pairs for the compiled section (dense first: speedups divide by it)")
+    p.add_argument("--dynamic-capacity", action="store_true",
+                   help="compiled section: compile each setting once with a dynamic cache capacity "
+                        "(`Decoder.compile(dynamic_capacity=True)`) and time all its contexts with it")
     p.add_argument("--profile", default="dense@32768,topk0.5@4096,dense@4096,topk0.5+quest0.2@32768",
                    help="setting@context pairs for the profile section")
     p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
@@ -391,6 +409,7 @@ def main(argv=None) -> None:
     import probes
 
     compiled_dense: dict[int, float] = {}  # dense ms per context, shared across the compiled rows
+    dynamic_dense: dict[int, float] = {}  # the same for --dynamic-capacity
     model = None
 
     def full_model():
@@ -409,9 +428,17 @@ def main(argv=None) -> None:
                          batch=b, section="batch")
 
     def run_compiled():
-        for item in args.compiled.split(","):
-            name, n = item.split("@")
-            section_step(full_model(), [int(n)], [name], rows, bw, acct, save, deadline, section="compiled",
+        items = [(i.split("@")[0], int(i.split("@")[1])) for i in args.compiled.split(",")]
+        if args.dynamic_capacity:  # one compile per setting, its contexts in the order given
+            contexts_of: dict[str, list[int]] = {}
+            for name, n in items:
+                contexts_of.setdefault(name, []).append(n)
+            for name, ns in contexts_of.items():
+                section_step(full_model(), ns, [name], rows, bw, acct, save, deadline, section="compiled",
+                             mode="compiled-dynamic", dense_ms=dynamic_dense)
+            return
+        for name, n in items:
+            section_step(full_model(), [n], [name], rows, bw, acct, save, deadline, section="compiled",
                          mode="compiled", dense_ms=compiled_dense)
 
     sections = {

@@ -12,8 +12,8 @@ def _call(path, rows):
     path.write_text(json.dumps({"meta": {"gpu": "test GPU"}, "rows": rows}))
 
 
-def _row(setting, context, ms, bound=2.0):
-    return {"section": "compiled", "setting": setting, "context": context, "ms": ms, "bound": bound}
+def _row(setting, context, ms, bound=2.0, mode="compiled"):
+    return {"section": "compiled", "mode": mode, "setting": setting, "context": context, "ms": ms, "bound": bound}
 
 
 def test_ratios_stay_within_one_call(tmp_path):
@@ -40,3 +40,12 @@ def test_folder_without_compiled_rows_is_an_error(tmp_path):
     _call(tmp_path / "call1.json", [_row("dense", 1024, 10.0)])
     with pytest.raises(SystemExit, match="no compiled rows"):
         main([str(tmp_path)])
+
+
+def test_dynamic_capacity_rows_divide_by_their_own_dense(tmp_path):
+    _call(tmp_path / "call1.json", [_row("dense", 1024, 10.0), _row("dense", 1024, 8.0, mode="compiled-dynamic"),
+                                    _row("quest0.1", 1024, 5.0), _row("quest0.1", 1024, 4.0, mode="compiled-dynamic")])
+    points = {p["setting"]: p for p in compiled_points(tmp_path)}
+    assert points["quest0.1"]["speedup"] == pytest.approx(2.0)
+    assert points["quest0.1 (dynamic capacity)"]["speedup"] == pytest.approx(2.0)
+    assert points["quest0.1 (dynamic capacity)"]["dense_ms"] == 8.0

@@ -39,3 +39,20 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     assert step["dense"]["speedup"] == 1.0 and all(r["ms"] > 0 and r["bound"] >= 1.0 for r in step.values())
     assert (tmp_path / "sweep.md").read_text().count("## ") == 4
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path):
+    """``--dynamic-capacity``: each setting's second context reuses its compiled step (CPU Inductor)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
+    cmd = [sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
+           "--only", "compiled", "--dynamic-capacity", "--compiled", "dense@256,dense@512,quest0.1@256,quest0.1@512"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert [r for r in rows if "error" in r] == []
+    got = {(r["setting"], r["context"]): r for r in rows if r["section"] == "compiled"}
+    assert set(got) == {("dense", 256), ("dense", 512), ("quest0.1", 256), ("quest0.1", 512)}
+    assert all(r["mode"] == "compiled-dynamic" for r in got.values())
+    assert got["dense", 256]["new_graphs"] >= 1 and got["quest0.1", 256]["new_graphs"] >= 1
+    assert got["dense", 512]["new_graphs"] == 0 and got["quest0.1", 512]["new_graphs"] == 0
+    assert got["quest0.1", 512]["speedup"] > 0  # over the dense row of the same mode and context

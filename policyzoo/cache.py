@@ -47,11 +47,10 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.num_layers, self.batch, self.num_kv_heads, self.head_dim = num_layers, batch, num_kv_heads, head_dim
         self.page_size = page_size
-        self.num_pages = math.ceil(capacity / page_size)
-        self.capacity = self.num_pages * page_size
+        num_pages = math.ceil(capacity / page_size)
         self.dtype, self.device = dtype, torch.device(device)
-        kv_shape = (batch, num_kv_heads, self.capacity, head_dim)
-        page_shape = (batch, num_kv_heads, self.num_pages, head_dim)
+        kv_shape = (batch, num_kv_heads, num_pages * page_size, head_dim)
+        page_shape = (batch, num_kv_heads, num_pages, head_dim)
         self.keys = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_min = [torch.zeros(page_shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -64,6 +63,17 @@ class PagedKVCache:
             # Fixed addresses let a compiled step mutate the cache inside a CUDA graph.
             for t in self.tensors():
                 torch._dynamo.mark_static_address(t)
+
+    # Read from the tensors' shapes rather than stored as ints, so that a step compiled with a
+    # dynamic capacity (`Decoder.compile(dynamic_capacity=True)`) traces them as symbols.
+    @property
+    def capacity(self) -> int:
+        """Token slots per row (a whole number of pages)."""
+        return self.keys[0].shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_min[0].shape[2]
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the cache owns (for static-address marking and memory accounting)."""

@@ -107,6 +107,7 @@ class Decoder:
         self.tokenizer: Any = None
         self.last_audit = None
         self._step = self._decode_step
+        self._dynamic_capacity = False
         if compile:
             self.compile()
 
@@ -129,12 +130,30 @@ class Decoder:
         dec.tokenizer = tokenizer
         return dec
 
-    def compile(self, mode: str | None = None) -> "Decoder":
-        """Compile the decode step; ``mode`` defaults to ``"reduce-overhead"`` (CUDA graphs) on CUDA."""
+    def compile(self, mode: str | None = None, dynamic_capacity: bool = False) -> "Decoder":
+        """Compile the decode step; ``mode`` defaults to ``"reduce-overhead"`` (CUDA graphs) on CUDA.
+
+        The step never recompiles from one token to the next. A request that needs a larger cache
+        (a longer prompt or more new tokens) gets a new cache, whose shapes compile a new step (a
+        minute or more for an 8B model on a GPU). With ``dynamic_capacity=True`` the cache's capacity
+        is traced as a symbol instead, so later capacities reuse the compiled step (on CUDA a new CUDA
+        graph is still recorded per capacity); a policy whose code depends on the capacity's value
+        costs at most a recompile, never a wrong result.
+        """
         if mode is None and self.device.type == "cuda":
             mode = "reduce-overhead"
-        self._step = torch.compile(self._decode_step, mode=mode, dynamic=False)
+        self._dynamic_capacity = dynamic_capacity
+        self._step = torch.compile(self._decode_step, mode=mode, dynamic=None if dynamic_capacity else False)
+        if dynamic_capacity and self.runtime.cache is not None:
+            self._mark_capacity_dynamic(self.runtime.cache)
         return self
+
+    @staticmethod
+    def _mark_capacity_dynamic(cache: PagedKVCache) -> None:
+        # maybe_: a value the code specialises on recompiles instead of raising.
+        for t in cache.tensors():
+            if t.dim() == 4:  # keys/values [B, H_kv, capacity, D], summaries [B, H_kv, pages, D]
+                torch._dynamo.maybe_mark_dynamic(t, 2)
 
     def available_settings(self) -> tuple[str, ...]:
         """The settings this Decoder can decode with: ``dense`` always, ``proj`` with a projection
@@ -281,6 +300,8 @@ class Decoder:
                 page_size=self.page_size, dtype=self.dtype, device=self.device,
             )  # fmt: skip
             self.runtime.cache = cache
+            if self._dynamic_capacity:
+                self._mark_capacity_dynamic(cache)
             scale = self.head_dim**-0.5
             self.runtime.states = [KVState(cache, layer, scale) for layer in range(self.num_layers)]
         for state in self.runtime.states:

@@ -166,6 +166,28 @@ def test_decode_step_compiles_once_and_does_not_recompile():
     assert sum(counters["recompiles"].values()) == 0
 
 
+def test_dynamic_capacity_reuses_the_compiled_step_for_larger_caches():
+    """Three cache capacities, one compiled graph, the same tokens as eager (without
+    ``dynamic_capacity`` each capacity compiles its own graph)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen3", layers=1)
+    eager = Decoder(copy.deepcopy(model), kv=Quest(0.25, page=4))
+    for dynamic, expected in ((True, [1, 1, 1]), (False, [1, 2, 3])):
+        torch._dynamo.reset()
+        counters.clear()
+        dec = Decoder(model, kv=Quest(0.25, page=4)).compile(dynamic_capacity=dynamic)
+        graphs = []
+        # Each prompt needs a larger cache; all are large enough that Quest's budget is past its
+        # floor of sinks + window pages (a smaller cache is specialised on: one more graph).
+        for n in (150, 250, 400):
+            ids, mask = padded_batch(1, n)
+            out = dec.generate(ids, 4, attention_mask=mask)
+            assert torch.equal(out, eager.generate(ids, 4, attention_mask=mask))
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs == expected
+
+
 # ------------------------------------------------------------------------------------ errors
 def test_unsupported_architecture_is_rejected():
     from transformers import GPT2Config, GPT2LMHeadModel
