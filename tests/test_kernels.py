@@ -298,7 +298,7 @@ def page_method(method: str):
 @given(
     seed=st.integers(0, 2**31 - 1),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    d=st.sampled_from([64, 128]),
+    d=st.sampled_from([8, 64, 128]),  # 8: below tl.dot's minimum, the loop
     b=st.integers(1, 2),
     h_kv=st.integers(1, 2),
     group=st.integers(1, 8),

@@ -130,8 +130,10 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
         return out
     if METHOD not in METHODS:
         raise ValueError(f"page_score.METHOD must be one of {METHODS}, got {METHOD!r}")
-    # Read at launch: a probe may retune them. tl.dot needs 16 rows and columns at least.
-    block_p = max(16, BLOCK_P) if METHOD == "dot" else BLOCK_P
+    # Read at launch: a probe may retune them. tl.dot needs 16 rows, columns and inner size at least
+    # (a head dim under 16 takes the loop).
+    dot = METHOD == "dot" and triton.next_power_of_2(d) >= 16
+    block_p = max(16, BLOCK_P) if dot else BLOCK_P
     grid = (triton.cdiv(n_pages, block_p), h_kv, b)
     _quest_bound_kernel[grid](
         q, page_min, page_max, out,
@@ -141,7 +143,7 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
         out.stride(0), out.stride(1),
         n_pages, float(scale),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
-        BLOCK_P=block_p, AGG=AGG_CODES[agg], DOT=METHOD == "dot",
+        BLOCK_P=block_p, AGG=AGG_CODES[agg], DOT=dot,
         # fp32 dots where a dtype is fp32 or differs, and under the interpreter, whose tl.dot multiplies
         # bf16 operands as raw bits (see decode_attention.INTERPRET); bf16 products are exact in fp32.
         IEEE=INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32, num_warps=NUM_WARPS,
