@@ -219,7 +219,10 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        warps = {f"warps={w or 'by size'}": w for w in ((0, 4) if small else (0, 4, 8, 16))}
+        # 1-2 warps only where the row fits their registers (4,096 entries: 64-128 keys per thread);
+        # fewer warps make each bisection step's count a shorter reduction (no cross-warp barrier).
+        counts = (0, 4) if small else (0, 1, 2, 4, 8) if n <= 4096 else (0, 4, 8, 16)
+        warps = {f"warps={w or 'by size'}": w for w in counts}
         _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in warps},
               lambda name: setattr(select_module, "NUM_WARPS", warps[name]))
     if "select_top" in groups:
