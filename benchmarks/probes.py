@@ -189,6 +189,21 @@ def _pick(rows, section, label, variants, apply):
     return best[0]
 
 
+def _attention_case(q, keys, values, start, length, sel):
+    """``(call, check)`` for the split-K decode-attention kernel over ``sel``: the check compares
+    with the fp32 torch reference and returns an error string ("" when correct)."""
+    ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
+
+    def call():
+        return attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
+
+    def check():
+        err = ((call()[0].float() - ref).norm() / ref.norm()).item()
+        return "" if err < 1e-2 else f"rel err {err:.1e}"
+
+    return call, check
+
+
 VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages")
 
 
@@ -230,15 +245,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
-        q, keys, values, start, length, sel = _dense_layer(n)
-        ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
-
-        def check():
-            out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            return "" if err < 1e-2 else f"rel err {err:.1e}"
-
-        fn = lambda: attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)  # noqa: E731
+        fn, check = _attention_case(*_dense_layer(n))
         merges = {f"merge BLOCK_C={bc or 'all'} warps={w}": (bc, w) for bc in (32, 0) for w in (1, 2, 4, 8)}
         if small:
             merges = dict(list(merges.items())[::4])
@@ -277,14 +284,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         k10 = math.ceil(pages / 10)
         perm = torch.stack([torch.randperm(pages, device=dev)[:k10].sort().values for _ in range(H_KV)]).int()[None]
         sel = Selection(perm.contiguous(), torch.full((1, H_KV), k10, device=dev, dtype=torch.int32), block=PAGE)
-        ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
-
-        def check():
-            out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            return "" if err < 1e-2 else f"rel err {err:.1e}"
-
-        fn = lambda: attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)  # noqa: E731
+        fn, check = _attention_case(q, keys, values, start, length, sel)
         names = ("TARGET_PROGRAMS", "BLOCK_T", "NUM_WARPS", "NUM_STAGES")
         saved = tuple(getattr(attn_module, a) for a in names)
         knobs = {f"programs={tp} BLOCK_T={bt} warps={w} stages={st}": (tp, bt, w, st)
