@@ -137,9 +137,13 @@ class Decoder:
         (a longer prompt or more new tokens) gets a new cache, whose shapes compile a new step (a
         minute or more for an 8B model on a GPU). With ``dynamic_capacity=True`` the cache's capacity
         is traced as a symbol instead, so later capacities reuse the compiled step (on CUDA a new CUDA
-        graph is still recorded per capacity); a policy whose code depends on the capacity's value
-        costs at most a recompile, never a wrong result.
+        graph is still recorded per capacity). A policy whose code depends on the capacity's value
+        costs a recompile; a policy not checked against eager this way (``kv.dynamic_capacity``
+        false, today `SSA`) is refused.
         """
+        if dynamic_capacity and self.kv is not None and not self.kv.dynamic_capacity:
+            raise ValueError(f"{type(self.kv).__name__} does not support compile(dynamic_capacity=True) yet "
+                             "(its compiled selection was not found equal to eager); compile without it")
         if mode is None and self.device.type == "cuda":
             mode = "reduce-overhead"
         self._dynamic_capacity = dynamic_capacity

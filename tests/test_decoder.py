@@ -188,6 +188,15 @@ def test_dynamic_capacity_reuses_the_compiled_step_for_larger_caches():
         assert graphs == expected
 
 
+def test_dynamic_capacity_refuses_policies_not_checked_for_it():
+    from policyzoo import SSA
+
+    dec = Decoder(tiny_model("qwen3", layers=1), kv=SSA(0.1, 0.1, page=4))
+    with pytest.raises(ValueError, match="SSA does not support compile\\(dynamic_capacity=True\\)"):
+        dec.compile(dynamic_capacity=True)
+    assert dec.compile() is dec  # the static build is fine
+
+
 # ------------------------------------------------------------------------------------ errors
 def test_unsupported_architecture_is_rejected():
     from transformers import GPT2Config, GPT2LMHeadModel
