@@ -119,7 +119,8 @@ class SSA(KVSelector):
     generator: torch.Generator | None = field(default=None, repr=False, compare=False)
     _rng: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # Compiled with a symbolic cache capacity, its selection differed from eager on caches of up to
-    # 8 pages (a sampled page missing); not yet understood, so `Decoder.compile` refuses the pairing.
+    # 8 pages (a sampled page missing). Inductor's doing (aot_eager matches eager), not yet pinned
+    # down, so `Decoder.compile` refuses the pairing.
     dynamic_capacity = False
 
     def __post_init__(self) -> None:
