@@ -137,17 +137,21 @@ class Decoder:
         (a longer prompt or more new tokens) gets a new cache, whose shapes compile a new step (a
         minute or more for an 8B model on a GPU). With ``dynamic_capacity=True`` the cache's capacity
         is traced as a symbol instead, so later capacities reuse the compiled step (on CUDA a new CUDA
-        graph is still recorded per capacity). A policy whose code depends on the capacity's value
-        costs a recompile; a policy not checked against eager this way (``kv.dynamic_capacity``
-        false, today `SSA`) is refused.
+        graph is still recorded per capacity); a policy whose code depends on the capacity's value
+        costs a recompile.
         """
-        if dynamic_capacity and self.kv is not None and not self.kv.dynamic_capacity:
-            raise ValueError(f"{type(self.kv).__name__} does not support compile(dynamic_capacity=True) yet "
-                             "(its compiled selection was not found equal to eager); compile without it")
         if mode is None and self.device.type == "cuda":
             mode = "reduce-overhead"
         self._dynamic_capacity = dynamic_capacity
-        self._step = torch.compile(self._decode_step, mode=mode, dynamic=None if dynamic_capacity else False)
+        if dynamic_capacity:
+            # Inductor's rewrite of a scatter into a zero tensor as a pointwise select gave `SSA` a
+            # wrong selection with symbolic sizes (a sampled page lost on caches of up to 8 pages;
+            # aot_eager and this build match eager). `options` replaces `mode`: same settings.
+            modal = torch._inductor.list_mode_options(mode) if mode else {}
+            options = {**modal, "optimize_scatter_upon_const_tensor": False}
+            self._step = torch.compile(self._decode_step, options=options, dynamic=None)
+        else:
+            self._step = torch.compile(self._decode_step, mode=mode, dynamic=False)
         if dynamic_capacity and self.runtime.cache is not None:
             self._mark_capacity_dynamic(self.runtime.cache)
         return self

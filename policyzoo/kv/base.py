@@ -58,12 +58,10 @@ class KVSelector:
 
     Life cycle per layer: `prefill` once after the dense prefill, `select` every decode step (after
     the step's token is written), `append` after each write. `page_size` is the cache page size the
-    policy needs (``None``: any). `dynamic_capacity` says whether its selection compiled with a
-    symbolic cache capacity (`Decoder.compile(dynamic_capacity=True)`) was checked to equal eager.
+    policy needs (``None``: any).
     """
 
     page_size: int | None = None
-    dynamic_capacity: bool = True
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Called once per layer after the dense prefill; ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""

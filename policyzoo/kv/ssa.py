@@ -118,10 +118,6 @@ class SSA(KVSelector):
     seed: int = 0
     generator: torch.Generator | None = field(default=None, repr=False, compare=False)
     _rng: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # Compiled with a symbolic cache capacity, its selection differed from eager on caches of up to
-    # 8 pages (a sampled page missing). Inductor's doing (aot_eager matches eager), not yet pinned
-    # down, so `Decoder.compile` refuses the pairing.
-    dynamic_capacity = False
 
     def __post_init__(self) -> None:
         _check_zero_or_budget(self.budget, "budget")
