@@ -49,7 +49,8 @@ def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch
 
 def plot_speedups(rows: list[dict], path: Path, title: str) -> None:
     """Speedup over dense against context, one solid line per setting, its byte bound dashed in the
-    same colour (marked x, so a single context shows too). ``rows``: dicts with ``setting``, ``context``, ``speedup`` and ``bound``."""
+    same colour (marked x, so a single context shows too). ``rows``: dicts with ``setting``,
+    ``context``, ``speedup`` and ``bound``."""
     import matplotlib
 
     matplotlib.use("Agg")

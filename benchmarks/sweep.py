@@ -83,9 +83,9 @@ def sync() -> None:
 
 
 def free_memory() -> None:
-    """Release the last row's cache and graphs. A Decoder, its runtime and the model's wrappers
-    reference each other, so only the cycle collector frees them; without it the next 128K cache
-    did not fit (the fourth session's first call ran out of memory on the H200)."""
+    """Release the last row's Decoder and graphs. It, its runtime and the model's wrappers reference
+    each other, so only the cycle collector frees them (the Decoder frees a replaced cache itself;
+    before it did, the fourth session's first call ran out of memory on the H200)."""
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

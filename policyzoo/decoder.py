@@ -150,10 +150,10 @@ class Decoder:
             modal = torch._inductor.list_mode_options(mode) if mode else {}
             options = {**modal, "optimize_scatter_upon_const_tensor": False}
             self._step = torch.compile(self._decode_step, options=options, dynamic=None)
+            if self.runtime.cache is not None:  # later caches are marked as `_prepare_cache` makes them
+                self._mark_capacity_dynamic(self.runtime.cache)
         else:
             self._step = torch.compile(self._decode_step, mode=mode, dynamic=False)
-        if dynamic_capacity and self.runtime.cache is not None:
-            self._mark_capacity_dynamic(self.runtime.cache)
         return self
 
     @staticmethod

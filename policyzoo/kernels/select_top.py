@@ -57,13 +57,8 @@ def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _count_ge(key, mid):
-    return tl.sum((key >= mid).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _count_gt(key, threshold):
-    return tl.sum((key > threshold).to(tl.int32), axis=0)
+def _count(mask):
+    return tl.sum(mask.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -77,7 +72,7 @@ def _emit(i_row, key, pos, n, threshold, ties_wanted, ties_seen, written, c):
     keep = keep & (tl.zeros_like(tie_rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
     out = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(i_row + out, pos.to(tl.int32), mask=keep)
-    return ties_seen + tl.sum(tie.to(tl.int32), axis=0), written + tl.sum(keep.to(tl.int32), axis=0)
+    return ties_seen + _count(tie), written + _count(keep)
 
 
 @triton.jit
@@ -110,13 +105,13 @@ def _select_top_kernel(
         # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
         mid = (lo + (hi - lo) // 2).to(tl.int32)
         if SINGLE:
-            n_ge = _count_ge(key, mid)
+            n_ge = _count(key >= mid)
             if TAIL > 0:
-                n_ge += _count_ge(key_tail, mid)
+                n_ge += _count(key_tail >= mid)
         else:
             n_ge = tl.zeros((), tl.int32)
             for t0 in range(0, n, BLOCK_N):
-                n_ge += _count_ge(_keys(s_row, t0 + offs, n, ABS, SHIFT), mid)
+                n_ge += _count(_keys(s_row, t0 + offs, n, ABS, SHIFT) >= mid)
         up = n_ge >= want
         lo = tl.where(up, mid.to(tl.int64), lo)
         hi = tl.where(up, hi, mid.to(tl.int64))
@@ -124,13 +119,13 @@ def _select_top_kernel(
 
     # Compaction: every key above the threshold, then ties by position until count is reached.
     if SINGLE:
-        n_gt = _count_gt(key, threshold)
+        n_gt = _count(key > threshold)
         if TAIL > 0:
-            n_gt += _count_gt(key_tail, threshold)
+            n_gt += _count(key_tail > threshold)
     else:
         n_gt = tl.zeros((), tl.int32)
         for t0 in range(0, n, BLOCK_N):
-            n_gt += _count_gt(_keys(s_row, t0 + offs, n, ABS, SHIFT), threshold)
+            n_gt += _count(_keys(s_row, t0 + offs, n, ABS, SHIFT) > threshold)
     ties_wanted = c - n_gt
     ties_seen = tl.zeros((), tl.int32)
     written = tl.zeros((), tl.int32)
