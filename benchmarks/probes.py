@@ -204,7 +204,7 @@ def _attention_case(q, keys, values, start, length, sel):
     return call, check
 
 
-VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages", "topk_gemv")
+VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages")
 
 
 def section_variants(rows, groups=VARIANT_GROUPS):
@@ -273,46 +273,6 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             tiles = dict(list(tiles.items())[::9])
         _pick(rows, "variants", "page bound 128K bfloat16", {name: (fn, check) for name in tiles},
               lambda name: [setattr(page_module, a, v) for a, v in zip(("METHOD", "BLOCK_P", "NUM_WARPS"), tiles[name])])
-
-    # TopK(0.5)'s projection per Llama-8B shape: the separate selection (select_top, then the index
-    # GEMV) against the fused kernel (each program finds the threshold itself) over its warps,
-    # programs and rows per tile. Reported only: the module's defaults are restored after.
-    if "topk_gemv" in groups:
-        from policyzoo.kernels.dispatch import _gemv as gemv_module
-
-        names = ("TOPK_NUM_WARPS", "TOPK_PROGRAMS", "BLOCK_K")
-        saved = tuple(getattr(gemv_module, a) for a in names)
-        for label, (d_in, d_out) in GEMV_SHAPES.items():
-            if small:
-                d_in, d_out = d_in // 64, d_out // 64
-            x = torch.randn(1, d_in, device=dev, dtype=torch.bfloat16)
-            w_t = torch.randn(d_in, d_out, device=dev, dtype=torch.bfloat16) * 0.02
-            k = math.ceil(0.5 * d_in)
-            count = torch.full((1,), k, dtype=torch.int32, device=dev)
-            want = kernels.reference.sparse_gemv_topk(x.float(), k, w_t.float())
-
-            def check(fn):
-                def run():
-                    err = ((fn().float() - want).norm() / want.norm()).item()
-                    return "" if err < 1e-2 else f"rel err {err:.1e}"
-                return run
-
-            separate = lambda: gemv_module.sparse_gemv_index(x, select_module.select_top(x, count, k, True), w_t)  # noqa: E731
-            fused = lambda: gemv_module.sparse_gemv_topk(x, k, w_t)  # noqa: E731
-            cases = {"cuBLAS dense": ((lambda: F.linear(x, w_t.t())), lambda: ""),
-                     "select_top + index GEMV": (separate, check(separate))}
-            knobs = {f"fused warps={w} programs={p} BLOCK_K={bk}": (w, p, bk)
-                     for w in ((4, 8) if d_in <= 4096 else (8, 16)) for p in (132, 264, 528) for bk in (64, 128)}
-            if small:
-                knobs = dict(list(knobs.items())[::6])
-            cases.update({name: (fused, check(fused)) for name in knobs})
-            settings = {"cuBLAS dense": saved, "select_top + index GEMV": saved, **knobs}
-            try:
-                _pick(rows, "variants", f"TopK(0.5) {label}", cases,
-                      lambda name: [setattr(gemv_module, a, v) for a, v in zip(names, settings[name])])
-            finally:
-                for a, v in zip(names, saved):
-                    setattr(gemv_module, a, v)
 
     # Decode attention over a sparse page selection (1/10 of the pages at 128K, as Quest(0.1) picks):
     # the split's size and the tile. Reported only (the dense kernel's parameters are restored after:

@@ -9,8 +9,6 @@ changing.
 
 # dispatch first: it imports the kernel modules, one of which (decode_attention.py) is named like the
 # function below; the function must be bound after the module (see dispatch's docstring).
-import torch
-
 from . import dispatch
 from . import reference
 from .reference import dense_probs
@@ -77,18 +75,6 @@ def sparse_gemv_index(x, idx, w_t, bias=None):
     return reference.sparse_gemv_index(x, idx, w_t, bias)
 
 
-def sparse_gemv_topk(x, count, w_t, bias=None):
-    """``[B, d_out]`` over each row's ``count`` largest-magnitude inputs, the selection inside the
-    GEMV kernel; see `reference.sparse_gemv_topk`. Rows longer than the kernel keeps in registers
-    go through `select_top` and `sparse_gemv_index`."""
-    if dispatch.use_triton(x) and x.shape[-1] <= dispatch._select.MAX_BLOCK_N:
-        return dispatch.sparse_gemv_topk(x, count, w_t, bias)
-    if dispatch.use_triton(x):
-        counts = x.new_full((x.shape[0],), count, dtype=torch.int32)
-        return dispatch.sparse_gemv_index(x, select_top(x, counts, count, absolute=True), w_t, bias)
-    return reference.sparse_gemv_topk(x, count, w_t, bias)
-
-
 def sparse_gemv_threshold(x, t, w_t, bias=None):
     """``[B, d_out]`` over the inputs with ``|x| >= t``, input-major ``w_t [d_in, d_out]``."""
     if dispatch.use_triton(x):
@@ -107,7 +93,6 @@ __all__ = [
     "quest_page_bound_grouped",
     "select_top",
     "sparse_gemv_index",
-    "sparse_gemv_topk",
     "sparse_gemv_threshold",
     "sparse_linear",
 ]

@@ -219,28 +219,11 @@ def _(x, keep, w_t, bias, split=0):
     return _gemv_fake(x, w_t)
 
 
-@torch.library.custom_op("policyzoo::sparse_gemv_topk", mutates_args=())
-def _sparse_gemv_topk_op(x: Tensor, count: int, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
-    _need_triton()
-    return _gemv.sparse_gemv_topk(x, count, w_t, bias, split=split)
-
-
-@_sparse_gemv_topk_op.register_fake
-def _(x, count, w_t, bias, split=0):
-    return _gemv_fake(x, w_t)
-
-
 def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0) -> Tensor:
     """`reference.sparse_gemv_index` on Triton (``x [B, d_in]``, ``w_t [d_in, d_out]``).
 
     ``split``: slices of the kept features per output block (split-K; 0 picks from the shapes)."""
     return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias, split)
-
-
-def sparse_gemv_topk(x: Tensor, count: int, w_t: Tensor, bias: Tensor | None = None, split: int = 0) -> Tensor:
-    """`reference.sparse_gemv_index` over ``reference.select_top(x, count, count, absolute=True)``,
-    the selection and the GEMV in one Triton kernel (rows of up to `select_top.MAX_BLOCK_N` inputs)."""
-    return torch.ops.policyzoo.sparse_gemv_topk(x, int(count), w_t, bias, split)
 
 
 def sparse_gemv_threshold(
@@ -272,7 +255,6 @@ __all__ = [
     "quest_page_bound",
     "quest_page_bound_grouped",
     "sparse_gemv_index",
-    "sparse_gemv_topk",
     "sparse_gemv_threshold",
     "sparse_gemv_mask",
     "sparse_linear",

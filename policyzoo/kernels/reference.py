@@ -201,14 +201,6 @@ def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None =
     return sparse_linear(x, w_t.t(), bias, keep)
 
 
-def sparse_gemv_topk(x: Tensor, count: int, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`sparse_gemv_index` over each row's ``count`` largest-magnitude features (`select_top`, ties
-    to the lower position)."""
-    count = max(0, min(int(count), x.shape[-1]))
-    counts = torch.full((x.shape[0],), count, dtype=torch.int32, device=x.device)
-    return sparse_gemv_index(x, select_top(x, counts, count, absolute=True), w_t, bias)
-
-
 def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """`sparse_linear` over the inputs with ``|x| >= t``, compared in fp32 (``t`` a scalar), like
     `Threshold.keep_mask`."""

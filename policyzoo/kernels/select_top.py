@@ -44,68 +44,16 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
-def key_of(x, ABS: tl.constexpr, SHIFT: tl.constexpr):
-    """Order-preserving int32 keys of the values ``x`` (any float dtype)."""
-    x = x.to(tl.float32)
+def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
+    """Order-preserving int32 keys of the scores at ``offs`` (``-2^31`` off the end)."""
+    x = tl.load(s_row + offs, mask=offs < n, other=0.0).to(tl.float32)
     if ABS:
         x = tl.abs(x)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0 as floats, but not as bits
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives: larger magnitude, smaller key
-    return key >> SHIFT
-
-
-@triton.jit
-def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr):
-    """`key_of` the scores at ``offs`` (``-2^31`` off the end)."""
-    key = key_of(tl.load(s_row + offs, mask=offs < n, other=0.0), ABS, SHIFT)
+    key = key >> SHIFT
     return tl.where(offs < n, key, -2147483647 - 1)
-
-
-@triton.jit
-def load_keys(s_row, n, ABS: tl.constexpr, SHIFT: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr):
-    """A whole row's keys in registers: a power-of-two tile and a tail (`tiles`; the tail is unused
-    when TAIL is 0)."""
-    key = _keys(s_row, tl.arange(0, BLOCK_N), n, ABS, SHIFT)
-    key_tail = _keys(s_row, BLOCK_N + tl.arange(0, TAIL if TAIL > 0 else 16), n, ABS, SHIFT)
-    return key, key_tail
-
-
-@triton.jit
-def search(key, key_tail, want, ITERS: tl.constexpr, LO: tl.constexpr, TAIL: tl.constexpr):
-    """The largest key ``T`` with ``#{key >= T} >= want`` over a row held in registers (bisection
-    over ``[LO, LO + 2^ITERS)``)."""
-    lo = tl.full((), LO, tl.int64)
-    hi = tl.full((), LO + (1 << ITERS), tl.int64)
-    for _ in range(ITERS):
-        # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
-        mid = (lo + (hi - lo) // 2).to(tl.int32)
-        n_ge = _count(key >= mid)
-        if TAIL > 0:
-            n_ge += _count(key_tail >= mid)
-        up = n_ge >= want
-        lo = tl.where(up, mid.to(tl.int64), lo)
-        hi = tl.where(up, hi, mid.to(tl.int64))
-    return lo.to(tl.int32)
-
-
-@triton.jit
-def tie_cut(key, key_tail, threshold, c, BLOCK_N: tl.constexpr, TAIL: tl.constexpr):
-    """The last position whose tie with ``threshold`` is kept (-1: none), so that the keys above
-    the threshold and the ties up to that position make exactly ``c`` (ties go by position)."""
-    offs = tl.arange(0, BLOCK_N)
-    ties_wanted = c - _count(key > threshold)
-    if TAIL > 0:
-        ties_wanted -= _count(key_tail > threshold)
-    tie = key == threshold
-    rank = tl.cumsum(tie.to(tl.int32), axis=0)
-    cut = tl.max(tl.where(tie & (rank == ties_wanted), offs, -1), axis=0)
-    if TAIL > 0:
-        offs_tail = BLOCK_N + tl.arange(0, TAIL)
-        tie_tail = key_tail == threshold
-        rank_tail = _count(tie) + tl.cumsum(tie_tail.to(tl.int32), axis=0)
-        cut = tl.maximum(cut, tl.max(tl.where(tie_tail & (rank_tail == ties_wanted), offs_tail, -1), axis=0))
-    return tl.where(c > 0, cut, -1)
 
 
 @triton.jit
@@ -146,22 +94,28 @@ def _select_top_kernel(
         tl.store(i_row + p, tl.zeros((BLOCK_N,), tl.int32), mask=(p < k_max) & (p >= c))
 
     want = tl.maximum(c, 1)  # count 0 selects nothing (masked below); the search needs >= 1
+    lo = tl.full((), LO, tl.int64)
+    hi = tl.full((), LO + (1 << ITERS), tl.int64)
     if SINGLE:  # the row in registers: a power-of-two tile, and a smaller one for what is left
-        key, key_tail = load_keys(s_row, n, ABS, SHIFT, BLOCK_N, TAIL)
-        offs_tail = BLOCK_N + tl.arange(0, TAIL if TAIL > 0 else 16)
-        threshold = search(key, key_tail, want, ITERS, LO, TAIL)
-    else:
-        lo = tl.full((), LO, tl.int64)
-        hi = tl.full((), LO + (1 << ITERS), tl.int64)
-        for _ in range(ITERS):
-            mid = (lo + (hi - lo) // 2).to(tl.int32)
+        key = _keys(s_row, offs, n, ABS, SHIFT)
+        if TAIL > 0:
+            offs_tail = BLOCK_N + tl.arange(0, TAIL)
+            key_tail = _keys(s_row, offs_tail, n, ABS, SHIFT)
+    for _ in range(ITERS):
+        # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
+        mid = (lo + (hi - lo) // 2).to(tl.int32)
+        if SINGLE:
+            n_ge = _count(key >= mid)
+            if TAIL > 0:
+                n_ge += _count(key_tail >= mid)
+        else:
             n_ge = tl.zeros((), tl.int32)
             for t0 in range(0, n, BLOCK_N):
                 n_ge += _count(_keys(s_row, t0 + offs, n, ABS, SHIFT) >= mid)
-            up = n_ge >= want
-            lo = tl.where(up, mid.to(tl.int64), lo)
-            hi = tl.where(up, hi, mid.to(tl.int64))
-        threshold = lo.to(tl.int32)
+        up = n_ge >= want
+        lo = tl.where(up, mid.to(tl.int64), lo)
+        hi = tl.where(up, hi, mid.to(tl.int64))
+    threshold = lo.to(tl.int32)
 
     # Compaction: every key above the threshold, then ties by position until count is reached.
     if SINGLE:

@@ -27,8 +27,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .select_top import MAX_BLOCK_N, key_of, load_keys, search, tie_cut, tiles
-
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
 # Launch parameters, from a sweep on an H200 (bf16, B=1, half the inputs kept, 4096x14336,
@@ -40,10 +38,6 @@ NUM_STAGES = 3
 TARGET_PROGRAMS = 1024  # split-K until about this many programs keep the GPU's loads in flight
 MIN_TILES_PER_SPLIT = 4
 SUM_BLOCK = 1024  # outputs per program of the split-K epilogue
-TOPK_NUM_WARPS = 0  # warps of the fused top-k GEMV (0: NUM_WARPS)
-# Programs of the fused top-k GEMV: each repeats the search over the whole row, so a few per SM
-# (each then covers several output blocks), not TARGET_PROGRAMS.
-TOPK_PROGRAMS = 264
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -131,49 +125,6 @@ def _gemv_scan_kernel(
 
 
 @triton.jit
-def _gemv_topk_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr,
-    d_in, d_out, k_per,
-    s_xb, count, s_wk, s_wn, s_yb, blocks_per_program,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SHIFT: tl.constexpr, ITERS: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
-):
-    """The threshold scan over the ``count`` largest ``|x|``, found by every program itself: the
-    search of `select_top` (same keys, same ties by position) on the whole row held in registers,
-    then the slice's weight rows read where kept, for ``blocks_per_program`` consecutive blocks of
-    outputs. The search is repeated per program, but on every SM at once and for a few hundred
-    programs only, where a separate selection kernel is a launch, a single-SM latency and an index
-    list written and read back."""
-    pid_n = tl.program_id(0)
-    s = tl.program_id(1)
-    b = tl.program_id(2)
-    x_row = x_ptr + b * s_xb
-    key, key_tail = load_keys(x_row, d_in, True, SHIFT, ROW_BLOCK, ROW_TAIL)
-    threshold = search(key, key_tail, tl.maximum(count, 1), ITERS, 0, ROW_TAIL)
-    cut = tie_cut(key, key_tail, threshold, count, ROW_BLOCK, ROW_TAIL)
-    k_end = tl.minimum((s + 1) * k_per, d_in)
-    n_blocks = tl.cdiv(d_out, BLOCK_N)
-    for nb in range(pid_n * blocks_per_program, tl.minimum((pid_n + 1) * blocks_per_program, n_blocks)):
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < d_out
-        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
-        for k0 in range(s * k_per, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < k_end
-            x_raw = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-            key_k = key_of(x_raw, True, SHIFT)
-            kept = k_mask & ((key_k > threshold) | ((key_k == threshold) & (offs_k <= cut)))
-            w = tl.load(
-                w_ptr + offs_k[:, None].to(tl.int64) * s_wk + offs_n[None, :] * s_wn,
-                mask=kept[:, None] & n_mask[None, :],
-                other=0.0,
-            )
-            acc += tl.where(kept, x_raw.to(tl.float32), 0.0)[:, None] * w.to(tl.float32)
-        _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, b, s, tl.num_programs(1), d_out, s_yb, offs_n,
-                      n_mask, HAS_BIAS, SPLIT)
-
-
-@triton.jit
 def _sum_slices_kernel(part_ptr, bias_ptr, y_ptr, n_split, d_out, s_yb,
                        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``y[b] = cast(Σ_s part[b, s] + bias)``: the split-K epilogue in one launch (in torch it is a
@@ -205,10 +156,7 @@ def default_split(k: int, d_out: int, rows: int, block_n: int = BLOCK_N) -> int:
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k // (MIN_TILES_PER_SPLIT * BLOCK_K)))
 
 
-def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, mid, warps=0, programs=0, **meta):
-    """Launch one of the GEMV kernels; ``mid`` is its own scalar between x's stride and w_t's
-    (the index list's or the mask's row stride, the top-k count). With ``programs`` (the top-k
-    kernel), each program takes consecutive output blocks until about that many programs remain."""
+def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, **meta):
     b, d_out = x.shape[0], w_t.shape[1]
     split = split if split > 0 else default_split(k, d_out, b, block_n)
     k_per = triton.cdiv(triton.cdiv(max(k, 1), split), BLOCK_K) * BLOCK_K  # whole tiles per slice
@@ -218,17 +166,12 @@ def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, mid, warps=0, 
         y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
     else:
         part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
-    n_blocks = triton.cdiv(d_out, block_n)
-    extra = ()
-    if programs:
-        per_program = triton.cdiv(n_blocks * split * b, programs)
-        extra, n_blocks = (per_program,), triton.cdiv(n_blocks, per_program)
-    kernel[(n_blocks, split, b)](
+    kernel[(triton.cdiv(d_out, block_n), split, b)](
         *args_before, w_t, bias if bias is not None else x, y if y is not None else part,
         part if part is not None else y,
         k, d_out, k_per,
-        x.stride(0), mid, w_t.stride(0), w_t.stride(1), y.stride(0) if y is not None else d_out, *extra,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps or NUM_WARPS,
+        x.stride(0), strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0) if y is not None else d_out,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, **meta,
     )
     if y is not None:
@@ -252,27 +195,6 @@ def sparse_gemv_index(
         return _alloc(b, d_out, dtype=x.dtype, device=x.device)
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
     return _launch(_gemv_index_kernel, x, w_t, bias, idx.shape[1], split, block_n, (x, idx), idx.stride(0))
-
-
-def sparse_gemv_topk(
-    x: Tensor, count: int, w_t: Tensor, bias: Tensor | None = None, split: int = 0, block_n: int = BLOCK_N
-) -> Tensor:
-    """``[B, d_out]`` over the ``count`` largest-magnitude features of each row of ``x`` (ties to the
-    lower position, as `select_top`), in one kernel: `reference.sparse_gemv_index` with
-    ``idx = reference.select_top(x, count, count, absolute=True)``. Rows up to `MAX_BLOCK_N`."""
-    x, b, d_out = _check(x, w_t)
-    d_in = x.shape[1]
-    if d_in > MAX_BLOCK_N:
-        raise ValueError(f"sparse_gemv_topk holds a row in registers: d_in <= {MAX_BLOCK_N}, got {d_in}")
-    if b * d_out == 0:
-        return _alloc(b, d_out, dtype=x.dtype, device=x.device)
-    count = max(0, min(int(count), d_in))
-    shift = 16 if x.dtype == torch.bfloat16 else 0  # as select_top: bf16 keys carry 16 bits
-    row_block, row_tail = tiles(d_in)
-    return _launch(
-        _gemv_topk_kernel, x, w_t, bias, d_in, split, block_n, (x,), count,
-        warps=TOPK_NUM_WARPS, programs=TOPK_PROGRAMS, SHIFT=shift, ITERS=31 - shift, ROW_BLOCK=row_block, ROW_TAIL=row_tail,
-    )
 
 
 def _scan(x, keep, t, w_t, bias, split, block_n):
@@ -305,4 +227,4 @@ def sparse_gemv_mask(
     return _scan(x, keep, None, w_t, bias, split, block_n)
 
 
-__all__ = ["sparse_gemv_index", "sparse_gemv_topk", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "INTERPRET"]
+__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "INTERPRET"]

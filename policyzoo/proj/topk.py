@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from torch import Tensor
 
 from .. import kernels
@@ -27,6 +28,9 @@ class TopK(ProjectionSparsifier):
         return topk_mask(x, self.keep)
 
     def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
-        # The selection runs inside the GEMV kernel (every program finds the threshold itself):
-        # no separate top-k launch, no index list.
-        return kernels.sparse_gemv_topk(x, kept_features(self.keep, x.shape[-1]), w_t, bias)
+        # The kept features in ascending order (one threshold search, not a sorted top-k), so the
+        # GEMV reads the weight rows in memory order.
+        k = kept_features(self.keep, x.shape[-1])
+        count = torch.full((x.shape[0],), k, dtype=torch.int32, device=x.device)
+        idx = kernels.select_top(x, count, k, absolute=True)
+        return kernels.sparse_gemv_index(x, idx, w_t, bias)
