@@ -216,15 +216,19 @@ def section_variants(rows, groups=VARIANT_GROUPS):
 
     dev = sweep.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
-    # select_top's warps (by entries held, or fixed) on rows of activations (bf16 |x|, keep 0.5) and
-    # of pages (fp32, keep 0.1, 8 KV heads), one of them just over a power of two (tile and tail).
+    # select_top's search and warps on rows of activations (bf16 |x|, keep 0.5) and of pages (fp32,
+    # keep 0.1, 8 KV heads), one just over a power of two (tile and tail), one with forced pages.
     shapes = {"|x| 4096 bf16 keep 0.5": (1, 4096, torch.bfloat16, True, 0.5),
               "|x| 14336 bf16 keep 0.5": (1, 14336, torch.bfloat16, True, 0.5),
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
-              "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1)}
+              "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1),
+              "pages 8192 fp32 x8 keep 0.1, 12 forced": (8, 8192, torch.float32, False, 0.1)}
+    saved_select = (select_module.INTERP_STEPS, select_module.NUM_WARPS)
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
+        if "forced" in label:  # as Quest forces its sink and window pages: +inf above finite bounds
+            s[:, :4] = s[:, -8:] = torch.inf
         k = math.ceil(keep * n)
         count = torch.full((r,), k, dtype=torch.int32, device=dev)
         want = kernels.reference.select_top(s, count, k, absolute)
@@ -234,14 +238,14 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        # 1-2 warps only where the row fits their registers (4,096 entries: 64-128 keys per thread);
-        # fewer warps make each bisection step's count a shorter reduction (no cross-warp barrier).
-        counts = (0, 4) if small else (0, 1, 2, 4, 8) if n <= 4096 else (0, 4, 8, 16)
-        warps = {f"warps={w or 'by size'}": w for w in counts}
-        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in warps},
-              lambda name: setattr(select_module, "NUM_WARPS", warps[name]))
-    if "select_top" in groups:
-        select_module.NUM_WARPS = 0  # one fixed count would not suit every row length: keep the rule
+        # The search's probes (interpolating, or halving only) and the warps (by entries held, or
+        # fixed; 1-2 warps measured 1.7-4x slower on 4,096 entries in run5's first call).
+        counts = (0, 4) if small else (0, 4, 8) if n <= 4096 else (0, 8, 16)
+        knobs = {f"interp_steps={i} warps={w or 'by size'}": (i, w) for i in (16, 0) for w in counts}
+        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
+              lambda name: [setattr(select_module, a, v) for a, v in zip(("INTERP_STEPS", "NUM_WARPS"), knobs[name])])
+    if "select_top" in groups:  # one fixed choice would not suit every row: back to the defaults
+        select_module.INTERP_STEPS, select_module.NUM_WARPS = saved_select
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():

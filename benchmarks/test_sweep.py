@@ -29,7 +29,7 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     by_section = {s: [r for r in rows if r["section"] == s] for s in ("variants", "kernel", "select", "step")}
     # variants: every alternative checked against the reference, one choice per group
     chosen = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("chosen: ")]
-    assert len(chosen) == 4 + 1 + 1 + 1  # select_top per row shape, the merge, the page bound, sparse attention
+    assert len(chosen) == 5 + 1 + 1 + 1  # select_top per row shape, the merge, the page bound, sparse attention
     assert all(r["correct"] for r in by_section["variants"] if "correct" in r)
     assert {r["setting"] for r in by_section["kernel"]} == {"split-K dense", "split-K 1/16 pages", "torch SDPA"}
     assert {r["setting"] for r in by_section["select"]} >= {"dense", "quest0.1", "attn-topk0.1", "entmax-kv0.1 (softmax)"}

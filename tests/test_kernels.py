@@ -547,14 +547,43 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
 
 
 @here
-def test_select_top_rows_longer_than_a_tile():
-    """Rows re-read per bisection step (longer than one tile) select what the reference selects."""
-    g = gen(5)
-    s = ((torch.randn(3, 300, generator=g) * 4).round() / 4).to(DEVICE)
-    count = torch.tensor([0, 17, 250], device=DEVICE)
-    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64), poisoned():
-        got = dispatch._select.select_top(s, count, 260)
-    assert torch.equal(got, ref.select_top(s, count, 260))
+def test_select_top_rows_longer_than_the_registers():
+    """The kernel holds a row in registers and refuses a longer one; the library's seam sends such
+    rows to the reference."""
+    s = torch.randn(2, 300).to(DEVICE)
+    count = torch.tensor([0, 17], device=DEVICE)
+    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64):
+        with pytest.raises(ValueError, match="at most 64 entries"):
+            dispatch._select.select_top(s, count, 20)
+        with mock.patch.object(dispatch, "use_triton", lambda t: True):
+            assert torch.equal(kernels.select_top(s, count, 20), ref.select_top(s, count, 20))
+
+
+def _hard_rows(g, n):
+    """Score rows that defeat a naive interpolation search: a few forced +inf above finite scores,
+    two far-apart clusters, powers of two over 200 binades (few distinct keys), all equal."""
+    return torch.stack([
+        torch.cat([torch.full((5,), torch.inf), torch.randn(n - 5, generator=g)]),
+        torch.where(torch.rand(n, generator=g) < 0.5, 1e-30, 1e30),
+        2.0 ** torch.randint(-100, 100, (n,), generator=g).float(),
+        torch.ones(n),
+    ])
+
+
+@here
+@pytest.mark.parametrize("interp_steps", [0, 1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_top_search_paths(interp_steps, dtype):
+    """Interpolating probes, halving probes and their switch-over select what the reference selects,
+    on rows built to make interpolation slow (`_search` bounds the steps by halving after
+    `INTERP_STEPS`)."""
+    g = gen(11)
+    s = _hard_rows(g, 700).to(dtype).to(DEVICE)
+    for k in (1, 5, 6, 350, 699, 700):
+        count = torch.full((4,), k, device=DEVICE)
+        with mock.patch.object(dispatch._select, "INTERP_STEPS", interp_steps), poisoned():
+            got = dispatch._select.select_top(s, count, k, absolute=dtype == torch.bfloat16)
+        assert torch.equal(got, ref.select_top(s, count, k, absolute=dtype == torch.bfloat16)), (k, interp_steps)
 
 
 @here

@@ -36,6 +36,8 @@ MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
 # `variants`), 8 warps beat 16 on 14,336 bf16 entries (20.8 against 22.5 µs) and on 8 rows of 8,192
 # fp32 (18.1 against 20.9 µs); 4 warps are as fast as 8 on 4,096 entries.
 NUM_WARPS = 0
+# Steps of the search that interpolate before it falls back to halving the bracket (0: halve only).
+INTERP_STEPS = 16
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -62,25 +64,86 @@ def _count(mask):
 
 
 @triton.jit
-def _emit(i_row, key, pos, n, threshold, ties_wanted, ties_seen, written, c):
+def _merge_stats(n_a, above_a, below_a, n_b, above_b, below_b):
+    return n_a + n_b, tl.minimum(above_a, above_b), tl.maximum(below_a, below_b)
+
+
+@triton.jit
+def _stats(key, mid):
+    """``(#{key >= mid}, min{key >= mid}, max{key < mid})`` of one tile, in one reduction (``2^31-1``
+    and ``-2^31`` stand for an empty min and max; padding keys are ``-2^31``)."""
+    ge = key >= mid
+    return tl.reduce((ge.to(tl.int32), tl.where(ge, key, 2147483647), tl.where(ge, -2147483647 - 1, key)),
+                     0, _merge_stats)
+
+
+@triton.jit
+def _row_stats(key, key_tail, mid, TAIL: tl.constexpr):
+    n_ge, above, below = _stats(key, mid)
+    if TAIL > 0:
+        n_tail, above_tail, below_tail = _stats(key_tail, mid)
+        n_ge, above, below = _merge_stats(n_ge, above, below, n_tail, above_tail, below_tail)
+    return n_ge, above, below
+
+
+@triton.jit
+def _search(key, key_tail, valid, valid_tail, want, INTERP_STEPS: tl.constexpr, TAIL: tl.constexpr):
+    """A bracket ``[lo, hi)`` of keys with ``#{key >= lo} >= want > #{key >= hi} = n_hi``, narrowed
+    until the keys >= hi plus the first ``want - n_hi`` in the bracket are the ``want`` largest: one
+    distinct key left in it (``lo`` is then the ``want``-th largest key), or all of it wanted.
+
+    Each step counts the keys at or above a probe and snaps the moved end to the nearest key (the
+    smallest one above, the largest one below plus one), so the bracket's ends are always keys: ties
+    and gaps (a few forced ``+inf`` pages above finite bounds) cost no extra steps. The probe
+    interpolates on the counts for the first ``INTERP_STEPS`` steps, then halves the bracket (which
+    bounds the steps by 32 more)."""
+    lo = tl.min(tl.where(valid, key, 2147483647), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64) + 1
+    n_lo = _count(valid)
+    if TAIL > 0:
+        lo = tl.minimum(lo, tl.min(tl.where(valid_tail, key_tail, 2147483647), axis=0).to(tl.int64))
+        hi = tl.maximum(hi, tl.max(key_tail, axis=0).to(tl.int64) + 1)
+        n_lo += _count(valid_tail)
+    n_hi = tl.zeros((), tl.int32)
+    step = tl.zeros((), tl.int32)
+    while (hi - lo > 1) & (n_lo != want):
+        width = hi - lo
+        # The fraction of the bracket's keys to leave above the probe, as if spread evenly over it.
+        frac = (n_lo - want).to(tl.float32) + 0.5
+        frac = frac / (n_lo - n_hi).to(tl.float32)
+        guess = (frac * width.to(tl.float32)).to(tl.int64)
+        offset = tl.where(step < INTERP_STEPS, tl.minimum(tl.maximum(guess, 1), width - 1), width // 2)
+        # lo < mid < hi <= 2^31: the bounds need int64, the probe fits the keys' int32.
+        mid = (lo + offset).to(tl.int32)
+        n_ge, above, below = _row_stats(key, key_tail, mid, TAIL)
+        up = n_ge >= want
+        lo = tl.where(up, above.to(tl.int64), lo)
+        n_lo = tl.where(up, n_ge, n_lo)
+        hi = tl.where(up, hi, below.to(tl.int64) + 1)
+        n_hi = tl.where(up, n_hi, n_ge)
+        step += 1
+    return lo.to(tl.int32), hi, n_hi
+
+
+@triton.jit
+def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, written, c):
     """Write the positions of one tile's kept keys after the ``written`` ones; returns the updated
-    ``(ties_seen, written)``: every key above the threshold, ties by position until count is reached."""
-    valid = pos < n
-    tie = (key == threshold) & valid
-    tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among ties so far
-    keep = valid & ((key > threshold) | (tie & (tie_rank <= ties_wanted)))
-    keep = keep & (tl.zeros_like(tie_rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
+    ``(seen, written)``: every key >= hi, then keys in ``[lo, hi)`` by position while fewer than
+    ``wanted`` of them were seen."""
+    inside = valid & (key >= lo) & (key < hi)
+    rank = seen + tl.cumsum(inside.to(tl.int32), axis=0)  # 1-based among the bracket's keys so far
+    keep = valid & ((key >= hi) | (inside & (rank <= wanted)))
+    keep = keep & (tl.zeros_like(rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
     out = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(i_row + out, pos.to(tl.int32), mask=keep)
-    return ties_seen + _count(tie), written + _count(keep)
+    return seen + _count(inside), written + _count(keep)
 
 
 @triton.jit
 def _select_top_kernel(
     s_ptr, cnt_ptr, idx_ptr,
     n, k_max, s_row_stride, i_row_stride,
-    ABS: tl.constexpr, SHIFT: tl.constexpr, ITERS: tl.constexpr, LO: tl.constexpr,
-    BLOCK_N: tl.constexpr, TAIL: tl.constexpr, SINGLE: tl.constexpr,
+    ABS: tl.constexpr, SHIFT: tl.constexpr, INTERP_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row * s_row_stride
@@ -93,59 +156,26 @@ def _select_top_kernel(
         p = p0 + offs
         tl.store(i_row + p, tl.zeros((BLOCK_N,), tl.int32), mask=(p < k_max) & (p >= c))
 
-    want = tl.maximum(c, 1)  # count 0 selects nothing (masked below); the search needs >= 1
-    lo = tl.full((), LO, tl.int64)
-    hi = tl.full((), LO + (1 << ITERS), tl.int64)
-    if SINGLE:  # the row in registers: a power-of-two tile, and a smaller one for what is left
-        key = _keys(s_row, offs, n, ABS, SHIFT)
-        if TAIL > 0:
-            offs_tail = BLOCK_N + tl.arange(0, TAIL)
-            key_tail = _keys(s_row, offs_tail, n, ABS, SHIFT)
-    for _ in range(ITERS):
-        # lo <= mid < hi <= 2^31: the bounds need int64, the midpoint fits the keys' int32.
-        mid = (lo + (hi - lo) // 2).to(tl.int32)
-        if SINGLE:
-            n_ge = _count(key >= mid)
-            if TAIL > 0:
-                n_ge += _count(key_tail >= mid)
-        else:
-            n_ge = tl.zeros((), tl.int32)
-            for t0 in range(0, n, BLOCK_N):
-                n_ge += _count(_keys(s_row, t0 + offs, n, ABS, SHIFT) >= mid)
-        up = n_ge >= want
-        lo = tl.where(up, mid.to(tl.int64), lo)
-        hi = tl.where(up, hi, mid.to(tl.int64))
-    threshold = lo.to(tl.int32)
+    # The row in registers: a power-of-two tile, and a smaller one for what is left (unused when
+    # TAIL is 0: then its lanes are all past the end, and the compiler drops them).
+    offs_tail = BLOCK_N + tl.arange(0, TAIL if TAIL > 0 else 16)
+    key = _keys(s_row, offs, n, ABS, SHIFT)
+    key_tail = _keys(s_row, offs_tail, n, ABS, SHIFT)
+    valid, valid_tail = offs < n, offs_tail < n
+    want = tl.maximum(c, 1)  # count 0 selects nothing (masked in _emit); the search needs >= 1
+    lo, hi, n_hi = _search(key, key_tail, valid, valid_tail, want, INTERP_STEPS, TAIL)
 
-    # Compaction: every key above the threshold, then ties by position until count is reached.
-    if SINGLE:
-        n_gt = _count(key > threshold)
-        if TAIL > 0:
-            n_gt += _count(key_tail > threshold)
-    else:
-        n_gt = tl.zeros((), tl.int32)
-        for t0 in range(0, n, BLOCK_N):
-            n_gt += _count(_keys(s_row, t0 + offs, n, ABS, SHIFT) > threshold)
-    ties_wanted = c - n_gt
-    ties_seen = tl.zeros((), tl.int32)
-    written = tl.zeros((), tl.int32)
-    if SINGLE:
-        ties_seen, written = _emit(i_row, key, offs, n, threshold, ties_wanted, ties_seen, written, c)
-        if TAIL > 0:
-            ties_seen, written = _emit(i_row, key_tail, offs_tail, n, threshold, ties_wanted, ties_seen, written, c)
-    else:
-        for t0 in range(0, n, BLOCK_N):
-            k = _keys(s_row, t0 + offs, n, ABS, SHIFT)
-            ties_seen, written = _emit(i_row, k, t0 + offs, n, threshold, ties_wanted, ties_seen, written, c)
+    # Compaction: every key >= hi, then the bracket's keys by position until count is reached.
+    wanted = c - n_hi
+    seen, written = _emit(i_row, key, offs, valid, lo, hi, wanted, tl.zeros((), tl.int32), tl.zeros((), tl.int32), c)
+    if TAIL > 0:
+        seen, written = _emit(i_row, key_tail, offs_tail, valid_tail, lo, hi, wanted, seen, written, c)
 
 
 def tiles(n: int) -> tuple[int, int]:
-    """``(BLOCK_N, TAIL)`` for a row of ``n`` entries: the largest power of two up to ``n`` (16 at
-    least), then the smallest power of two covering the rest (0 if none), so a row just over a power
-    of two costs a few more lanes, not twice as many (8,203 pages: 8,192 + 16, not 16,384). Rows
-    longer than `MAX_BLOCK_N` are re-read in tiles of `MAX_BLOCK_N` (tail 0)."""
-    if n > MAX_BLOCK_N:
-        return MAX_BLOCK_N, 0
+    """``(BLOCK_N, TAIL)`` for a row of ``n <= MAX_BLOCK_N`` entries: the largest power of two up to
+    ``n`` (16 at least), then the smallest power of two covering the rest (0 if none), so a row just
+    over a power of two costs a few more lanes, not twice as many (8,203 pages: 8,192 + 16, not 16,384)."""
     block = max(16, 1 << (max(n, 1).bit_length() - 1))
     if block >= n:
         return block, 0
@@ -154,8 +184,9 @@ def tiles(n: int) -> tuple[int, int]:
 
 
 def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
-    """``int32[R, k_max]``: per row of ``scores [R, N]``, the positions of its ``count[r]`` largest
-    entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros (`reference.select_top`)."""
+    """``int32[R, k_max]``: per row of ``scores [R, N]`` (``N <= MAX_BLOCK_N``), the positions of its
+    ``count[r]`` largest entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros
+    (`reference.select_top`)."""
     from .decode_attention import INTERPRET
 
     if scores.device.type == "cpu" and not INTERPRET:
@@ -163,20 +194,19 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
     if scores.dim() != 2 or count.shape != scores.shape[:1]:
         raise ValueError(f"expected scores [R, N] and count [R], got {tuple(scores.shape)} and {tuple(count.shape)}")
     r, n = scores.shape
+    if n > MAX_BLOCK_N:
+        raise ValueError(f"select_top holds a row in registers: at most {MAX_BLOCK_N} entries, got {n} "
+                         "(kernels.select_top sends longer rows to the torch reference)")
     idx = _alloc(r, k_max, dtype=torch.int32, device=scores.device)
     if r == 0 or k_max == 0:
         return idx
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
-    half = scores.dtype == torch.bfloat16  # 16 significant bits: the low half of the key is zero
-    shift = 16 if half else 0
-    bits = 32 - shift - (1 if absolute else 0)  # a magnitude's key is never negative
-    lo = 0 if absolute else -(1 << (31 - shift))
     block, tail = tiles(n)
-    num_warps = NUM_WARPS or (4 if block + tail <= 4096 else 8)
     _select_top_kernel[(r,)](
         scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
-        ABS=absolute, SHIFT=shift, ITERS=bits, LO=lo, BLOCK_N=block, TAIL=tail, SINGLE=n <= block + tail,
-        num_warps=num_warps,
+        # bf16 carries 16 significant bits: the low half of its keys is zero, shifted out.
+        ABS=absolute, SHIFT=16 if scores.dtype == torch.bfloat16 else 0, INTERP_STEPS=INTERP_STEPS,
+        BLOCK_N=block, TAIL=tail, num_warps=NUM_WARPS or (4 if block + tail <= 4096 else 8),
     )
     return idx
