@@ -125,12 +125,16 @@ def section_gemv(rows, keep: float = 0.5):
 
 
 def section_gemv_tune(rows, keep: float = 0.5):
-    """The index GEMV at keep 0.5 over launch parameters (outputs per program, rows per tile, warps)."""
+    """The index GEMV at keep 0.5 over launch parameters: outputs per program (up to whole 2 KB rows
+    of the weight), rows per tile, warps and the split-K's program target. Combinations whose fp32
+    accumulator would take over 128 registers per thread are skipped."""
     from policyzoo.kernels.dispatch import _gemv as gemv_module
 
     dev = sweep.DEVICE
-    saved = (gemv_module.BLOCK_K, gemv_module.NUM_WARPS)
-    grid = [(bn, bk, w) for bn in (64, 128, 256) for bk in (32, 64, 128) for w in (4, 8)]
+    names = ("BLOCK_K", "NUM_WARPS", "TARGET_PROGRAMS")
+    saved = tuple(getattr(gemv_module, a) for a in names)
+    grid = [(bn, bk, w, tp) for bn in (64, 256, 1024) for bk in (8, 16, 32, 128) for w in (4, 8) for tp in (512, 1024)
+            if bn * bk <= 128 * 32 * w and bn * bk >= 32 * w * 8]
     if dev == "cpu":
         grid = grid[:1]
     for label, (d_in, d_out) in GEMV_SHAPES.items():
@@ -142,19 +146,21 @@ def section_gemv_tune(rows, keep: float = 0.5):
                                  math.ceil(keep * d_in), absolute=True)
         ref = kernels.reference.sparse_gemv_index(x.float(), idx, w_t.float())
         wbytes = d_in * d_out * 2 * keep
-        for bn, bk, w in grid:
-            row = {"section": "gemvtune", "shape": label, "setting": f"BLOCK_N={bn} BLOCK_K={bk} warps={w}"}
+        for bn, bk, w, tp in grid:
+            row = {"section": "gemvtune", "shape": label, "setting": f"BLOCK_N={bn} BLOCK_K={bk} warps={w} programs={tp}"}
             try:
-                gemv_module.BLOCK_K, gemv_module.NUM_WARPS = bk, w
+                for a, v in zip(names, (bk, w, tp)):
+                    setattr(gemv_module, a, v)
                 y = gemv_module.sparse_gemv_index(x, idx, w_t, block_n=bn)
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 us = sweep.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t, block_n=bn)) * 1e3
                 row.update({"us": us, "TB/s": wbytes / (us * 1e-6) / 1e12, "rel_err": err})
-                print(f"gemvtune {label:<22} {row['setting']:<34} {us:7.1f} us {row['TB/s']:5.2f} TB/s err {err:.1e}", flush=True)
+                print(f"gemvtune {label:<22} {row['setting']:<50} {us:7.1f} us {row['TB/s']:5.2f} TB/s err {err:.1e}", flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
-        gemv_module.BLOCK_K, gemv_module.NUM_WARPS = saved
+        for a, v in zip(names, saved):
+            setattr(gemv_module, a, v)
 
 
 # -------------------------------------------------------------------------------------- variants

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-MAX_BLOCK_N = 16384  # entries a row may have to stay in registers
+MAX_BLOCK_N = 16384  # entries a row may have to stay in registers (and counts fit 16 bits in `_emit`)
 # Warps per program: 0 picks by the entries held (4 up to 4096, 8 above). On an H200 (sweep
 # `variants`), 8 warps beat 16 on 14,336 bf16 entries (20.8 against 22.5 µs) and on 8 rows of 8,192
 # fp32 (18.1 against 20.9 µs); 4 warps are as fast as 8 on 4,096 entries.
@@ -126,17 +126,23 @@ def _search(key, key_tail, valid, valid_tail, want, INTERP_STEPS: tl.constexpr, 
 
 
 @triton.jit
-def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, written, c):
-    """Write the positions of one tile's kept keys after the ``written`` ones; returns the updated
-    ``(seen, written)``: every key >= hi, then keys in ``[lo, hi)`` by position while fewer than
-    ``wanted`` of them were seen."""
+def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, c):
+    """Write the positions of one tile's kept keys in order: every key >= hi, and the keys in
+    ``[lo, hi)`` while fewer than ``wanted`` of them came before. ``seen`` packs the counts of the
+    earlier tiles (bracket keys in the low 16 bits, keys >= hi above them); returns it updated.
+
+    Both running counts come from one prefix sum of the packed flags (a row holds at most 2^14
+    keys, so neither half overflows): a kept key's output slot is the keys >= hi before it plus the
+    kept bracket keys before it."""
+    above = valid & (key >= hi)
     inside = valid & (key >= lo) & (key < hi)
-    rank = seen + tl.cumsum(inside.to(tl.int32), axis=0)  # 1-based among the bracket's keys so far
-    keep = valid & ((key >= hi) | (inside & (rank <= wanted)))
-    keep = keep & (tl.zeros_like(rank) < c)  # count 0: nothing (a tensor, not a scalar, for the mask)
-    out = written + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    flags = inside.to(tl.int32) + (above.to(tl.int32) << 16)
+    before = seen + tl.cumsum(flags, axis=0) - flags
+    inside_before = before & 0xFFFF
+    keep = (above | (inside & (inside_before < wanted))) & (tl.zeros_like(flags) < c)  # count 0: none
+    out = (before >> 16) + tl.minimum(inside_before, wanted)
     tl.store(i_row + out, pos.to(tl.int32), mask=keep)
-    return seen + _count(inside), written + _count(keep)
+    return seen + tl.sum(flags, axis=0)
 
 
 @triton.jit
@@ -167,9 +173,9 @@ def _select_top_kernel(
 
     # Compaction: every key >= hi, then the bracket's keys by position until count is reached.
     wanted = c - n_hi
-    seen, written = _emit(i_row, key, offs, valid, lo, hi, wanted, tl.zeros((), tl.int32), tl.zeros((), tl.int32), c)
+    seen = _emit(i_row, key, offs, valid, lo, hi, wanted, tl.zeros((), tl.int32), c)
     if TAIL > 0:
-        seen, written = _emit(i_row, key_tail, offs_tail, valid_tail, lo, hi, wanted, seen, written, c)
+        _emit(i_row, key_tail, offs_tail, valid_tail, lo, hi, wanted, seen, c)
 
 
 def tiles(n: int) -> tuple[int, int]:
