@@ -2,26 +2,32 @@
 
 ``torch.topk`` on a GPU costs 20–50 µs per call at decode sizes (a radix select over several
 launches, plus a sort when the order matters), more than the reads it saves for a keep-0.5
-projection or a page selection. Here one program per row does it in one launch:
+projection or a page selection. Here one program per row does it in one launch, the whole row held
+in registers:
 
 1. Map each score to an ``int32`` key with the same order (a float's bits, negatives flipped), so
    ties are exact; bf16 inputs carry only 16 significant bits, so their keys are shifted right by 16.
-2. Bisect for the largest key ``T`` with ``#{key >= T} >= count`` (one count per step: 32 steps for
-   fp32, 16 for bf16, 15 for bf16 magnitudes).
-   Each step is one block-wide count, so the cost is latency. Two searches with fewer steps were
-   built and measured slower on an H200 (sweep `variants`, `benchmarks/results/2026-11-29-h200-run3`):
-   8 bits per 256-bin ``tl.histogram`` pass (11.2 against 9.4 µs for 4,096 bf16 entries, 34 against
-   20 µs for 8 rows of 8,192 fp32), and 3 bits per step from 7 counts packed into one reduction
-   (13.0 against 9.3 µs, 32 against 20 µs): each of their steps costs more than it saves.
-3. Keep every key ``> T`` and the first ``count − #{key > T}`` keys ``== T`` by position, and write
-   their positions in ascending order (a running prefix sum), zeros after ``count``.
+2. Search a bracket ``[lo, hi)`` of keys with ``#{key >= lo} >= count > #{key >= hi}`` (`_search`),
+   starting from the row's smallest and largest keys. Each step counts the keys at or above a probe
+   and snaps the moved end to the nearest key, in one three-value reduction; the probe interpolates
+   on the counts. It stops when one distinct key is left in the bracket or all of it is wanted:
+   6–9 steps on activations and page bounds in simulation, against the 15–32 halvings of a plain
+   bisection over the key range, which the kernel used until run 5 (on an H200 with 8 warps:
+   8.25 → 7.5 µs for 4,096 bf16 entries, 18.8 → 18.5 µs for 14,336, 18.2 → 13.6–14.5 µs for 8 rows
+   of 8,192 fp32; `benchmarks/results/2026-11-30-h200-run5`).
+   Snapping keeps forced ``+inf`` pages and rows with few distinct keys from slowing the
+   interpolation; after `INTERP_STEPS` steps it halves instead, which bounds the search.
+   Searches measured slower before (run 3): 8 bits per 256-bin ``tl.histogram`` pass, and 3 bits
+   per step from 7 packed counts.
+3. Keep every key ``>= hi`` and the first ``count − #{key >= hi}`` keys of the bracket by position,
+   and write their positions in ascending order, zeros after ``count``: one prefix sum of two packed
+   flags gives each kept key its output slot (`_emit`).
 
-The whole row is held in registers, up to 16384 entries (every activation vector and the pages of a
-256K context), as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a
-power of two would otherwise double the tile, and 8,203 pages in one 16,384-entry tile measured 39–46
-µs against 18 µs for 8,192 (H200, `benchmarks/results/2026-11-29-h200-run4`). Longer rows are
-re-read per step (correct, but the torch reference is the faster choice there, see
-`dispatch.select_top`).
+Rows of up to 16384 entries (`MAX_BLOCK_N`: every activation vector and the pages of a 256K context)
+are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a power of
+two would otherwise double the tile (8,203 pages in one 16,384-entry tile measured 39–46 µs against
+18 µs for 8,192, run 4). Longer rows are refused; `kernels.select_top` sends them to the torch
+reference.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers (and counts fit 16 bits in `_emit`)
-# Warps per program: 0 picks by the entries held (4 up to 4096, 8 above). On an H200 (sweep
-# `variants`), 8 warps beat 16 on 14,336 bf16 entries (20.8 against 22.5 µs) and on 8 rows of 8,192
-# fp32 (18.1 against 20.9 µs); 4 warps are as fast as 8 on 4,096 entries.
+# Warps per program: 0 picks by the entries held (4 below 4096, 8 from there). On an H200 (sweep
+# `variants`, benchmarks/results/2026-11-30-h200-run5), 8 warps beat 4 on 4,096 bf16 entries (7.5-7.6
+# against 7.8-8.7 µs) and 16 on 8 rows of 8,192 fp32 (13.7 against 15.0 µs); 1 and 2 warps took 35.5
+# and 14.2 µs on 4,096 entries.
 NUM_WARPS = 0
 # Steps of the search that interpolate before it falls back to halving the bracket (0: halve only).
 INTERP_STEPS = 16
@@ -213,6 +220,6 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
         scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
         # bf16 carries 16 significant bits: the low half of its keys is zero, shifted out.
         ABS=absolute, SHIFT=16 if scores.dtype == torch.bfloat16 else 0, INTERP_STEPS=INTERP_STEPS,
-        BLOCK_N=block, TAIL=tail, num_warps=NUM_WARPS or (4 if block + tail <= 4096 else 8),
+        BLOCK_N=block, TAIL=tail, num_warps=NUM_WARPS or (4 if block + tail < 4096 else 8),
     )
     return idx
