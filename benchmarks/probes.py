@@ -253,16 +253,14 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     if "select_top" in groups:  # one fixed choice would not suit every row: back to the defaults
         select_module.INTERP_STEPS, select_module.NUM_WARPS = saved_select
 
-    # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; where it runs.
+    # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
         fn, check = _attention_case(*_dense_layer(n))
-        # In the chunk kernel's last program (fused), or in a launch of its own with 1-8 warps.
-        merges = {f"fused merge BLOCK_C={bc or 'all'}": (True, bc, attn_module.MERGE_WARPS) for bc in (32, 0)}
-        merges.update({f"merge launch BLOCK_C={bc or 'all'} warps={w}": (False, bc, w) for bc in (32, 0) for w in (1, 2, 4, 8)})
+        merges = {f"merge BLOCK_C={bc or 'all'} warps={w}": (bc, w) for bc in (32, 0) for w in (1, 2, 4, 8)}
         if small:
-            merges = dict(list(merges.items())[::3])
+            merges = dict(list(merges.items())[::4])
         _pick(rows, "variants", f"attention dense {n // 1024}K", {name: (fn, check) for name in merges},
-              lambda name: [setattr(attn_module, a, v) for a, v in zip(("FUSE_MERGE", "BLOCK_C", "MERGE_WARPS"), merges[name])])
+              lambda name: [setattr(attn_module, a, v) for a, v in zip(("BLOCK_C", "MERGE_WARPS"), merges[name])])
 
     # Quest page bound over a 128K context, folded over the group: method, tile and warps, on bf16
     # summaries (the cache keeps its extremes in its own dtype).

@@ -149,13 +149,11 @@ def run_attention(case, mode):
 
 @here
 @ATTENTION_SETTINGS
-@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]), fused=st.booleans())
-def test_decode_attention_softmax(case, merge, fused):
+@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]))
+def test_decode_attention_softmax(case, merge):
     """``merge``: the merge's (BLOCK_C, MAX_BLOCK_C), i.e. every chunk in one step, in steps of at
-    most 16 (with > 16 chunks), or in fixed steps of 32; ``fused``: by the chunk kernel's last
-    program per (row, KV head), or in a launch of its own."""
-    with mock.patch.object(dispatch._attn, "BLOCK_C", merge[0]), mock.patch.object(dispatch._attn, "MAX_BLOCK_C", merge[1]), \
-            mock.patch.object(dispatch._attn, "FUSE_MERGE", fused):
+    most 16 (with > 16 chunks), or in fixed steps of 32."""
+    with mock.patch.object(dispatch._attn, "BLOCK_C", merge[0]), mock.patch.object(dispatch._attn, "MAX_BLOCK_C", merge[1]):
         out, lse, ref_out, ref_lse = run_attention(case, "softmax")
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
@@ -173,30 +171,6 @@ def test_decode_attention_entmax15(case):
     assert not out.isnan().any() and not tau.isnan().any()
     assert_close(out.float(), ref_out.float(), case["dtype"])
     assert_close(tau, ref_tau, torch.float32)
-
-
-@here
-def test_fused_merge_counters_reset_and_capture_fallback():
-    """The fused merge leaves its arrival counters at zero for the next launch; during a CUDA graph
-    capture with no counters made yet it merges in a launch of its own (same result)."""
-    g_rand = gen(3)
-    b, h_kv, group, n, d, block = 2, 2, 4, 256, 64, 16
-    q = randn(g_rand, b, h_kv * group, d)
-    keys, values = randn(g_rand, b, h_kv, n, d), randn(g_rand, b, h_kv, n, d)
-    pages = n // block
-    sel = Selection(torch.arange(pages, dtype=torch.int32, device=DEVICE).expand(b, h_kv, -1).contiguous(),
-                    torch.full((b, h_kv), pages, dtype=torch.int32, device=DEVICE), block=block)
-    args = (q, keys, values, sel, torch.zeros(b, dtype=torch.long, device=DEVICE), torch.tensor(n, device=DEVICE), d**-0.5)
-    want, want_lse = ref.decode_attention(*args)
-    for _ in range(2):  # the second launch finds zeroed counters
-        out, lse = dispatch.decode_attention(*args, chunk=3)  # 6 chunks per (row, KV head)
-        assert_close(out, want, torch.float32)
-        assert_close(lse, want_lse, torch.float32)
-        assert not dispatch._attn._COUNTERS[q.device].any()
-    with mock.patch.dict(dispatch._attn._COUNTERS, clear=True), mock.patch.object(dispatch._attn, "_capturing", lambda d: True):
-        out, lse = dispatch.decode_attention(*args, chunk=3)
-        assert q.device not in dispatch._attn._COUNTERS
-    assert_close(out, want, torch.float32)
 
 
 @here

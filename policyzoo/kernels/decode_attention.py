@@ -3,17 +3,14 @@
 One query token per batch row attends to the cache entries a KV policy selected; the specification is
 `reference.decode_attention` (softmax) and `reference.decode_attention_entmax15`.
 
-Softmax, one launch:
+Softmax, two launches:
 
 1. `_softmax_chunk_kernel`, grid ``(chunks, H_kv, B)``. A program takes ``chunk`` consecutive entries
    of the selection of one (row, KV head) — tokens when ``block == 1``, pages of ``block`` tokens
    otherwise — and all G query heads of the GQA group, so each selected key and value is read once
    per group. It walks the chunk's tokens in tiles of ``BLOCK_T`` (online softmax) and writes the
    chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
-2. The last program of each (row, KV head) to finish — an arrival counter tells it — merges the
-   chunks of the group's G heads by log-sum-exp into ``out`` and ``lse`` (`_merge_head`), and
-   resets the counter. With `FUSE_MERGE` off, or during a CUDA graph capture before any counters
-   exist, the merge is a second launch instead (`_merge_kernel`, grid ``(H, B)``).
+2. `_merge_kernel`, grid ``(H, B)``: merges the chunks by log-sum-exp into ``out`` and ``lse``.
 
 1.5-entmax, two passes over the selection (keys in the first, values in the second):
 
@@ -60,9 +57,6 @@ MIN_CHUNK_TOKENS = 128  # tokens per program at least
 # The merge reads every chunk partial of a head in one step (up to MAX_BLOCK_C) with 2 warps: on an
 # H200 that is 40.0 µs at 32K against 42.1 for steps of 32 with 4 warps (131.5 against 133.4 at 128K).
 BLOCK_C = 0  # chunk partials per merge step; 0: all of them in one step (up to MAX_BLOCK_C)
-# The merge runs in the chunk kernel, by the last program of each (row, KV head) to finish (an
-# arrival counter), instead of in a second launch.
-FUSE_MERGE = True
 MAX_BLOCK_C = 128
 MERGE_WARPS = 2
 # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
@@ -124,58 +118,19 @@ def _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G: tl.constexpr, D: 
 
 
 @triton.jit
-def _merge_head(m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, head, n_chunks,
-                D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr):
-    """Log-sum-exp merge of the chunk partials of one (row, query head) into ``out_ptr`` (its output
-    row) and ``lse_ptr + head``. ``CACHE``: the loads' cache modifier (``.cg`` reads partials other
-    programs of the same launch wrote, past this SM's L1)."""
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = tl.arange(0, D_PAD)
-    m_run = -float("inf")
-    l_run = 0.0
-    acc = tl.zeros([D_PAD], tl.float32)
-    for c0 in range(0, n_chunks, BLOCK_C):
-        cs = c0 + offs_c
-        c_mask = cs < n_chunks
-        m = tl.load(m_ptr + head * n_chunks + cs, mask=c_mask, other=-float("inf"), cache_modifier=CACHE)
-        l = tl.load(l_ptr + head * n_chunks + cs, mask=c_mask, other=0.0, cache_modifier=CACHE)
-        o = tl.load(
-            o_ptr + (head * n_chunks + cs)[:, None] * D + offs_d[None, :],
-            mask=c_mask[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-            cache_modifier=CACHE,
-        )
-        m_new = tl.maximum(m_run, tl.max(m, 0))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
-        alpha = tl.exp(m_run - m_safe)
-        w = tl.exp(m - m_safe)
-        l_run = l_run * alpha + tl.sum(w * l, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        m_run = m_new
-
-    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
-    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_run))
-    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
-    tl.store(out_ptr + offs_d, out, mask=offs_d < D)
-    tl.store(lse_ptr + head, lse)
-
-
-@triton.jit
 def _softmax_chunk_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
-    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, done_ptr,
+    m_ptr, l_ptr, o_ptr,
     s_qb, s_qh,
     s_kb, s_kh, s_kn,
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
-    s_ob, s_oh,
     n, k_max, chunk, n_chunks, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -230,18 +185,6 @@ def _softmax_chunk_kernel(
         acc,
         mask=g_mask[:, None] & (offs_d[None, :] < D),
     )
-    if FUSE_MERGE:
-        # The last program of this (row, KV head) to finish merges its G heads: no merge launch.
-        # The barrier orders every thread's partial stores before the counter's release; the
-        # counter's acquire orders them before the last program's reads. That program resets the
-        # counter, so the buffer is zero again for the next launch.
-        tl.debug_barrier()
-        done = done_ptr + b * tl.num_programs(1) + kv
-        if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == n_chunks - 1:
-            for g in tl.static_range(G):
-                _merge_head(m_ptr, l_ptr, o_ptr, out_ptr + b * s_ob + (kv * G + g) * s_oh, lse_ptr,
-                            b * (G * tl.num_programs(1)) + kv * G + g, n_chunks, D, D_PAD, BLOCK_C, ".cg")
-            tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -250,11 +193,39 @@ def _merge_kernel(
     s_ob, s_oh, n_chunks,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """The merge of one (row, query head) as a launch of its own (`FUSE_MERGE` off)."""
+    """Log-sum-exp merge of the chunk partials of one (row, query head)."""
     h = tl.program_id(0)
     b = tl.program_id(1)
-    _merge_head(m_ptr, l_ptr, o_ptr, out_ptr + b * s_ob + h * s_oh, lse_ptr, b * tl.num_programs(0) + h, n_chunks,
-                D, D_PAD, BLOCK_C, "")
+    head = b * tl.num_programs(0) + h
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+
+    m_run = -float("inf")
+    l_run = 0.0
+    acc = tl.zeros([D_PAD], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        cs = c0 + offs_c
+        c_mask = cs < n_chunks
+        m = tl.load(m_ptr + head * n_chunks + cs, mask=c_mask, other=-float("inf"))
+        l = tl.load(l_ptr + head * n_chunks + cs, mask=c_mask, other=0.0)
+        o = tl.load(
+            o_ptr + (head * n_chunks + cs)[:, None] * D + offs_d[None, :],
+            mask=c_mask[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
+        alpha = tl.exp(m_run - m_safe)
+        w = tl.exp(m - m_safe)
+        l_run = l_run * alpha + tl.sum(w * l, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m_run = m_new
+
+    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
+    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_run))
+    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out, mask=offs_d < D)
+    tl.store(lse_ptr + head, lse)
 
 
 @triton.jit
@@ -413,28 +384,6 @@ def _entmax_out_kernel(
     )
 
 
-# One arrival counter per (row, KV head) for the fused merge, per device: zero between launches
-# (the last program of each resets its own), so no memset launch per call.
-_COUNTERS: dict[torch.device, Tensor] = {}
-MIN_COUNTERS = 4096
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _merge_counters(n: int, device: torch.device) -> Tensor | None:
-    """``n`` zeroed int32 arrival counters, or None (merge in a launch of its own) when a CUDA graph
-    is being captured and none were made before: a buffer made inside a capture would belong to the
-    graph's memory pool. Made once per device (grown outside captures only)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if _capturing(device):
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
-    return buf
-
-
 def default_chunk(k_max: int, block: int, rows: int) -> int:
     """Entries per chunk: enough programs to fill a GPU (`TARGET_PROGRAMS`), at least
     `MIN_CHUNK_TOKENS` tokens per program.
@@ -498,27 +447,24 @@ def decode_attention(
     if mode == "softmax":
         m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
         l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
-        block_c = BLOCK_C or min(MAX_BLOCK_C, max(16, triton.next_power_of_2(n_chunks)))
-        done = _merge_counters(b * h_kv, q.device) if FUSE_MERGE else None
         _softmax_chunk_kernel[grid](
             q, keys, values, indices, count, lw, start, length,
-            m_part, l_part, o_part, out, second, done if done is not None else count,
+            m_part, l_part, o_part,
             q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
             indices.stride(0), indices.stride(1), indices.stride(2),
             count.stride(0), count.stride(1),
             lw.stride(0), lw.stride(1), lw.stride(2),
-            out.stride(0), out.stride(1),
             n, k_max, chunk, n_chunks, float(scale),
-            HAS_LW=has_lw, FUSE_MERGE=done is not None, BLOCK_C=block_c, **common,
+            HAS_LW=has_lw, **common,
         )
-        if done is None:
-            _merge_kernel[(h, b)](
-                m_part, l_part, o_part, out, second,
-                out.stride(0), out.stride(1), n_chunks,
-                D=d, D_PAD=common["D_PAD"], num_warps=MERGE_WARPS, BLOCK_C=block_c,
-            )
+        _merge_kernel[(h, b)](
+            m_part, l_part, o_part, out, second,
+            out.stride(0), out.stride(1), n_chunks,
+            D=d, D_PAD=common["D_PAD"], num_warps=MERGE_WARPS,
+            BLOCK_C=BLOCK_C or min(MAX_BLOCK_C, max(16, triton.next_power_of_2(n_chunks))),
+        )
         return out, second
 
     x = _alloc(b, h, k_max * block, dtype=torch.float32, device=q.device)
