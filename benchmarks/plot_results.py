@@ -3,7 +3,7 @@
     python benchmarks/plot_results.py benchmarks/results/2026-11-29-h200-run4
 
 Reads every ``*.json`` the sweep wrote there (one per device call) and takes the ``compiled`` rows.
-Each speedup divides by the dense row of the same context and mode (``compiled`` or
+Each speedup divides by the dense row of the same context, batch and mode (``compiled`` or
 ``compiled-dynamic``) *in the same file* (ratios from one run; timings drift by a few percent
 between calls), so a setting only gets a point where its call also timed dense. When several calls measured one (setting, context), the last file in name order wins.
 Writes ``compiled.png`` (bounds dashed) and ``compiled.md`` into the folder.
@@ -27,14 +27,16 @@ def compiled_points(folder: Path) -> list[dict]:
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
         rows = [r for r in data.get("rows", []) if r.get("section") == "compiled" and "ms" in r]
-        dense = {(r.get("mode"), r["context"]): r["ms"] for r in rows if r["setting"] == "dense"}
+        dense = {(r.get("mode"), r["context"], r.get("batch", 1)): r["ms"] for r in rows if r["setting"] == "dense"}
         for r in rows:
-            key = (r.get("mode"), r["context"])
+            key = (r.get("mode"), r["context"], r.get("batch", 1))
             if r["setting"] == "dense" or key not in dense:
                 continue
             speedup = dense[key] / r["ms"]
-            # a step compiled for every capacity at once is a different build: labelled apart
+            # a step compiled for every capacity at once is a different build, another batch a
+            # different step: both labelled apart
             setting = r["setting"] + (" (dynamic capacity)" if r.get("mode") == "compiled-dynamic" else "")
+            setting += f" (batch {key[2]})" if key[2] != 1 else ""
             points[setting, r["context"]] = {
                 "setting": setting, "context": r["context"], "ms": r["ms"], "dense_ms": dense[key],
                 "speedup": speedup, "bound": r["bound"], "of_bound": speedup / r["bound"], "file": path.name,
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.folder}: no compiled rows with a dense row of the same context and call")
     gpu = next((json.loads(f.read_text())["meta"].get("gpu", "") for f in sorted(args.folder.glob("*.json"))), "")
     common.plot_speedups(points, args.folder / "compiled.png",
-                         f"compiled decode step, llama-3.1-8b shape, batch 1, {gpu}\nmeasured (solid, o) vs byte bound (dashed, x)")
+                         f"compiled decode step, llama-3.1-8b shape, batch 1 unless labelled, {gpu}\nmeasured (solid, o) vs byte bound (dashed, x)")
     lines = ["| setting | context | ms | dense ms (same call) | speedup | bound | of bound | call |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {q['setting']} | {q['context']} | {q['ms']:.2f} | {q['dense_ms']:.2f} | {q['speedup']:.2f} | "
               f"{q['bound']:.2f} | {q['of_bound']:.2f} | {q['file']} |" for q in points]

@@ -14,8 +14,8 @@ Sections (each writes its rows into one JSON and one markdown table, plus PNG pl
              eager step, policyzoo's kernels, no torch.compile), next to its byte floor and ideal
              bound, and its speedup over dense decoding through the same kernel
   compiled   the same step under torch.compile (reduce-overhead: fused and CUDA-graphed) at the
-             --compiled setting@context pairs; with --dynamic-capacity each setting compiles once for
-             all its contexts (`Decoder.compile(dynamic_capacity=True)`)
+             --compiled setting@context pairs (setting@contextxB: batch B); with --dynamic-capacity
+             each (setting, batch) compiles once for all its contexts (`Decoder.compile(dynamic_capacity=True)`)
   batch      dense and KV keep 0.2 at 32K for batch 1/4/16 (batch 32 at 32K needs 137 GB of KV
              beside 16 GB of weights: it does not fit one H200)
   hf         Hugging Face decoding of the same model: eager (dynamic cache) and static cache compiled
@@ -290,6 +290,21 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             free_memory()
 
 
+def compiled_items(spec: str, known: set[str]) -> list[tuple[str, int, int]]:
+    """``(setting, context, batch)`` from ``"dense@32768,quest0.2@32768x16"`` (batch 1 unless
+    ``xB`` follows the context)."""
+    items = []
+    for item in spec.split(","):
+        name, _, where = item.strip().partition("@")
+        context, times, batch = where.partition("x")
+        batch = batch if times else "1"
+        if name not in known or not context.isdigit() or not batch.isdigit() or int(batch) < 1:
+            raise ValueError(f"--compiled: {item!r} is not setting@context or setting@contextxB "
+                             f"with a known setting ({', '.join(sorted(known))})")
+        items.append((name, int(context), int(batch)))
+    return items
+
+
 def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
     """HF generate: per-step wall time from a logits processor's timestamps (HF syncs every step)."""
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -367,7 +382,8 @@ def main(argv=None) -> None:
     p.add_argument("--hf-contexts", default="32768")
     p.add_argument("--compiled", default="dense@32768,topk0.5@32768,quest0.2@32768,topk0.5+quest0.2@32768,"
                    "dense@131072,quest0.1@131072,dense@4096,topk0.5@4096",
-                   help="setting@context pairs for the compiled section (dense first: speedups divide by it)")
+                   help="setting@context pairs for the compiled section, setting@contextxB for batch B "
+                        "(dense first: speedups divide by its row of the same context and batch)")
     p.add_argument("--dynamic-capacity", action="store_true",
                    help="compiled section: compile each setting once with a dynamic cache capacity "
                         "(`Decoder.compile(dynamic_capacity=True)`) and time all its contexts with it")
@@ -408,8 +424,8 @@ def main(argv=None) -> None:
     sys.modules.setdefault("sweep", sys.modules[__name__])  # the probes read this module's DEVICE
     import probes
 
-    compiled_dense: dict[int, float] = {}  # dense ms per context, shared across the compiled rows
-    dynamic_dense: dict[int, float] = {}  # the same for --dynamic-capacity
+    compiled_dense: dict[int, dict[int, float]] = {}  # dense ms per batch and context, for the compiled rows
+    dynamic_dense: dict[int, dict[int, float]] = {}  # the same for --dynamic-capacity
     model = None
 
     def full_model():
@@ -428,18 +444,18 @@ def main(argv=None) -> None:
                          batch=b, section="batch")
 
     def run_compiled():
-        items = [(i.split("@")[0], int(i.split("@")[1])) for i in args.compiled.split(",")]
-        if args.dynamic_capacity:  # one compile per setting, its contexts in the order given
-            contexts_of: dict[str, list[int]] = {}
-            for name, n in items:
-                contexts_of.setdefault(name, []).append(n)
-            for name, ns in contexts_of.items():
-                section_step(full_model(), ns, [name], rows, bw, acct, save, deadline, section="compiled",
-                             mode="compiled-dynamic", dense_ms=dynamic_dense)
+        items = compiled_items(args.compiled, set(settings()))
+        if args.dynamic_capacity:  # one compile per (setting, batch), its contexts in the order given
+            contexts_of: dict[tuple[str, int], list[int]] = {}
+            for name, n, b in items:
+                contexts_of.setdefault((name, b), []).append(n)
+            for (name, b), ns in contexts_of.items():
+                section_step(full_model(), ns, [name], rows, bw, acct, save, deadline, batch=b, section="compiled",
+                             mode="compiled-dynamic", dense_ms=dynamic_dense.setdefault(b, {}))
             return
-        for name, n in items:
-            section_step(full_model(), [n], [name], rows, bw, acct, save, deadline, section="compiled",
-                         mode="compiled", dense_ms=compiled_dense)
+        for name, n, b in items:
+            section_step(full_model(), [n], [name], rows, bw, acct, save, deadline, batch=b, section="compiled",
+                         mode="compiled", dense_ms=compiled_dense.setdefault(b, {}))
 
     sections = {
         "kernel": lambda: section_kernel(contexts, rows),
@@ -457,6 +473,11 @@ def main(argv=None) -> None:
     unknown = [name for name in args.only.split(",") if name not in sections]
     if unknown:
         p.error(f"--only: unknown sections {unknown}; known: {', '.join(sections)}")
+    if "compiled" in args.only.split(","):
+        try:  # a typo in --compiled should stop the run now, not after the sections before it
+            compiled_items(args.compiled, set(settings()))
+        except ValueError as err:
+            p.error(str(err))
     try:
         for name in args.only.split(","):  # in the order given: the first ones matter most under a deadline
             try:

@@ -49,3 +49,14 @@ def test_dynamic_capacity_rows_divide_by_their_own_dense(tmp_path):
     assert points["quest0.1"]["speedup"] == pytest.approx(2.0)
     assert points["quest0.1 (dynamic capacity)"]["speedup"] == pytest.approx(2.0)
     assert points["quest0.1 (dynamic capacity)"]["dense_ms"] == 8.0
+
+
+def test_batched_rows_divide_by_dense_of_their_batch(tmp_path):
+    rows = [_row("dense", 1024, 10.0), _row("quest0.2", 1024, 5.0),
+            {**_row("dense", 1024, 30.0), "batch": 16}, {**_row("quest0.2", 1024, 20.0), "batch": 16},
+            {**_row("quest0.1", 1024, 1.0), "batch": 4}]  # no dense row at batch 4: no point
+    _call(tmp_path / "call1.json", rows)
+    points = {p["setting"]: p for p in compiled_points(tmp_path)}
+    assert set(points) == {"quest0.2", "quest0.2 (batch 16)"}
+    assert points["quest0.2"]["speedup"] == pytest.approx(2.0)
+    assert points["quest0.2 (batch 16)"]["speedup"] == pytest.approx(1.5)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,14 +47,27 @@ def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path
     """``--dynamic-capacity``: each setting's second context reuses its compiled step (CPU Inductor)."""
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     cmd = [sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
-           "--only", "compiled", "--dynamic-capacity", "--compiled", "dense@256,dense@512,quest0.1@256,quest0.1@512"]
+           "--only", "compiled", "--dynamic-capacity", "--compiled",
+           "dense@256,dense@512,quest0.1@256,quest0.1@512,dense@256x2"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     assert [r for r in rows if "error" in r] == []
-    got = {(r["setting"], r["context"]): r for r in rows if r["section"] == "compiled"}
+    got = {(r["setting"], r["context"]): r for r in rows if r["section"] == "compiled" and r["batch"] == 1}
     assert set(got) == {("dense", 256), ("dense", 512), ("quest0.1", 256), ("quest0.1", 512)}
+    batched = [r for r in rows if r["section"] == "compiled" and r["batch"] == 2]  # its own compile and dense
+    assert [(r["setting"], r["context"], r["speedup"]) for r in batched] == [("dense", 256, 1.0)]
     assert all(r["mode"] == "compiled-dynamic" for r in got.values())
     assert got["dense", 256]["new_graphs"] >= 1 and got["quest0.1", 256]["new_graphs"] >= 1
     assert got["dense", 512]["new_graphs"] == 0 and got["quest0.1", 512]["new_graphs"] == 0
     assert got["quest0.1", 512]["speedup"] > 0  # over the dense row of the same mode and context
+
+
+def test_compiled_items_parse_batches_and_refuse_typos():
+    from sweep import compiled_items, settings
+
+    known = set(settings())
+    assert compiled_items("dense@32768,quest0.2@32768x16", known) == [("dense", 32768, 1), ("quest0.2", 32768, 16)]
+    for bad in ("dense@32k", "quest@4096", "dense@4096x0", "dense", "dense@4096x"):
+        with pytest.raises(ValueError, match="setting@context"):
+            compiled_items(bad, known)
