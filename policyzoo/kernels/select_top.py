@@ -10,9 +10,10 @@ in registers:
 2. Search a bracket ``[lo, hi)`` of keys with ``#{key >= lo} >= count > #{key >= hi}`` (`_search`),
    starting from the row's smallest and largest keys. Each step counts the keys at or above a probe
    and snaps the moved end to the nearest key, in one three-value reduction; the probe interpolates
-   on the counts. It stops when one distinct key is left in the bracket or all of it is wanted:
-   6–9 steps on activations and page bounds in simulation, against the 15–32 halvings of a plain
-   bisection over the key range, which the kernel used until run 5 (on an H200 with 8 warps:
+   on the counts. It stops when one distinct key is left in the bracket or all of it is wanted.
+   In simulation that took 6–9 steps on average (13 at most) on activations and page bounds,
+   against the 15–32 halvings of a plain bisection over the key range. The kernel bisected until
+   run 5 (on an H200 with 8 warps:
    8.25 → 7.5 µs for 4,096 bf16 entries, 18.8 → 18.5 µs for 14,336, 18.2 → 13.6–14.5 µs for 8 rows
    of 8,192 fp32; `benchmarks/results/2026-11-30-h200-run5`).
    Snapping keeps forced ``+inf`` pages and rows with few distinct keys from slowing the
