@@ -5,7 +5,9 @@ Layout per layer: keys and values ``[B, H_kv, capacity, D]`` (capacity a multipl
 ``[B, H_kv, pages, D]``: per-page key min, max, mean and std over the page's *visible* tokens.
 Min and max are stored in the cache's dtype: they are key values, so they are exact there, and a
 page policy reads them every step (in fp32 they would be 12.5% of the KV bytes at page 16 in bf16;
-in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values).
+in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values). A cache keeps
+only the summaries its policies read (``summaries``, from `KVSelector.summaries`; min and max go
+together, and so do mean and std): a dense decode keeps none and refreshes none.
 
 All rows of a batch share slot numbers (left padding): row ``b`` owns slots ``start[b] .. length-1``.
 ``length`` is a 0-dim tensor, never a Python int, so a compiled decode step sees the same graph at
@@ -20,9 +22,23 @@ import math
 import torch
 from torch import Tensor
 
-from .kernels.reference import visible
+from . import kernels
+from .kernels.reference import page_summaries, visible
 
 SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
+PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, or not at all
+
+
+class NotKept:
+    """Stands in for the per-layer list of a summary the cache does not keep: reading it fails with
+    the reason, instead of returning a stale tensor."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, layer: int):
+        raise RuntimeError(f"this cache keeps no {self.name}: a policy that reads it must name it in its "
+                           "KVSelector.summaries (the Decoder keeps what its KV policy lists)")
 
 
 class PagedKVCache:
@@ -36,6 +52,7 @@ class PagedKVCache:
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        summaries: tuple[str, ...] = SUMMARIES,
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -45,6 +62,11 @@ class PagedKVCache:
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        unknown = [name for name in summaries if name not in SUMMARIES]
+        if unknown:
+            raise ValueError(f"summaries must be a subset of {SUMMARIES}, got {list(summaries)}")
+        # A pair's kernel computes both halves from one pass over the page.
+        self.summaries = tuple(n for pair in PAIRS if any(x in summaries for x in pair) for n in pair)
         self.num_layers, self.batch, self.num_kv_heads, self.head_dim = num_layers, batch, num_kv_heads, head_dim
         self.page_size = page_size
         num_pages = math.ceil(capacity / page_size)
@@ -53,10 +75,10 @@ class PagedKVCache:
         page_shape = (batch, num_kv_heads, num_pages, head_dim)
         self.keys = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.page_min = [torch.zeros(page_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.page_max = [torch.zeros(page_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.page_mean = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.page_std = [torch.zeros(page_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        for name in SUMMARIES:
+            kind = dtype if name in PAIRS[0] else torch.float32
+            kept = [torch.zeros(page_shape, dtype=kind, device=device) for _ in range(num_layers)]
+            setattr(self, name, kept if name in self.summaries else NotKept(name))
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         if self.device.type == "cuda":
@@ -73,11 +95,15 @@ class PagedKVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.page_min[0].shape[2]
+        return self.keys[0].shape[2] // self.page_size
+
+    def keeps(self, *names: str) -> bool:
+        """Whether the cache keeps every one of the named summaries."""
+        return all(name in self.summaries for name in names)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the cache owns (for static-address marking and memory accounting)."""
-        per_layer = [self.keys, self.values, self.page_min, self.page_max, self.page_mean, self.page_std]
+        per_layer = [self.keys, self.values] + [getattr(self, name) for name in self.summaries]
         return [t for group in per_layer for t in group] + [self.length, self.start]
 
     # ----------------------------------------------------------------- visibility (derived state)
@@ -117,49 +143,25 @@ class PagedKVCache:
         """Write one token ``k, v [B, H_kv, 1, D]`` at slot ``length - 1``; refresh its page.
 
         Only the touched page is re-summarised (``page_size`` keys per head), so the cost per step
-        is constant and the summaries always equal a recomputation over the visible tokens.
+        is constant and the summaries always equal a recomputation over the visible tokens. On the
+        kernel path it is one launch (`kernels.cache_append`).
         """
-        slot = (self.length - 1).reshape(1)
-        self.keys[layer].index_copy_(2, slot, k)
-        self.values[layer].index_copy_(2, slot, v)
-        self._summarise(layer, torch.div(slot, self.page_size, rounding_mode="floor"))
+        kept = tuple(getattr(self, name)[layer] if self.keeps(name) else None for name in SUMMARIES)
+        kernels.cache_append(k, v, self.keys[layer], self.values[layer], kept, self.start, self.length, self.page_size)
 
-    def _summarise(self, layer: int, pages: slice | Tensor) -> None:
+    def _summarise(self, layer: int, pages: slice) -> None:
+        """Recompute the kept summaries of ``pages`` over their visible slots (after a prefill, or
+        after a benchmark fills the cache by hand)."""
+        if not self.summaries:
+            return
         b, h, d, p = self.batch, self.num_kv_heads, self.head_dim, self.page_size
-        keys = self.keys[layer].view(b, h, self.num_pages, p, d)
-        if isinstance(pages, slice):
-            k, m = keys[:, :, pages], self.token_valid().view(b, self.num_pages, p)[:, pages]
-        else:  # visibility of the touched pages' slots only: a decode step costs O(page), not O(capacity)
-            k = keys.index_select(2, pages)
-            pos = pages[:, None] * p + torch.arange(p, device=pages.device)  # [n, P]
-            m = (pos >= self.start[:, None, None]) & (pos < self.length)  # [B, n, P]
+        k = self.keys[layer].view(b, h, self.num_pages, p, d)[:, :, pages]
+        m = self.token_valid().view(b, self.num_pages, p)[:, pages]
         stats = page_summaries(k, m[:, None, :, :, None].expand_as(k))
         for name, value in zip(SUMMARIES, stats):
-            dest = getattr(self, name)[layer]
-            value = value.to(dest.dtype)  # exact for min and max: they are key values
-            if isinstance(pages, slice):
-                dest[:, :, pages] = value
-            else:
-                dest.index_copy_(2, pages, value)
+            if self.keeps(name):
+                dest = getattr(self, name)[layer]
+                dest[:, :, pages] = value.to(dest.dtype)  # exact for min and max: they are key values
 
 
-def page_summaries(k: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Min, max, mean and std over dim -2 of ``k [..., P, D]`` where ``mask`` is true.
-
-    Pages with no visible token get zeros everywhere (policies mask them out by ``page_counts``);
-    zeros rather than ±inf keep the Quest bound free of ``0·inf`` NaNs.
-    """
-    k = k.float()
-    n = mask.sum(-2)
-    empty = n == 0
-    kmin = torch.where(mask, k, torch.inf).amin(-2)
-    kmax = torch.where(mask, k, -torch.inf).amax(-2)
-    mean = torch.where(mask, k, 0.0).sum(-2) / n.clamp(min=1)
-    var = torch.where(mask, (k - mean.unsqueeze(-2)) ** 2, 0.0).sum(-2) / n.clamp(min=1)
-    zero = torch.zeros_like(mean)
-    return (
-        torch.where(empty, zero, kmin),
-        torch.where(empty, zero, kmax),
-        mean,
-        var.sqrt(),
-    )
+__all__ = ["PagedKVCache", "SUMMARIES", "NotKept", "page_summaries"]

@@ -305,7 +305,7 @@ class Decoder:
             self.runtime.cache, self.runtime.states, cache = None, [], None  # free the old one first
             cache = PagedKVCache(
                 self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
-                page_size=self.page_size, dtype=self.dtype, device=self.device,
+                page_size=self.page_size, dtype=self.dtype, device=self.device, summaries=self._summaries(),
             )  # fmt: skip
             self.runtime.cache = cache
             if self._dynamic_capacity:
@@ -315,6 +315,11 @@ class Decoder:
         for state in self.runtime.states:
             state.store.clear()
         cache.reset(start, length)
+
+    def _summaries(self) -> tuple[str, ...]:
+        """The page summaries the cache must keep: those the KV policy reads (`KVSelector.summaries`).
+        Every setting `use` can pick decodes with that policy or with `Dense`, which reads none."""
+        return tuple(self.kv.summaries) if self.kv is not None else ()
 
     def _check_model_placement(self) -> None:
         param = next(self.model.parameters())

@@ -201,3 +201,57 @@ def test_capacity_rounds_up_to_pages(page, capacity):
     assert c.keys[0].shape == (1, 1, c.capacity, 8)
     assert c.page_min[0].shape == (1, 1, c.num_pages, 8)
     assert c.length.dim() == 0 and c.length.dtype == torch.long
+
+
+@pytest.mark.parametrize(
+    "asked, kept",
+    [((), ()), (("page_min",), ("page_min", "page_max")), (("page_std",), ("page_mean", "page_std")),
+     (("page_max", "page_mean"), SUMMARIES), (SUMMARIES, SUMMARIES)],
+)
+def test_cache_keeps_only_the_summaries_asked_for_in_pairs(asked, kept):
+    """Min and max come as a pair, and so do mean and std (one kernel pass computes both halves); a
+    summary not kept is not allocated, and reading it says why instead of returning stale zeros."""
+    c = PagedKVCache(2, 1, 2, 8, capacity=16, page_size=4, summaries=asked)
+    assert c.summaries == kept and c.keeps(*kept)
+    for name in SUMMARIES:
+        if name in kept:
+            assert getattr(c, name)[1].shape == (1, 2, 4, 8)
+        else:
+            assert not c.keeps(name)
+            with pytest.raises(RuntimeError, match=f"keeps no {name}.*KVSelector.summaries"):
+                getattr(c, name)[0]
+    assert len(c.tensors()) == 2 * (2 + len(kept)) + 2  # per layer: keys, values, kept summaries; length, start
+
+
+def test_cache_without_summaries_still_writes_and_prefills():
+    c = PagedKVCache(1, 1, 1, 4, capacity=8, page_size=4, summaries=())
+    k = torch.randn(1, 1, 5, 4)
+    c.reset(torch.tensor([0]), 5)
+    c.write_prefill(0, k, -k)
+    c.length += 1
+    new = torch.randn(1, 1, 1, 4)
+    c.write(0, new, -new)
+    assert torch.equal(c.keys[0][:, :, :5], k) and torch.equal(c.keys[0][:, :, 5], new[:, :, 0])
+    assert torch.equal(c.values[0][:, :, 5], -new[:, :, 0])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_kept_summaries_equal_recomputation_when_others_are_dropped(data, cases):
+    """Keeping only one pair changes nothing about that pair's values."""
+    case = data.draw(cases(num_layers=1, max_steps=6))
+    c = case.cache
+    pair = data.draw(st.sampled_from([("page_min", "page_max"), ("page_mean", "page_std")]))
+    lone = PagedKVCache(1, c.batch, c.num_kv_heads, c.head_dim, c.capacity, page_size=c.page_size,
+                        dtype=c.dtype, summaries=pair)
+    lone.keys[0].copy_(c.keys[0])
+    lone.reset(c.start, int(c.length))
+    lone._summarise(0, slice(0, lone.num_pages))
+    ref = _recomputed(case, 0)
+    for name in pair:
+        torch.testing.assert_close(getattr(lone, name)[0], ref[name].to(getattr(lone, name)[0].dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_summary_is_rejected():
+    with pytest.raises(ValueError, match="summaries must be a subset"):
+        PagedKVCache(1, 1, 1, 8, capacity=16, page_size=4, summaries=("page_median",))

@@ -260,3 +260,37 @@ def test_page_size_conflicts_with_policy():
     with pytest.raises(ValueError, match="page_size=16 conflicts with the policy's page=32"):
         Decoder(tiny_model("llama"), kv=Quest(0.5, page=32), page_size=16)
     assert Decoder(tiny_model("llama"), kv=Quest(0.5, page=32)).page_size == 32
+
+
+def test_cache_keeps_only_the_summaries_the_policy_reads():
+    """A dense decode keeps and refreshes no page summary; each policy gets what it lists in
+    `KVSelector.summaries`, and a policy that lists nothing (one written before the attribute) gets
+    all four. Outputs do not change: the full-budget test above already runs each policy."""
+    from policyzoo import SSA, Certified, EntmaxKV
+    from policyzoo.cache import SUMMARIES
+    from policyzoo.kv.base import KVSelector
+
+    class Legacy(Quest):  # a user's policy from before `summaries`: the base's default applies
+        summaries = KVSelector.summaries
+
+    minmax = ("page_min", "page_max")
+    expected = [
+        (None, ()), (Window(4, 8), ()), (AttentionTopK(0.5), ()), (Quest(0.5, page=4), minmax),
+        (SSA(0.25, 0.25, page=4), minmax), (SSA(0.25, 0.25, proxy="exact"), ()),
+        (EntmaxKV(0.5, page=4), SUMMARIES), (Certified(AttentionTopK(0.25)), minmax), (Legacy(0.5, page=4), SUMMARIES),
+    ]
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 20)
+    for policy, kept in expected:
+        dec = Decoder(model, kv=policy)
+        dec.generate(ids, 3, attention_mask=mask, audit=policy is None)
+        assert dec.runtime.cache.summaries == kept, policy
+
+
+def test_dense_audit_records_no_certified_bound_without_summaries():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(1, 20)
+    dec = Decoder(model)
+    dec.generate(ids, 3, attention_mask=mask, audit=True)
+    assert dec.last_audit.mean("dropped_mass") == pytest.approx(0.0, abs=1e-6)
+    assert not dec.last_audit.certified_bound

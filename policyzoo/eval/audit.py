@@ -63,8 +63,9 @@ class Audit:
     Per KV head, ``dropped_mass`` is the group mean of the true δ and ``certified_bound`` the group
     mean of its certified upper bound (`certified_bound_of`), so ``certified_bound >= dropped_mass``
     entry by entry. The bound is recorded only for page selections (``block`` = the cache page size,
-    > 1) of softmax models, and nothing is recorded otherwise: token selections have no page
-    summaries to certify with, and the bound is a softmax statement.
+    > 1) of softmax models whose cache keeps the key min and max, and nothing is recorded otherwise:
+    token selections and a dense decode's cache have no page summaries to certify with, and the
+    bound is a softmax statement.
     """
 
     dropped_mass: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
@@ -93,7 +94,9 @@ class Audit:
         b, h, n = p.shape
         o_dense = torch.einsum("bkgn,bknd->bkgd", p.view(b, h_kv, h // h_kv, n), values.float()).reshape(b, h, -1)
         self.dropped_mass[layer].append(group_mean(dropped_mass(p, sel, token_valid), h_kv).cpu())
-        if attention == "softmax" and sel.block > 1 and sel.block == cache.page_size:
+        # A cache without min/max (a dense decode keeps no summaries) has nothing to certify with.
+        certifiable = sel.block > 1 and sel.block == cache.page_size and cache.keeps("page_min", "page_max")
+        if attention == "softmax" and certifiable:
             bound = certified_bound_of(q, cache, layer, sel, scale)
             self.certified_bound[layer].append(group_mean(bound, h_kv).cpu())
         err = relative_output_error(o_dense.view(b, h_kv, -1), out.float().view(b, h_kv, -1))

@@ -29,6 +29,14 @@ def decode_attention_entmax15(q, keys, values, sel, start, length, scale):
     return reference.decode_attention_entmax15(q, keys, values, sel, start, length, scale)
 
 
+def cache_append(k, v, keys, values, summaries, start, length, page_size):
+    """Write a decode token at slot ``length - 1`` and refresh its page's kept summaries, in place;
+    see `reference.cache_append`."""
+    if dispatch.use_triton(keys):
+        return dispatch.cache_append(k, v, keys, values, summaries, start, length, page_size)
+    return reference.cache_append(k, v, keys, values, summaries, start, length, page_size)
+
+
 def quest_page_bound(q, page_min, page_max, scale):
     """Quest page bound ``float32[B, H, P]``; see `reference.quest_page_bound`."""
     if dispatch.use_triton(q):
@@ -85,6 +93,7 @@ def sparse_gemv_threshold(x, t, w_t, bias=None):
 __all__ = [
     "reference",
     "dispatch",
+    "cache_append",
     "decode_attention",
     "decode_attention_entmax15",
     "dense_probs",

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..selection import Selection
 
 try:
+    from . import cache_append as _append
     from . import decode_attention as _attn
     from . import entmax_threshold as _entmax
     from . import page_score as _page
@@ -37,7 +38,7 @@ try:
 
     HAS_TRITON = True
 except Exception:  # no triton, or a triton that cannot load here: the references serve every call
-    _attn = _entmax = _page = _gemv = _select = None
+    _append = _attn = _entmax = _page = _gemv = _select = None
     HAS_TRITON = False
 
 
@@ -106,6 +107,52 @@ def decode_attention(
     return torch.ops.policyzoo.decode_attention(
         q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, float(scale), mode, chunk
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache append
+
+
+@torch.library.custom_op(
+    "policyzoo::cache_append", mutates_args=("keys", "values", "page_min", "page_max", "page_mean", "page_std")
+)
+def _cache_append_op(
+    k: Tensor,
+    v: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    page_min: Tensor,
+    page_max: Tensor,
+    page_mean: Tensor,
+    page_std: Tensor,
+    start: Tensor,
+    length: Tensor,
+    page_size: int,
+) -> None:
+    _need_triton()
+    kept = tuple(s if s.numel() else None for s in (page_min, page_max, page_mean, page_std))
+    _append.cache_append(k, v, keys, values, kept, start, length, page_size)
+
+
+@_cache_append_op.register_fake
+def _(k, v, keys, values, page_min, page_max, page_mean, page_std, start, length, page_size):
+    return None
+
+
+def cache_append(
+    k: Tensor,
+    v: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    summaries: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    start: Tensor,
+    length: Tensor,
+    page_size: int,
+) -> None:
+    """`reference.cache_append` on Triton, in place. A summary the cache does not keep travels as an
+    empty tensor (an op's mutable arguments cannot be optional in every torch this runs on)."""
+    absent = [keys.new_empty(0) if s is None else s for s in summaries]
+    torch.ops.policyzoo.cache_append(k, v, keys, values, *absent, start, length, int(page_size))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,6 +297,7 @@ def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) 
 __all__ = [
     "HAS_TRITON",
     "use_triton",
+    "cache_append",
     "decode_attention",
     "gaussian_entmax_threshold",
     "quest_page_bound",

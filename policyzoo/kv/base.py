@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..cache import PagedKVCache
+from ..cache import SUMMARIES, PagedKVCache
 from ..selection import Selection
 
 Aggregate = Literal["sum", "max"]
@@ -62,6 +62,10 @@ class KVSelector:
     """
 
     page_size: int | None = None
+    # The page summaries `select` reads (names from `cache.SUMMARIES`): the Decoder's cache keeps
+    # and refreshes only these. All of them unless a policy says otherwise, so that a policy written
+    # before this attribute existed still finds what it reads.
+    summaries: tuple[str, ...] = SUMMARIES
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Called once per layer after the dense prefill; ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""

@@ -221,6 +221,10 @@ class Certified(KVSelector):
     def attention(self) -> str:
         return getattr(self.policy, "attention", "softmax")
 
+    @property
+    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(dict.fromkeys((*self.policy.summaries, "page_min", "page_max")))  # the bound reads min/max
+
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         self.policy.prefill(state, q, k, v)
         # Allocated here (eager) and written in place by `select`, so a compiled decode step sees

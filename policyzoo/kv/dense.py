@@ -16,6 +16,8 @@ from .base import KVSelector, KVState
 class Dense(KVSelector):
     """Attend to the whole visible context: every page holding a visible token."""
 
+    summaries = ()  # reads no summary: a dense decode step refreshes none
+
     def select(self, state: KVState, q: Tensor) -> Selection:
         cache = state.cache
         b, h_kv = q.shape[0], state.keys.shape[1]

@@ -27,6 +27,7 @@ class Quest(KVSelector):
     sinks: int = 4
     window: int = 16
     aggregate: Aggregate = "max"
+    summaries = ("page_min", "page_max")
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)

@@ -143,6 +143,10 @@ class SSA(KVSelector):
     def page_size(self) -> int | None:  # type: ignore[override]
         return self.page if self.proxy == "page" else None
 
+    @property
+    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("page_min", "page_max") if self.proxy == "page" else ()
+
     # ------------------------------------------------------------------------------- randomness
     def reseed(self, seed: int) -> None:
         """Restart the random stream from ``seed`` (in place: a compiled step keeps its buffers)."""

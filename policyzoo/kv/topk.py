@@ -27,6 +27,7 @@ class AttentionTopK(KVSelector):
     sinks: int = 4
     window: int = 32
     aggregate: Aggregate = "sum"
+    summaries = ()  # exact scores read the keys themselves
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)

@@ -21,6 +21,7 @@ class Window(KVSelector):
 
     sinks: int = 4
     window: int = 256
+    summaries = ()
 
     def __post_init__(self) -> None:
         check_count(self.sinks, "sinks")
