@@ -68,6 +68,8 @@ def settings() -> dict[str, tuple]:
         "attn-topk0.3": (lambda: AttentionTopK(0.3, window=64), None, 1.0, 0.3),
         "quest0.1": (lambda: Quest(0.1, page=PAGE, window=64), None, 1.0, 0.1),
         "quest0.3": (lambda: Quest(0.3, page=PAGE, window=64), None, 1.0, 0.3),
+        # Pages of 64: a quarter of the pages to bound and rank, at coarser granularity.
+        "quest0.1p64": (lambda: Quest(0.1, page=64, window=64), None, 1.0, 0.1),
         "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
         "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),

@@ -11,9 +11,13 @@ and the result is cast to x's dtype. Three ways to say which features are kept, 
 - `sparse_gemv_mask`: a bool mask ``keep [B, d_in]``, specification `reference.sparse_linear`.
 
 Grid ``(cdiv(d_out, BLOCK_N), split, B)``: a program computes ``BLOCK_N`` outputs of one row over
-one slice of the kept features (split-K), walking it in tiles of ``BLOCK_K``; with more than one
-slice the fp32 partials are summed, the bias added and the result cast by one more small kernel
-(`_sum_slices_kernel`; done in torch, that epilogue was two launches, 4.4 µs per GEMV on an H200).
+one slice of the kept features (split-K), walking it in tiles of ``BLOCK_K``. With more than one
+slice each program writes its fp32 partial, and the last program of an output block to finish (an
+arrival counter tells it) sums the block's partials, adds the bias, casts and stores: no epilogue
+launch (`FUSE_EPILOGUE`). That sum is ``split x BLOCK_N`` floats, so, unlike the attention merge
+tried that way in run 5, nothing long runs serially. With `FUSE_EPILOGUE` off, or in a CUDA graph
+capture before any counter exists, the epilogue is a launch of its own (`_sum_slices_kernel`; the
+torch sum and cast before it were two launches, 4.4 µs per GEMV on an H200).
 The index kernel gathers ``BLOCK_K`` weight rows per tile; the threshold and mask kernels walk all
 of ``d_in`` but predicate the weight loads on the keep decision, so rows of dropped features are
 never fetched (a masked-off load issues no memory transaction). ``w_t`` may be any strided view (``weight.t()`` of an
@@ -40,7 +44,10 @@ NUM_STAGES = 3
 # keep 0.5, the other Llama-8B shapes within 0.5 us (`gemvtune`, benchmarks/results/2026-11-30-h200-run5).
 TARGET_PROGRAMS = 512
 MIN_TILES_PER_SPLIT = 4
-SUM_BLOCK = 1024  # outputs per program of the split-K epilogue
+SUM_BLOCK = 1024  # outputs per program of the split-K epilogue launch
+# The last program of each output block sums the split-K partials (no epilogue launch). The four
+# epilogue launches of a layer's sparse GEMVs took 7 µs of kernel time on an H200 (run 4 profile).
+FUSE_EPILOGUE = True
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -49,10 +56,25 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
-def _store_result(acc, y_ptr, part_ptr, bias_ptr, b, s, n_split, d_out, s_yb, offs_n, n_mask,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _store_result(acc, y_ptr, part_ptr, bias_ptr, done_ptr, b, s, n_split, d_out, s_yb, offs_n, n_mask,
+                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr):
     if SPLIT:  # fp32 partial of this slice of the inputs; bias and cast after the sum over slices
         tl.store(part_ptr + (b * n_split + s) * d_out + offs_n, acc, mask=n_mask)
+        if FUSE:
+            # The barrier orders every thread's partial stores before the counter's release, the
+            # counter's acquire orders them before the last program's reads (.cg: past this SM's
+            # L1). That program resets the counter, so the buffer is zero again for the next launch.
+            tl.debug_barrier()
+            done = done_ptr + b * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+                total = tl.zeros_like(acc)
+                for t in range(0, n_split):
+                    total += tl.load(part_ptr + (b * n_split + t) * d_out + offs_n, mask=n_mask, other=0.0,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(y_ptr + b * s_yb + offs_n, total, mask=n_mask)
+                tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -61,10 +83,10 @@ def _store_result(acc, y_ptr, part_ptr, bias_ptr, b, s, n_split, d_out, s_yb, of
 
 @triton.jit
 def _gemv_index_kernel(
-    x_ptr, idx_ptr, w_ptr, bias_ptr, y_ptr, part_ptr,
+    x_ptr, idx_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, done_ptr,
     k, d_out, k_per,
     s_xb, s_ib, s_wk, s_wn, s_yb,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -86,16 +108,16 @@ def _gemv_index_kernel(
             other=0.0,
         )
         acc += xv[:, None] * w.to(tl.float32)
-    _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, b, s, tl.num_programs(1), d_out, s_yb, offs_n, n_mask,
-                  HAS_BIAS, SPLIT)
+    _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, done_ptr, b, s, tl.num_programs(1), d_out, s_yb,
+                  offs_n, n_mask, HAS_BIAS, SPLIT, FUSE)
 
 
 @triton.jit
 def _gemv_scan_kernel(
-    x_ptr, keep_ptr, t_ptr, w_ptr, bias_ptr, y_ptr, part_ptr,
+    x_ptr, keep_ptr, t_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, done_ptr,
     d_in, d_out, k_per,
     s_xb, s_kb, s_wk, s_wn, s_yb,
-    FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -123,8 +145,8 @@ def _gemv_scan_kernel(
         )
         xv = tl.where(kept, x_raw.to(tl.float32), 0.0)
         acc += xv[:, None] * w.to(tl.float32)
-    _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, b, s, tl.num_programs(1), d_out, s_yb, offs_n, n_mask,
-                  HAS_BIAS, SPLIT)
+    _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, done_ptr, b, s, tl.num_programs(1), d_out, s_yb,
+                  offs_n, n_mask, HAS_BIAS, SPLIT, FUSE)
 
 
 @triton.jit
@@ -159,27 +181,47 @@ def default_split(k: int, d_out: int, rows: int, block_n: int = BLOCK_N) -> int:
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k // (MIN_TILES_PER_SPLIT * BLOCK_K)))
 
 
+# Arrival counters of the fused epilogue, one buffer per device: zero between launches (the last
+# program of each output block resets its own), so no memset launch per call. Two of these GEMVs
+# running at the same time on different streams would share counters: a decode step runs them one
+# after another on one stream (and a CUDA graph captured from one stream keeps that order).
+_COUNTERS: dict[torch.device, Tensor] = {}
+MIN_COUNTERS = 4096
+
+
+def _arrival_counters(n: int, device: torch.device) -> Tensor | None:
+    """``n`` zeroed int32 counters, or None (epilogue launch) in a CUDA graph capture that finds
+    none big enough: a buffer made inside a capture would belong to the graph's memory pool. Made
+    once per device, outside captures (the warm-up call before a capture makes it)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, **meta):
     b, d_out = x.shape[0], w_t.shape[1]
     split = split if split > 0 else default_split(k, d_out, b, block_n)
     k_per = triton.cdiv(triton.cdiv(max(k, 1), split), BLOCK_K) * BLOCK_K  # whole tiles per slice
     split = triton.cdiv(max(k, 1), k_per)
-    y = part = None
-    if split == 1:
-        y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
-    else:
-        part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
-    kernel[(triton.cdiv(d_out, block_n), split, b)](
-        *args_before, w_t, bias if bias is not None else x, y if y is not None else part,
-        part if part is not None else y,
-        k, d_out, k_per,
-        x.stride(0), strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0) if y is not None else d_out,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES, **meta,
-    )
-    if y is not None:
-        return y
+    n_blocks = triton.cdiv(d_out, block_n)
     y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
+    part = done = None
+    if split > 1:
+        part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
+        done = _arrival_counters(n_blocks * b, x.device) if FUSE_EPILOGUE else None
+    kernel[(n_blocks, split, b)](
+        *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
+        done if done is not None else y,
+        k, d_out, k_per,
+        x.stride(0), strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split > 1, FUSE=done is not None, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **meta,
+    )
+    if part is None or done is not None:
+        return y
     _sum_slices_kernel[(triton.cdiv(d_out, SUM_BLOCK), b)](
         part, bias if bias is not None else part, y, split, d_out, y.stride(0),
         HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK,
