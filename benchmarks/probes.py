@@ -1,9 +1,11 @@
 """Device probes behind the sweep's targets: why a step costs what it costs.
 
 Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile``):
-  variants each kernel's alternatives (select_top's warps, the attention merge's width and warps, the
-           page bound's tiles) checked against the reference and timed; the fastest correct one is
-           kept for the rest of the run (select_top goes back to its by-tile rule afterwards)
+  variants each kernel's alternatives (select_top's warps and bf16 keys, the attention merge's width
+           and warps, the page bound's tiles, the sparse GEMV's split-K epilogue) checked against the
+           reference and timed; the fastest correct one is kept for the rest of the run (select_top
+           and the epilogue go back to their defaults afterwards); and the cache-append kernel,
+           checked and timed next to its torch reference
   tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
            GEMV at keep 0.5 from an index list and from a threshold, and the top-k that names the kept
@@ -30,7 +32,7 @@ import sweep
 from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, kernels
 from policyzoo._compat import attn_implementation
 from policyzoo.attention import ATTN_IMPLEMENTATION
-from policyzoo.cache import PagedKVCache
+from policyzoo.cache import SUMMARIES, PagedKVCache
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
@@ -210,7 +212,7 @@ def _attention_case(q, keys, values, start, length, sel):
     return call, check
 
 
-VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages")
+VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages", "epilogue", "append")
 
 
 def section_variants(rows, groups=VARIANT_GROUPS):
@@ -229,7 +231,8 @@ def section_variants(rows, groups=VARIANT_GROUPS):
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
               "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1),
               "pages 8192 fp32 x8 keep 0.1, 12 forced": (8, 8192, torch.float32, False, 0.1)}
-    saved_select = (select_module.INTERP_STEPS, select_module.NUM_WARPS)
+    select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS")
+    saved_select = tuple(getattr(select_module, a) for a in select_knobs)
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
@@ -244,14 +247,18 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        # The search's probes (interpolating, or halving only) and the warps (by entries held, or
-        # fixed; 1-2 warps measured 1.7-4x slower on 4,096 entries in run5's first call).
+        # The warps (by entries held, or fixed; 1-2 warps measured 1.7-4x slower on 4,096 entries in
+        # run5's first call). The search interpolates: halving only was slower on every row in run 5.
         counts = (0, 4) if small else (0, 4, 8) if n <= 4096 else (0, 8, 16)
-        knobs = {f"interp_steps={i} warps={w or 'by size'}": (i, w) for i in (16, 0) for w in counts}
+        # bf16 keys from the scores' 16 bits or through fp32 (`BF16_BITS`); fp32 scores have one path.
+        paths = {" bits=direct": True, " bits=fp32": False} if dtype == torch.bfloat16 else {"": saved_select[2]}
+        knobs = {f"interp_steps={i} warps={w or 'by size'}{p}": (i, w, b)
+                 for i in (saved_select[0],) for w in counts for p, b in paths.items()}
         _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
-              lambda name: [setattr(select_module, a, v) for a, v in zip(("INTERP_STEPS", "NUM_WARPS"), knobs[name])])
+              lambda name: [setattr(select_module, a, v) for a, v in zip(select_knobs, knobs[name])])
     if "select_top" in groups:  # one fixed choice would not suit every row: back to the defaults
-        select_module.INTERP_STEPS, select_module.NUM_WARPS = saved_select
+        for a, v in zip(select_knobs, saved_select):
+            setattr(select_module, a, v)
 
     # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
@@ -307,6 +314,61 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         finally:
             for a, v in zip(names, saved):
                 setattr(attn_module, a, v)
+
+    # The sparse GEMV's split-K epilogue: summed by the last program of each output block (an
+    # arrival counter), or by a launch of its own; the four Llama-8B shapes at keep 0.5.
+    if "epilogue" in groups:
+        from policyzoo.kernels.dispatch import _gemv as gemv_module
+
+        saved_fuse = gemv_module.FUSE_EPILOGUE
+        for label, (d_in, d_out) in GEMV_SHAPES.items():
+            d_in, d_out = (d_in // 32, d_out // 32) if small else (d_in, d_out)
+            x = torch.randn(1, d_in, device=dev, dtype=torch.bfloat16)
+            w_t = torch.randn(d_in, d_out, device=dev, dtype=torch.bfloat16) * d_in**-0.5
+            k = math.ceil(0.5 * d_in)
+            idx = kernels.select_top(x, torch.full((1,), k, dtype=torch.int32, device=dev), k, absolute=True)
+            want = kernels.reference.sparse_gemv_index(x.float(), idx, w_t.float())
+
+            def check(x=x, idx=idx, w_t=w_t, want=want):
+                err = ((gemv_module.sparse_gemv_index(x, idx, w_t).float() - want).norm() / want.norm()).item()
+                return "" if err < 1e-2 else f"rel err {err:.1e}"
+
+            fn = lambda x=x, idx=idx, w_t=w_t: gemv_module.sparse_gemv_index(x, idx, w_t)  # noqa: E731
+            modes = {"epilogue in the last program": True, "epilogue launch": False}
+            _pick(rows, "variants", f"sparse GEMV {label} keep 0.5", {name: (fn, check) for name in modes},
+                  lambda name: setattr(gemv_module, "FUSE_EPILOGUE", modes[name]))
+        gemv_module.FUSE_EPILOGUE = saved_fuse  # one shape's winner need not suit the others
+
+    # The decode-step cache append (key, value, the touched page's summaries) as one kernel, checked
+    # against the torch reference and timed next to it (eager torch: in a compiled step Inductor fuses
+    # the key's copy with its RoPE, so this is the kernel's cost, not the step's saving).
+    if "append" in groups:
+        n = 4096 if small else 32768
+        for page in (PAGE, 64):
+            for kept in ((), ("page_min", "page_max"), SUMMARIES):
+                cache = PagedKVCache(1, 1, H_KV, D, n + 2 * page, page_size=page, dtype=torch.bfloat16, device=dev,
+                                     summaries=kept)
+                cache.keys[0].normal_()
+                cache.reset(torch.zeros(1, dtype=torch.long, device=dev), n + page // 2)
+                cache._summarise(0, slice(0, cache.num_pages))
+                k, v = (torch.randn(1, H_KV, 1, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+                dest = lambda c: tuple(getattr(c, s)[0] if c.keeps(s) else None for s in SUMMARIES)  # noqa: E731
+                args = lambda c: (k, v, c.keys[0], c.values[0], dest(c), c.start, c.length, page)  # noqa: E731
+                twin = PagedKVCache(1, 1, H_KV, D, n + 2 * page, page_size=page, dtype=torch.bfloat16, device=dev,
+                                    summaries=kept)
+                for a, b in zip(cache.tensors(), twin.tensors()):
+                    b.copy_(a)
+                kernels.dispatch.cache_append(*args(cache))
+                kernels.reference.cache_append(*args(twin))
+                problem = "" if all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+                                    for a, b in zip(cache.tensors(), twin.tensors())) else "differs from the reference"
+                label = f"cache append page {page}, {len(kept)} summaries"
+                for name, fn in (("kernel", lambda: kernels.dispatch.cache_append(*args(cache))),
+                                 ("torch reference (eager)", lambda: kernels.reference.cache_append(*args(twin)))):
+                    us = sweep.graph_time_ms(fn) * 1e3
+                    rows.append({"section": "variants", "shape": label, "setting": name, "us": us, "correct": not problem})
+                    print(f"variants {label:<34} {name:<28} {us:8.2f} us {'ok' if not problem else 'WRONG: ' + problem}",
+                          flush=True)
 
 
 # ---------------------------------------------------------------------------------------- select

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_sweep_sections_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     cmd = [sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
-           "--only", "variants,kernel,select,step", "--variants", "select_top,merge,page_bound,attention_pages", "--contexts", "256",
+           "--only", "variants,kernel,select,step", "--variants", "select_top,merge,page_bound,attention_pages,epilogue,append", "--contexts", "256",
            "--select-contexts", "512", "--settings", "dense,quest0.1,topk0.5"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
@@ -31,8 +31,11 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     by_section = {s: [r for r in rows if r["section"] == s] for s in ("variants", "kernel", "select", "step")}
     # variants: every alternative checked against the reference, one choice per group
     chosen = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("chosen: ")]
-    assert len(chosen) == 5 + 1 + 1 + 1  # select_top per row shape, the merge, the page bound, sparse attention
+    # select_top per row shape, the merge, the page bound, sparse attention, the GEMV epilogue per shape
+    assert len(chosen) == 5 + 1 + 1 + 1 + 4
     assert all(r["correct"] for r in by_section["variants"] if "correct" in r)
+    appends = [r for r in by_section["variants"] if r["shape"].startswith("cache append")]
+    assert len(appends) == 2 * 3 * 2 and all(r["us"] > 0 for r in appends)  # 2 page sizes x 3 summary sets x 2
     assert {r["setting"] for r in by_section["kernel"]} == {"split-K dense", "split-K 1/16 pages", "torch SDPA"}
     assert {r["setting"] for r in by_section["select"]} >= {"dense", "quest0.1", "attn-topk0.1", "entmax-kv0.1 (softmax)"}
     assert all(r["select_us"] > 0 and 0 < r["kv_keep"] <= 1 for r in by_section["select"] if r["setting"] != "dense")

@@ -49,6 +49,7 @@ pytestmark = pytest.mark.skipif(not dispatch.HAS_TRITON, reason="triton does not
 here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_kernels_in_fresh_interpreter")
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
+# (cache_append allocates nothing: its tests poison the summaries it writes.)
 KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv, dispatch._select) if m is not None)
 
 
@@ -364,7 +365,17 @@ def gemv_cases(draw):
         w_t = randn(g_rand, d_out, d_in, dtype=dtype).t()  # an nn.Linear weight read through .t()
     bias = randn(g_rand, d_out, dtype=dtype) if draw(st.booleans()) else None
     split = draw(st.sampled_from([0, 1, 2, 5]))  # slices of the inputs (split-K); 0 picks from the shapes
-    return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split)
+    fuse = draw(st.booleans())  # split-K epilogue in the last program of each block, or a launch of its own
+    return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse)
+
+
+@contextmanager
+def epilogue(case):
+    """Run with the case's split-K epilogue; the arrival counters must be back to zero after."""
+    with mock.patch.object(dispatch._gemv, "FUSE_EPILOGUE", case["fuse"]):
+        yield
+    for counters in dispatch._gemv._COUNTERS.values():
+        assert int(counters.abs().sum()) == 0, "an arrival counter was left set"
 
 
 def assert_gemv_close(got, expected, case):
@@ -380,7 +391,7 @@ def test_sparse_gemv_index(case, frac):
     b, d_in = case["x"].shape
     k = round(frac * d_in)
     idx = torch.stack([torch.randperm(d_in, generator=case["g"])[:k] for _ in range(b)]).to(torch.int32).to(DEVICE)
-    with poisoned():
+    with poisoned(), epilogue(case):
         got = dispatch.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"], split=case["split"])
     assert_gemv_close(got, ref.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"]), case)
 
@@ -393,7 +404,7 @@ def test_sparse_gemv_threshold(case, quantile):
     # None: a threshold above every |x| (nothing kept: y = bias). A tensor threshold stays on device.
     t = float("inf") if quantile is None else torch.quantile(x.float().abs(), quantile).item()
     t_arg = torch.tensor(t, device=DEVICE) if quantile == 0.5 else t
-    with poisoned():
+    with poisoned(), epilogue(case):
         got = dispatch.sparse_gemv_threshold(x, t_arg, case["w_t"], case["bias"], split=case["split"])
     assert_gemv_close(got, ref.sparse_gemv_threshold(x, t, case["w_t"], case["bias"]), case)
 
@@ -405,12 +416,85 @@ def test_sparse_linear_mask(case, p_keep):
     x, w_t = case["x"], case["w_t"]
     keep = (torch.rand(x.shape, generator=case["g"]) < p_keep).to(DEVICE)
     weight = w_t.t()  # nn.Linear layout [d_out, d_in]
-    with poisoned():
+    with poisoned(), epilogue(case):
         if case["split"] == 0:  # through sparse_linear: x [B, 1, d_in] and the nn.Linear weight
             got = dispatch.sparse_linear(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1)).squeeze(1)
         else:
             got = dispatch.sparse_gemv_mask(x, keep, w_t, case["bias"], split=case["split"])
     assert_gemv_close(got, ref.sparse_linear(x, weight, case["bias"], keep), case)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache append
+
+PAIRS = {"none": (), "min/max": (0, 1), "mean/std": (2, 3), "all": (0, 1, 2, 3)}
+
+
+@st.composite
+def append_cases(draw):
+    """A cache with random keys, a length, per-row starts (some after the new slot: a row whose
+    token is not visible), poisoned summaries, and the summaries to keep."""
+    g = gen(draw(st.integers(0, 2**31 - 1)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    b, h = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    d = draw(st.sampled_from([8, 64, 80, 128]))
+    page = draw(st.sampled_from([1, 3, 4, 16]))
+    pages = draw(st.integers(1, 4))
+    n = page * pages
+    length = draw(st.integers(1, n))
+    start = torch.tensor([draw(st.integers(0, length)) for _ in range(b)], dtype=torch.long)
+    keys, values = randn(g, b, h, n, d, dtype=dtype), randn(g, b, h, n, d, dtype=dtype)
+    k, v = randn(g, b, h, 1, d, dtype=dtype), randn(g, b, h, 1, d, dtype=dtype)
+    nan = float("nan")
+    summaries = [torch.full((b, h, pages, d), nan, dtype=t, device=DEVICE) for t in (dtype, dtype, torch.float32, torch.float32)]
+    kept = draw(st.sampled_from(sorted(PAIRS)))
+    summaries = tuple(s if i in PAIRS[kept] else None for i, s in enumerate(summaries))
+    return dict(k=k, v=v, keys=keys, values=values, summaries=summaries, start=start.to(DEVICE),
+                length=torch.tensor(length, device=DEVICE), page=page)
+
+
+def _clone(case):
+    c = dict(case, keys=case["keys"].clone(), values=case["values"].clone())
+    c["summaries"] = tuple(s.clone() if s is not None else None for s in case["summaries"])
+    return c
+
+
+def _append_args(c):
+    return c["k"], c["v"], c["keys"], c["values"], c["summaries"], c["start"], c["length"], c["page"]
+
+
+@here
+@SETTINGS
+@given(case=append_cases())
+def test_cache_append(case):
+    """Key and value land at slot length - 1; the touched page's kept summaries equal the reference
+    (min and max exactly: they are key values), every other page and slot is left alone."""
+    got, want = _clone(case), _clone(case)
+    dispatch.cache_append(*_append_args(got))
+    ref.cache_append(*_append_args(want))
+    assert torch.equal(got["keys"], want["keys"]) and torch.equal(got["values"], want["values"])
+    for i, (a, e) in enumerate(zip(got["summaries"], want["summaries"])):
+        if a is None:
+            continue
+        tol = dict(rtol=0, atol=0) if i < 2 else dict(rtol=1e-5, atol=1e-5)  # untouched pages stay NaN
+        torch.testing.assert_close(a, e, equal_nan=True, **tol)
+    page = (int(case["length"]) - 1) // case["page"]
+    for s in got["summaries"]:  # the touched page was written everywhere (it started as NaN)
+        if s is not None:
+            assert not s[:, :, page].isnan().any()
+
+
+def test_cache_append_refuses_unpaired_summaries_and_bad_shapes():
+    keys = torch.zeros(1, 2, 8, 4, device=DEVICE)
+    k = torch.zeros(1, 2, 1, 4, device=DEVICE)
+    pages = torch.zeros(1, 2, 2, 4, device=DEVICE)
+    start, length = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.tensor(3, device=DEVICE)
+    with pytest.raises(ValueError, match="min and max together"):
+        dispatch._append.cache_append(k, k, keys, keys.clone(), (pages, None, None, None), start, length, 4)
+    with pytest.raises(ValueError, match="summaries must be"):
+        dispatch._append.cache_append(k, k, keys, keys.clone(), (pages, pages.clone(), None, None), start, length, 2)
+    with pytest.raises(ValueError, match="expected k, v"):
+        dispatch._append.cache_append(k[:, :1], k, keys, keys.clone(), (None,) * 4, start, length, 4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,6 +574,14 @@ def test_custom_ops_opcheck():
         test_utils=checks,
     )
     torch.library.opcheck(torch.ops.policyzoo.sparse_gemv_mask.default, (x, x > 0, w_t, None), test_utils=checks)
+    keys = torch.randn(2, 2, 8, 16, device=DEVICE)
+    mn, mean = torch.randn(2, 2, 2, 16, device=DEVICE), torch.randn(2, 2, 2, 16, device=DEVICE)
+    torch.library.opcheck(
+        torch.ops.policyzoo.cache_append.default,
+        (keys[:, :, :1].clone(), keys[:, :, :1].clone(), keys, keys.clone(), mn, mn.clone(), mean, mean.clone(),
+         torch.zeros(2, dtype=torch.long, device=DEVICE), torch.tensor(5, device=DEVICE), 4),
+        test_utils=checks,
+    )
 
 
 @here
@@ -511,6 +603,38 @@ def test_torch_compile_traces_through(monkeypatch):
     torch.testing.assert_close(got, (out * 2, lse), rtol=1e-4, atol=1e-4)
 
 
+@here
+def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch):
+    """Under Inductor the mutating op runs on the cache's own tensors (re-inplaced, no copy of the
+    cache), so a compiled decode step sees its writes; as eager, through the reference."""
+    from policyzoo.cache import PagedKVCache
+
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    g = gen(3)
+    caches = [PagedKVCache(1, 2, 2, 16, 32, page_size=4, summaries=("page_min",), device=DEVICE) for _ in range(2)]
+    for c in caches:
+        c.keys[0].copy_(randn(gen(1), 2, 2, 32, 16))
+        c.reset(torch.tensor([0, 3]), 9)
+        c._summarise(0, slice(0, c.num_pages))
+
+    def step(c, k, v):
+        c.length += 1
+        c.write(0, k, v)
+        return c.page_max[0].sum(-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(3):
+        k, v = randn(g, 2, 2, 1, 16), randn(g, 2, 2, 1, 16)
+        got = compiled(caches[0], k, v)
+        with monkeypatch.context() as m:
+            m.delenv("POLICYZOO_TRITON")
+            want = step(caches[1], k, v)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the compiled sum may add in another order
+    for a, b in zip(caches[0].tensors(), caches[1].tensors()):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------------------------------
 # Top-count selection
 
@@ -528,7 +652,8 @@ def test_torch_compile_traces_through(monkeypatch):
     data=st.data(),
 )
 def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
-    """Same positions as the reference, ties (frequent in bf16 and after rounding) included."""
+    """Same positions as the reference, ties (frequent in bf16 and after rounding) included; bf16
+    through both key paths (`select_top.BF16_BITS`)."""
     g = gen(seed)
     s = torch.randn(rows, n, generator=g)
     if ties:
@@ -541,9 +666,11 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
     count = torch.tensor(data.draw(st.lists(st.integers(0, k_max + 2), min_size=rows, max_size=rows)), device=DEVICE)
     if infinities and not absolute:  # callers never ask for invalid entries
         count = torch.minimum(count, (s > -torch.inf).sum(-1))
-    with poisoned():
-        got = dispatch.select_top(s, count, k_max, absolute)
-    assert torch.equal(got, ref.select_top(s, count, k_max, absolute))
+    want = ref.select_top(s, count, k_max, absolute)
+    for bits in (True, False) if dtype == torch.bfloat16 else (dispatch._select.BF16_BITS,):
+        with mock.patch.object(dispatch._select, "BF16_BITS", bits), poisoned():
+            got = dispatch.select_top(s, count, k_max, absolute)
+        assert torch.equal(got, want), bits
 
 
 @here
@@ -576,14 +703,107 @@ def _hard_rows(g, n):
 def test_select_top_search_paths(interp_steps, dtype):
     """Interpolating probes, halving probes and their switch-over select what the reference selects,
     on rows built to make interpolation slow (`_search` bounds the steps by halving after
-    `INTERP_STEPS`)."""
+    `INTERP_STEPS`); bf16 through both key paths."""
     g = gen(11)
     s = _hard_rows(g, 700).to(dtype).to(DEVICE)
-    for k in (1, 5, 6, 350, 699, 700):
-        count = torch.full((4,), k, device=DEVICE)
-        with mock.patch.object(dispatch._select, "INTERP_STEPS", interp_steps), poisoned():
-            got = dispatch._select.select_top(s, count, k, absolute=dtype == torch.bfloat16)
-        assert torch.equal(got, ref.select_top(s, count, k, absolute=dtype == torch.bfloat16)), (k, interp_steps)
+    absolute = dtype == torch.bfloat16
+    for bits in (True, False) if dtype == torch.bfloat16 else (dispatch._select.BF16_BITS,):
+        for k in (1, 5, 6, 350, 699, 700):
+            count = torch.full((4,), k, device=DEVICE)
+            with mock.patch.multiple(dispatch._select, INTERP_STEPS=interp_steps, BF16_BITS=bits), poisoned():
+                got = dispatch._select.select_top(s, count, k, absolute=absolute)
+            assert torch.equal(got, ref.select_top(s, count, k, absolute=absolute)), (k, interp_steps, bits)
+
+
+import triton  # noqa: E402  (after the interpreter switch above; pytest.importorskip has found it)
+import triton.language as tl  # noqa: E402
+
+ALL_BF16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every pattern
+
+
+def _bf16_keys(s, absolute):
+    """The fp32 key path's keys of bf16 scores, from their bits: ``(fp32 bits, negatives flipped)
+    >> 16``, ``|x|`` clearing the sign bit, -0.0 keyed as +0.0."""
+    bits = s.view(torch.int16).to(torch.int32) << 16
+    if absolute:
+        bits = bits & 0x7FFFFFFF
+    bits = torch.where(bits == -(2**31), 0, bits)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> 16
+
+
+def _fp32_path_exact(s):
+    """``s`` with its subnormals flushed to zero when the Triton interpreter runs the kernels: its
+    bf16 -> fp32 conversion, which the fp32 key path takes, gets them wrong (0x8003, -2.8e-40, comes
+    out as -5.9e-39, and 0x8001 as 0); a GPU converts them exactly."""
+    if MODE == "cuda":
+        return s
+    return torch.where((s.view(torch.int16) & 0x7F80) == 0, torch.zeros_like(s), s)
+
+
+@triton.jit
+def _select_top_keys(s_ptr, out_ptr, n, n_out, ABS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, dispatch._select._keys(s_ptr, offs, n, ABS, SHIFT, BITS), mask=offs < n_out)
+
+
+@here
+@pytest.mark.parametrize("absolute", [False, True])
+def test_select_top_bf16_keys_from_bits_equal_the_fp32_keys(absolute):
+    """The keys `select_top._keys` makes from bf16 bits are those of the fp32 path, for all 65,536
+    patterns (±0, ±inf, subnormals, NaNs of either sign and any payload); both are -2^31 off the
+    end, and order non-NaN scores as floats do (equal keys for equal scores)."""
+    want = _bf16_keys(ALL_BF16, absolute)
+    s, n = ALL_BF16.to(DEVICE), len(ALL_BF16)
+    for bits in (True, False):
+        out = torch.full((n + 16,), 7, dtype=torch.int32, device=DEVICE)
+        _select_top_keys[(n // 1024 + 1,)](s.view(torch.int16) if bits else s, out, n, n + 16, ABS=absolute,
+                                           SHIFT=0 if bits else 16, BITS=bits, BLOCK=1024)
+        out = out.cpu()
+        assert bool((out[n:] == -(2**31)).all()), bits
+        exact = torch.ones(n, dtype=torch.bool)
+        if not bits and MODE != "cuda":  # all but the subnormals (`_fp32_path_exact`)
+            exact = ((ALL_BF16.view(torch.int16) & 0x7F80) != 0) | (ALL_BF16 == 0)
+        assert torch.equal(out[:n][exact], want[exact]), bits
+    x = ALL_BF16.float().abs() if absolute else ALL_BF16.float()
+    x, order = x[~x.isnan()].sort()
+    key = want[~ALL_BF16.isnan()][order]
+    assert bool((key.diff() >= 0).all()) and torch.equal(key.diff() > 0, x.diff() > 0)
+
+
+@here
+def test_select_top_rows_of_bf16_patterns():
+    """Rows drawn from every bf16 pattern select what the reference selects through both key paths:
+    random non-NaN patterns; ±0, ±inf, the smallest and largest subnormals and normals, and ties;
+    NaN rows. The reference ranks every NaN above +inf and takes no NaN (`reference.select_top`),
+    while the keys rank NaNs by sign and payload (above +inf, or below -inf): NaN rows are checked
+    against the reference run on the keys."""
+    g = gen(5)
+    finite = ALL_BF16[~ALL_BF16.isinf() & ~ALL_BF16.isnan()]
+    special = torch.tensor([0x0000, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x8080,
+                            0x7F7F, 0xFF7F], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    def pick(pool, n):
+        return pool[torch.randint(len(pool), (n,), generator=g)]
+
+    s = torch.stack([
+        pick(finite, 96),
+        pick(special, 96),  # every one of them, many times: ties
+        torch.cat([special, -special, pick(special, 24), pick(finite, 48)])[torch.randperm(96, generator=g)],
+    ]).to(DEVICE)
+    nans = torch.cat([pick(ALL_BF16[ALL_BF16.isnan()], 32), pick(special, 32), pick(finite, 32)])
+    nan = nans[torch.randperm(96, generator=g)][None].to(DEVICE)
+    count = torch.tensor([1, 52, 95], device=DEVICE)  # 52 of the specials: among the ±0 (signed)
+    for bits in (True, False):
+        rows = s if bits else _fp32_path_exact(s)
+        nan_row = nan if bits else _fp32_path_exact(nan)
+        for absolute in (False, True):
+            with mock.patch.object(dispatch._select, "BF16_BITS", bits), poisoned():
+                got = dispatch._select.select_top(rows, count, 95, absolute)
+                got_nan = dispatch._select.select_top(nan_row.expand(3, -1), count, 95, absolute)
+            assert torch.equal(got, ref.select_top(rows, count, 95, absolute)), (bits, absolute)
+            keys = _bf16_keys(nan_row.cpu(), absolute).float().expand(3, -1)
+            assert torch.equal(got_nan.cpu(), ref.select_top(keys, count.cpu(), 95)), (bits, absolute)
 
 
 @here
