@@ -37,8 +37,16 @@ def llama8b(device: str, layers: int | None = None, tiny: bool = False):
 
 
 def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch.Generator) -> None:
-    """Give the Decoder a cache for ``capacity`` tokens (reused when it already has one that size) and
-    fill its first ``n`` slots with random keys and values, summaries included (no prefill)."""
+    """Give the Decoder a cache of exactly ``capacity`` tokens (rounded up to whole pages; reused only
+    when it already has that size) and fill its first ``n`` slots with random keys and values,
+    summaries included (no prefill).
+
+    A larger cache would not do: the kernels' grids follow the capacity (empty pages still cost
+    programs), so a short context timed on a cache left by a longer one reads slow (run 6, call 1:
+    `TopK(0.5)` at 2K-16K on a 32K cache, about 0.5 ms per step)."""
+    old = dec.runtime.cache
+    if old is not None and old.capacity != math.ceil(capacity / old.page_size) * old.page_size:
+        dec.runtime.cache, dec.runtime.states = None, []  # `_prepare_cache` would keep a larger one
     dec._prepare_cache(batch, capacity, torch.zeros(batch, dtype=torch.long, device=dec.device), n)
     cache = dec.runtime.cache
     for layer in range(cache.num_layers):

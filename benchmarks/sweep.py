@@ -278,6 +278,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 speedup = dense_ms.get(n, float("nan")) / ms
                 row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
                             "bound": bound, "speedup": speedup, "speedup/bound": speedup / bound, "setup_s": setup_s})
+                row["capacity"] = dec.runtime.cache.capacity  # the kernels' grids follow it, not the context
                 if DEVICE == "cuda":
                     row["gpu_GB"] = torch.cuda.memory_allocated() / 1e9  # weights + this row's cache and graph
                 print(f"{section}/{mode} b={batch} n={n:>7} {name:<22} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f}) "
