@@ -320,7 +320,8 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     if "epilogue" in groups:
         from policyzoo.kernels.dispatch import _gemv as gemv_module
 
-        saved_fuse = gemv_module.FUSE_EPILOGUE
+        knobs = ("FUSE_EPILOGUE", "MIN_FUSED_SPLIT")
+        saved_fuse = tuple(getattr(gemv_module, a) for a in knobs)
         for label, (d_in, d_out) in GEMV_SHAPES.items():
             d_in, d_out = (d_in // 32, d_out // 32) if small else (d_in, d_out)
             x = torch.randn(1, d_in, device=dev, dtype=torch.bfloat16)
@@ -334,10 +335,11 @@ def section_variants(rows, groups=VARIANT_GROUPS):
                 return "" if err < 1e-2 else f"rel err {err:.1e}"
 
             fn = lambda x=x, idx=idx, w_t=w_t: gemv_module.sparse_gemv_index(x, idx, w_t)  # noqa: E731
-            modes = {"epilogue in the last program": True, "epilogue launch": False}
+            modes = {"epilogue in the last program": (True, 2), "epilogue launch": (False, saved_fuse[1])}
             _pick(rows, "variants", f"sparse GEMV {label} keep 0.5", {name: (fn, check) for name in modes},
-                  lambda name: setattr(gemv_module, "FUSE_EPILOGUE", modes[name]))
-        gemv_module.FUSE_EPILOGUE = saved_fuse  # one shape's winner need not suit the others
+                  lambda name: [setattr(gemv_module, a, v) for a, v in zip(knobs, modes[name])])
+        for a, v in zip(knobs, saved_fuse):  # one shape's winner need not suit the others
+            setattr(gemv_module, a, v)
 
     # The decode-step cache append (key, value, the touched page's summaries) as one kernel, checked
     # against the torch reference and timed next to it (eager torch: in a compiled step Inductor fuses

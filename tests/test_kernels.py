@@ -371,8 +371,9 @@ def gemv_cases(draw):
 
 @contextmanager
 def epilogue(case):
-    """Run with the case's split-K epilogue; the arrival counters must be back to zero after."""
-    with mock.patch.object(dispatch._gemv, "FUSE_EPILOGUE", case["fuse"]):
+    """Run with the case's split-K epilogue (fused from 2 slices up, so small cases reach it too);
+    the arrival counters must be back to zero after."""
+    with mock.patch.object(dispatch._gemv, "FUSE_EPILOGUE", case["fuse"]), mock.patch.object(dispatch._gemv, "MIN_FUSED_SPLIT", 2):
         yield
     for counters in dispatch._gemv._COUNTERS.values():
         assert int(counters.abs().sum()) == 0, "an arrival counter was left set"

@@ -14,7 +14,7 @@ Grid ``(cdiv(d_out, BLOCK_N), split, B)``: a program computes ``BLOCK_N`` output
 one slice of the kept features (split-K), walking it in tiles of ``BLOCK_K``. With more than one
 slice each program writes its fp32 partial, and the last program of an output block to finish (an
 arrival counter tells it) sums the block's partials, adds the bias, casts and stores: no epilogue
-launch (`FUSE_EPILOGUE`). That sum is ``split x BLOCK_N`` floats, so, unlike the attention merge
+launch (`FUSE_EPILOGUE`, from `MIN_FUSED_SPLIT` slices). That sum is ``split x BLOCK_N`` floats, so, unlike the attention merge
 tried that way in run 5, nothing long runs serially. With `FUSE_EPILOGUE` off, or in a CUDA graph
 capture before any counter exists, the epilogue is a launch of its own (`_sum_slices_kernel`; the
 torch sum and cast before it were two launches, 4.4 µs per GEMV on an H200).
@@ -45,9 +45,12 @@ NUM_STAGES = 3
 TARGET_PROGRAMS = 512
 MIN_TILES_PER_SPLIT = 4
 SUM_BLOCK = 1024  # outputs per program of the split-K epilogue launch
-# The last program of each output block sums the split-K partials (no epilogue launch). The four
-# epilogue launches of a layer's sparse GEMVs took 7 µs of kernel time on an H200 (run 4 profile).
+# The last program of each output block sums the split-K partials (no epilogue launch), from
+# `MIN_FUSED_SPLIT` slices up. On an H200 at keep 0.5 (run 6, call 1) that saved 0.3-0.65 µs where
+# the inputs split 4-8 ways (q|k|v, o, down) and cost 1.9 µs on gate|up, which splits 2 ways over
+# 896 programs (every program pays its atomic; only one launch is saved).
 FUSE_EPILOGUE = True
+MIN_FUSED_SPLIT = 3
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -211,7 +214,8 @@ def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, *
     part = done = None
     if split > 1:
         part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
-        done = _arrival_counters(n_blocks * b, x.device) if FUSE_EPILOGUE else None
+        fuse = FUSE_EPILOGUE and split >= MIN_FUSED_SPLIT
+        done = _arrival_counters(n_blocks * b, x.device) if fuse else None
     kernel[(n_blocks, split, b)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,
