@@ -189,19 +189,30 @@ def default_split(k: int, d_out: int, rows: int, block_n: int = BLOCK_N) -> int:
 # running at the same time on different streams would share counters: a decode step runs them one
 # after another on one stream (and a CUDA graph captured from one stream keeps that order).
 _COUNTERS: dict[torch.device, Tensor] = {}
-MIN_COUNTERS = 4096
+RESERVED_COUNTERS = 65536  # output blocks x batch rows: gate|up (448 blocks of 64) up to batch 146
+
+
+def reserve_counters(device: torch.device | str, n: int = RESERVED_COUNTERS) -> None:
+    """Make the fused epilogue's counters for ``device`` now, outside any CUDA graph: made during
+    torch.compile's CUDA-graph warm-up, they would sit in the graph's memory pool untracked, which
+    cudagraph trees refuse ("tensor(s) in the cudagraph pool not tracked as outputs", run 6 call
+    3). `ProjectionSparsifier.install` calls it for a model on CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        _COUNTERS[device] = torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _arrival_counters(n: int, device: torch.device) -> Tensor | None:
-    """``n`` zeroed int32 counters, or None (epilogue launch) in a CUDA graph capture that finds
-    none big enough: a buffer made inside a capture would belong to the graph's memory pool. Made
-    once per device, outside captures (the warm-up call before a capture makes it)."""
+    """``n`` zeroed int32 counters, or None (the epilogue is a launch of its own) when none were
+    reserved on a CUDA device (`reserve_counters`) or too few. On CPU (the interpreter, no graphs)
+    they are made on first use."""
+    if device.type != "cuda":
+        reserve_counters(device, max(n, RESERVED_COUNTERS // 16))
     buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
-    return buf
+    return buf if buf is not None and buf.numel() >= n else None
 
 
 def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, **meta):
@@ -276,4 +287,4 @@ def sparse_gemv_mask(
     return _scan(x, keep, None, w_t, bias, split, block_n)
 
 
-__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "INTERPRET"]
+__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "reserve_counters", "INTERPRET"]

@@ -74,6 +74,9 @@ class ProjectionSparsifier:
         for i, layer in enumerate(decoder_layers(model)):
             _wrap(layer, i, self.targets, runtime, self)
         fuse_shared_inputs(model, runtime)
+        param = next(model.parameters())
+        if param.is_cuda and kernels.dispatch.use_triton(param):  # eager, before any compiled step records a graph
+            kernels.dispatch._gemv.reserve_counters(param.device)
 
 
 def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
