@@ -60,3 +60,11 @@ def test_batched_rows_divide_by_dense_of_their_batch(tmp_path):
     assert set(points) == {"quest0.2", "quest0.2 (batch 16)"}
     assert points["quest0.2"]["speedup"] == pytest.approx(2.0)
     assert points["quest0.2 (batch 16)"]["speedup"] == pytest.approx(1.5)
+
+
+def test_rows_marked_excluded_are_left_out_and_listed(tmp_path):
+    bad = dict(_row("quest0.1", 2048, 1.0), excluded="timed on a larger cache")
+    _call(tmp_path / "call1.json", [_row("dense", 1024, 10.0), _row("dense", 2048, 10.0), _row("quest0.1", 1024, 5.0), bad])
+    assert {(p["setting"], p["context"]) for p in compiled_points(tmp_path)} == {("quest0.1", 1024)}
+    main([str(tmp_path)])
+    assert "- quest0.1 at 2048 (call1.json): timed on a larger cache" in (tmp_path / "compiled.md").read_text()
