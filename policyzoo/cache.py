@@ -76,9 +76,11 @@ class PagedKVCache:
         self.keys = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for name in SUMMARIES:
+            if name not in self.summaries:
+                setattr(self, name, NotKept(name))
+                continue
             kind = dtype if name in PAIRS[0] else torch.float32
-            kept = [torch.zeros(page_shape, dtype=kind, device=device) for _ in range(num_layers)]
-            setattr(self, name, kept if name in self.summaries else NotKept(name))
+            setattr(self, name, [torch.zeros(page_shape, dtype=kind, device=device) for _ in range(num_layers)])
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         if self.device.type == "cuda":
