@@ -189,6 +189,7 @@ def default_split(k: int, d_out: int, rows: int, block_n: int = BLOCK_N) -> int:
 # running at the same time on different streams would share counters: a decode step runs them one
 # after another on one stream (and a CUDA graph captured from one stream keeps that order).
 _COUNTERS: dict[torch.device, Tensor] = {}
+_OUTGROWN: list[Tensor] = []  # buffers a larger one replaced: a recorded CUDA graph may still use them
 RESERVED_COUNTERS = 65536  # output blocks x batch rows: gate|up (448 blocks of 64) up to batch 146
 
 
@@ -202,6 +203,8 @@ def reserve_counters(device: torch.device | str, n: int = RESERVED_COUNTERS) -> 
         device = torch.device("cuda", torch.cuda.current_device())
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         _COUNTERS[device] = torch.zeros(n, dtype=torch.int32, device=device)
 
 
