@@ -320,7 +320,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     if "epilogue" in groups:
         from policyzoo.kernels.dispatch import _gemv as gemv_module
 
-        gemv_module.reserve_counters(dev)  # as a Decoder with sparse projections does: else no fusion on CUDA
+        kernels.scratch.reserve(dev)  # as a Decoder with sparse projections does: else no fusion on CUDA
         knobs = ("FUSE_EPILOGUE", "MIN_FUSED_SPLIT")
         saved_fuse = tuple(getattr(gemv_module, a) for a in knobs)
         for label, (d_in, d_out) in GEMV_SHAPES.items():

@@ -11,6 +11,7 @@ changing.
 # function below; the function must be bound after the module (see dispatch's docstring).
 from . import dispatch
 from . import reference
+from . import scratch
 from .reference import dense_probs
 
 

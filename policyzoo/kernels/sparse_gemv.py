@@ -14,9 +14,9 @@ Grid ``(cdiv(d_out, BLOCK_N), split, B)``: a program computes ``BLOCK_N`` output
 one slice of the kept features (split-K), walking it in tiles of ``BLOCK_K``. With more than one
 slice each program writes its fp32 partial, and the last program of an output block to finish (an
 arrival counter tells it) sums the block's partials, adds the bias, casts and stores: no epilogue
-launch (`FUSE_EPILOGUE`, from `MIN_FUSED_SPLIT` slices). That sum is ``split x BLOCK_N`` floats, so, unlike the attention merge
-tried that way in run 5, nothing long runs serially. With `FUSE_EPILOGUE` off, or in a CUDA graph
-capture before any counter exists, the epilogue is a launch of its own (`_sum_slices_kernel`; the
+launch (`FUSE_EPILOGUE`, from `MIN_FUSED_SPLIT` slices). That sum is ``split x BLOCK_N`` floats,
+so, unlike the attention merge tried that way in run 5, nothing long runs serially. With
+`FUSE_EPILOGUE` off, or no counters reserved (`scratch.reserve`), the epilogue is a launch of its own (`_sum_slices_kernel`; the
 torch sum and cast before it were two launches, 4.4 µs per GEMV on an H200).
 The index kernel gathers ``BLOCK_K`` weight rows per tile; the threshold and mask kernels walk all
 of ``d_in`` but predicate the weight loads on the keep decision, so rows of dropped features are
@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from . import scratch
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
@@ -184,40 +186,6 @@ def default_split(k: int, d_out: int, rows: int, block_n: int = BLOCK_N) -> int:
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k // (MIN_TILES_PER_SPLIT * BLOCK_K)))
 
 
-# Arrival counters of the fused epilogue, one buffer per device: zero between launches (the last
-# program of each output block resets its own), so no memset launch per call. Two of these GEMVs
-# running at the same time on different streams would share counters: a decode step runs them one
-# after another on one stream (and a CUDA graph captured from one stream keeps that order).
-_COUNTERS: dict[torch.device, Tensor] = {}
-_OUTGROWN: list[Tensor] = []  # buffers a larger one replaced: a recorded CUDA graph may still use them
-RESERVED_COUNTERS = 65536  # output blocks x batch rows: gate|up (448 blocks of 64) up to batch 146
-
-
-def reserve_counters(device: torch.device | str, n: int = RESERVED_COUNTERS) -> None:
-    """Make the fused epilogue's counters for ``device`` now, outside any CUDA graph: made during
-    torch.compile's CUDA-graph warm-up, they would sit in the graph's memory pool untracked, which
-    cudagraph trees refuse ("tensor(s) in the cudagraph pool not tracked as outputs", run 6 call
-    3). `ProjectionSparsifier.install` calls it for a model on CUDA."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OUTGROWN.append(buf)
-        _COUNTERS[device] = torch.zeros(n, dtype=torch.int32, device=device)
-
-
-def _arrival_counters(n: int, device: torch.device) -> Tensor | None:
-    """``n`` zeroed int32 counters, or None (the epilogue is a launch of its own) when none were
-    reserved on a CUDA device (`reserve_counters`) or too few. On CPU (the interpreter, no graphs)
-    they are made on first use."""
-    if device.type != "cuda":
-        reserve_counters(device, max(n, RESERVED_COUNTERS // 16))
-    buf = _COUNTERS.get(device)
-    return buf if buf is not None and buf.numel() >= n else None
-
-
 def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, **meta):
     b, d_out = x.shape[0], w_t.shape[1]
     split = split if split > 0 else default_split(k, d_out, b, block_n)
@@ -229,7 +197,7 @@ def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, *
     if split > 1:
         part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
         fuse = FUSE_EPILOGUE and split >= MIN_FUSED_SPLIT
-        done = _arrival_counters(n_blocks * b, x.device) if fuse else None
+        done = scratch.zeroed("gemv_counters", n_blocks * b, x.device) if fuse else None
     kernel[(n_blocks, split, b)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,
@@ -290,4 +258,4 @@ def sparse_gemv_mask(
     return _scan(x, keep, None, w_t, bias, split, block_n)
 
 
-__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "reserve_counters", "INTERPRET"]
+__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "INTERPRET"]

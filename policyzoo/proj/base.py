@@ -76,7 +76,7 @@ class ProjectionSparsifier:
         fuse_shared_inputs(model, runtime)
         param = next(model.parameters())
         if param.is_cuda and kernels.dispatch.use_triton(param):  # eager, before any compiled step records a graph
-            kernels.dispatch._gemv.reserve_counters(param.device)
+            kernels.scratch.reserve(param.device)
 
 
 def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
