@@ -231,8 +231,10 @@ def section_variants(rows, groups=VARIANT_GROUPS):
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
               "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1),
               "pages 8192 fp32 x8 keep 0.1, 12 forced": (8, 8192, torch.float32, False, 0.1)}
-    select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS")
+    select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS", "METHOD", "HIST_CHUNK")
     saved_select = tuple(getattr(select_module, a) for a in select_knobs)
+    if "select_top" in groups:
+        kernels.scratch.reserve(dev)  # the histogram method's buffers, as a Decoder with sparse projections has
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
@@ -252,8 +254,11 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         counts = (0, 4) if small else (0, 4, 8) if n <= 4096 else (0, 8, 16)
         # bf16 keys from the scores' 16 bits or through fp32 (`BF16_BITS`); fp32 scores have one path.
         paths = {" bits=direct": True, " bits=fp32": False} if dtype == torch.bfloat16 else {"": saved_select[2]}
-        knobs = {f"interp_steps={i} warps={w or 'by size'}{p}": (i, w, b)
+        knobs = {f"interp_steps={i} warps={w or 'by size'}{p}": (i, w, b, "program", saved_select[4])
                  for i in (saved_select[0],) for w in counts for p, b in paths.items()}
+        if dtype == torch.bfloat16:  # the row spread over programs of `HIST_CHUNK` entries, four launches
+            for chunk in ((64,) if small else (512, 1024, 2048)):
+                knobs[f"histogram chunk={chunk}"] = (*saved_select[:3], "histogram", chunk)
         _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
               lambda name: [setattr(select_module, a, v) for a, v in zip(select_knobs, knobs[name])])
     if "select_top" in groups:  # one fixed choice would not suit every row: back to the defaults

@@ -654,7 +654,8 @@ def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch):
 )
 def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
     """Same positions as the reference, ties (frequent in bf16 and after rounding) included; bf16
-    through both key paths (`select_top.BF16_BITS`)."""
+    through both key paths (`select_top.BF16_BITS`) and by histograms (`METHOD`, in chunks of 64, so
+    a row spans up to 5 programs); the histogram buffers are zero again after each call."""
     g = gen(seed)
     s = torch.randn(rows, n, generator=g)
     if ties:
@@ -672,6 +673,11 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
         with mock.patch.object(dispatch._select, "BF16_BITS", bits), poisoned():
             got = dispatch.select_top(s, count, k_max, absolute)
         assert torch.equal(got, want), bits
+    if dtype == torch.bfloat16:
+        with mock.patch.multiple(dispatch._select, METHOD="histogram", HIST_CHUNK=64), poisoned():
+            got = dispatch.select_top(s, count, k_max, absolute)
+        assert torch.equal(got, want), "histogram"
+        assert all(int(b.abs().sum()) == 0 for b in kernels.scratch.buffers().values())
 
 
 @here
@@ -795,16 +801,18 @@ def test_select_top_rows_of_bf16_patterns():
     nans = torch.cat([pick(ALL_BF16[ALL_BF16.isnan()], 32), pick(special, 32), pick(finite, 32)])
     nan = nans[torch.randperm(96, generator=g)][None].to(DEVICE)
     count = torch.tensor([1, 52, 95], device=DEVICE)  # 52 of the specials: among the ±0 (signed)
-    for bits in (True, False):
+    # (one program from bf16 bits, through fp32, by histograms in chunks of 32: the bits again)
+    for bits, method in ((True, "program"), (False, "program"), (True, "histogram")):
         rows = s if bits else _fp32_path_exact(s)
         nan_row = nan if bits else _fp32_path_exact(nan)
         for absolute in (False, True):
-            with mock.patch.object(dispatch._select, "BF16_BITS", bits), poisoned():
+            knobs = dict(BF16_BITS=bits, METHOD=method, HIST_CHUNK=32)
+            with mock.patch.multiple(dispatch._select, **knobs), poisoned():
                 got = dispatch._select.select_top(rows, count, 95, absolute)
                 got_nan = dispatch._select.select_top(nan_row.expand(3, -1), count, 95, absolute)
-            assert torch.equal(got, ref.select_top(rows, count, 95, absolute)), (bits, absolute)
+            assert torch.equal(got, ref.select_top(rows, count, 95, absolute)), (bits, method, absolute)
             keys = _bf16_keys(nan_row.cpu(), absolute).float().expand(3, -1)
-            assert torch.equal(got_nan.cpu(), ref.select_top(keys, count.cpu(), 95)), (bits, absolute)
+            assert torch.equal(got_nan.cpu(), ref.select_top(keys, count.cpu(), 95)), (bits, method, absolute)
 
 
 @here

@@ -27,6 +27,11 @@ in registers:
    and write their positions in ascending order, zeros after ``count``: one prefix sum of two packed
    flags gives each kept key its output slot (`_emit`).
 
+bf16 rows can instead be spread over several programs (`METHOD = "histogram"`): two 256-bin
+histograms of their 16-bit keys give the exact threshold, in four launches (`_select_by_histograms`).
+That is implemented and tested against the same reference, but not yet timed on a GPU, so one
+program per row stays the default.
+
 Rows of up to 16384 entries (`MAX_BLOCK_N`: every activation vector and the pages of a 256K context)
 are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a power of
 two would otherwise double the tile (8,203 pages in one 16,384-entry tile measured 39–46 µs against
@@ -41,6 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import scratch
+
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers (and counts fit 16 bits in `_emit`)
 # Warps per program: 0 picks by the entries held (4 below 4096, 8 from there). On an H200 (sweep
 # `variants`, benchmarks/results/2026-11-30-h200-run5), 8 warps beat 4 on 4,096 bf16 entries (7.5-7.6
@@ -51,6 +58,11 @@ NUM_WARPS = 0
 INTERP_STEPS = 16
 # bf16 keys from the scores' 16 bits (False: through fp32 and a shift, as fp32 and fp16 scores go).
 BF16_BITS = True
+# "program": one program per row (above). "histogram" (bf16 rows only): `_select_by_histograms`,
+# the row spread over programs of HIST_CHUNK entries in four launches. Not yet timed on a GPU: the
+# sweep's `variants` probe times both; one program stays the default until it loses.
+METHOD = "program"
+HIST_CHUNK = 1024
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -201,6 +213,120 @@ def _select_top_kernel(
         _emit(i_row, key_tail, offs_tail, valid_tail, lo, hi, wanted, seen, c)
 
 
+# ------------------------------------------------------------------------------ by histograms
+# A bf16 key has 16 bits: two 256-bin histograms find the count-th largest exactly. Each launch
+# spreads the row over programs of HIST_CHUNK entries, so a long row is not one SM's work (14,336
+# entries took 19 µs in one program on an H200, run 6), at the price of four launches. The
+# histograms live in a reserved buffer, `[R, 512]` (high byte, then low byte), zero between calls.
+
+
+@triton.jit
+def _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS: tl.constexpr, CHUNK: tl.constexpr):
+    """A chunk's bf16 keys (`_keys`, from the 16 bits), their unsigned form ``key + 2^15`` in
+    ``[0, 2^16)``, the positions and which are in the row."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    key = _keys(s_ptr + row * s_row_stride, offs, n, ABS, 0, True)
+    return key, key + 32768, offs, offs < n
+
+
+@triton.jit
+def _top_bin(h, want):
+    """``(bin, count above it)``: the highest bin of the 256-bin histogram ``h`` at or above which
+    ``want >= 1`` entries lie."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(h, 0) - tl.cumsum(h, 0) + h
+    b = tl.max(tl.where(at_or_above >= want, bins, -1), 0)
+    return b, tl.sum(tl.where(bins > b, h, 0), 0)
+
+
+@triton.jit
+def _histogram(values, counted, CHUNK: tl.constexpr):
+    """256-bin histogram of ``values`` where ``counted`` (the others land in bin 0, taken back)."""
+    h = tl.histogram(tl.where(counted, values, 0), 256)
+    return h - tl.where(tl.arange(0, 256) == 0, CHUNK - tl.sum(counted.to(tl.int32), 0), 0)
+
+
+@triton.jit
+def _wanted(cnt_ptr, row, n, k_max):
+    c = tl.minimum(tl.load(cnt_ptr + row).to(tl.int32), k_max)
+    c = tl.minimum(tl.maximum(c, 0), n)
+    return c, tl.maximum(c, 1)  # count 0 selects nothing (the emit masks it); the search needs >= 1
+
+
+@triton.jit
+def _hist_high_kernel(s_ptr, hist_ptr, n, s_row_stride, ABS: tl.constexpr, CHUNK: tl.constexpr):
+    chunk, row = tl.program_id(0), tl.program_id(1)
+    _, u, _, valid = _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS, CHUNK)
+    tl.atomic_add(hist_ptr + row * 512 + tl.arange(0, 256), _histogram(u >> 8, valid, CHUNK))
+
+
+@triton.jit
+def _hist_low_kernel(s_ptr, cnt_ptr, hist_ptr, n, k_max, s_row_stride, ABS: tl.constexpr, CHUNK: tl.constexpr):
+    chunk, row = tl.program_id(0), tl.program_id(1)
+    _, want = _wanted(cnt_ptr, row, n, k_max)
+    high, _ = _top_bin(tl.load(hist_ptr + row * 512 + tl.arange(0, 256)), want)
+    _, u, _, valid = _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS, CHUNK)
+    tl.atomic_add(hist_ptr + row * 512 + 256 + tl.arange(0, 256), _histogram(u & 255, valid & ((u >> 8) == high), CHUNK))
+
+
+@triton.jit
+def _chunk_counts_kernel(s_ptr, cnt_ptr, hist_ptr, part_ptr, n, k_max, s_row_stride,
+                         ABS: tl.constexpr, CHUNK: tl.constexpr):
+    """The exact threshold key, and each chunk's counts of keys above it and equal to it."""
+    chunk, row = tl.program_id(0), tl.program_id(1)
+    _, want = _wanted(cnt_ptr, row, n, k_max)
+    high, above_high = _top_bin(tl.load(hist_ptr + row * 512 + tl.arange(0, 256)), want)
+    low, above_low = _top_bin(tl.load(hist_ptr + row * 512 + 256 + tl.arange(0, 256)), want - above_high)
+    t = high * 256 + low - 32768  # the count-th largest key
+    key, _, _, valid = _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS, CHUNK)
+    part = part_ptr + (row * tl.num_programs(0) + chunk) * 2
+    tl.store(part, tl.sum((valid & (key > t)).to(tl.int32), 0))
+    tl.store(part + 1, tl.sum((valid & (key == t)).to(tl.int32), 0))
+    if chunk == 0:  # the threshold and the keys above it, for the emit launch
+        tl.store(part_ptr + (tl.num_programs(1) * tl.num_programs(0) + row) * 2, t)
+        tl.store(part_ptr + (tl.num_programs(1) * tl.num_programs(0) + row) * 2 + 1, above_high + above_low)
+
+
+@triton.jit
+def _hist_emit_kernel(s_ptr, cnt_ptr, hist_ptr, part_ptr, idx_ptr, n, k_max, s_row_stride, i_row_stride,
+                      ABS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Positions of the kept keys in order (`_emit`, with the earlier chunks' counts as its start),
+    this chunk's share of the zero padding, and the histograms back to zero."""
+    chunk, row = tl.program_id(0), tl.program_id(1)
+    n_chunks = tl.num_programs(0)
+    c, _ = _wanted(cnt_ptr, row, n, k_max)
+    params = part_ptr + (tl.num_programs(1) * n_chunks + row) * 2
+    t, n_above = tl.load(params), tl.load(params + 1)
+    earlier = tl.arange(0, CHUNKS_PAD)
+    part = part_ptr + (row * n_chunks + earlier) * 2
+    before = earlier < chunk
+    above_before = tl.sum(tl.load(part, mask=before, other=0), 0)
+    ties_before = tl.sum(tl.load(part + 1, mask=before, other=0), 0)
+    key, _, offs, valid = _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS, CHUNK)
+    i_row = idx_ptr + row * i_row_stride
+    _emit(i_row, key, offs, valid, t, t + 1, c - n_above, ties_before + (above_before << 16), c)
+    pad = c + offs  # positions count..k_max-1 hold 0; chunk i writes CHUNK of them
+    tl.store(i_row + pad, tl.zeros((CHUNK,), tl.int32), mask=pad < k_max)
+    if chunk == 0:
+        tl.store(hist_ptr + row * 512 + tl.arange(0, 512), tl.zeros((512,), tl.int32))
+
+
+def _select_by_histograms(scores: Tensor, count: Tensor, k_max: int, absolute: bool, hist: Tensor, idx: Tensor) -> None:
+    """The histogram method on bf16 ``scores [R, N]`` into ``idx``; ``hist`` the zeroed ``[R * 512]``
+    buffer (zero again afterwards)."""
+    r, n = scores.shape
+    chunks = triton.cdiv(n, HIST_CHUNK)
+    bits, stride = scores.view(torch.int16), scores.stride(0)
+    # Per chunk: keys above, keys equal; then per row: threshold, keys above it.
+    part = _alloc(r * chunks + r, 2, dtype=torch.int32, device=scores.device)
+    grid, meta = (chunks, r), dict(ABS=absolute, CHUNK=HIST_CHUNK, num_warps=4)
+    _hist_high_kernel[grid](bits, hist, n, stride, **meta)
+    _hist_low_kernel[grid](bits, count, hist, n, k_max, stride, **meta)
+    _chunk_counts_kernel[grid](bits, count, hist, part, n, k_max, stride, **meta)
+    _hist_emit_kernel[grid](bits, count, hist, part, idx, n, k_max, stride, idx.stride(0),
+                            CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)), **meta)
+
+
 def tiles(n: int) -> tuple[int, int]:
     """``(BLOCK_N, TAIL)`` for a row of ``n <= MAX_BLOCK_N`` entries: the largest power of two up to
     ``n`` (16 at least), then the smallest power of two covering the rest (0 if none), so a row just
@@ -231,8 +357,13 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
         return idx
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
-    block, tail = tiles(n)
     bf16 = scores.dtype == torch.bfloat16
+    if METHOD == "histogram" and bf16:
+        hist = scratch.zeroed("select_histograms", r * 512, scores.device)
+        if hist is not None:  # else (none reserved, or too many rows): one program per row
+            _select_by_histograms(scores, count, k_max, absolute, hist, idx)
+            return idx
+    block, tail = tiles(n)
     bits = bf16 and BF16_BITS
     _select_top_kernel[(r,)](
         scores.view(torch.int16) if bits else scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
