@@ -180,6 +180,15 @@ def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, c):
 
 
 @triton.jit
+def _wanted(cnt_ptr, row, n, k_max):
+    """``(c, want)``: the row's count within ``[0, min(k_max, n)]``, and the same at least 1 (count 0
+    selects nothing, which `_emit` masks; the search needs one key to look for)."""
+    c = tl.minimum(tl.load(cnt_ptr + row).to(tl.int32), k_max)
+    c = tl.minimum(tl.maximum(c, 0), n)
+    return c, tl.maximum(c, 1)
+
+
+@triton.jit
 def _select_top_kernel(
     s_ptr, cnt_ptr, idx_ptr,
     n, k_max, s_row_stride, i_row_stride,
@@ -189,8 +198,7 @@ def _select_top_kernel(
     row = tl.program_id(0)
     s_row = s_ptr + row * s_row_stride
     i_row = idx_ptr + row * i_row_stride
-    c = tl.minimum(tl.load(cnt_ptr + row).to(tl.int32), k_max)
-    c = tl.minimum(tl.maximum(c, 0), n)
+    c, want = _wanted(cnt_ptr, row, n, k_max)
     offs = tl.arange(0, BLOCK_N)
     # Padding first: positions count..k_max-1 hold 0.
     for p0 in range(0, k_max, BLOCK_N):
@@ -203,7 +211,6 @@ def _select_top_kernel(
     key = _keys(s_row, offs, n, ABS, SHIFT, BITS)
     key_tail = _keys(s_row, offs_tail, n, ABS, SHIFT, BITS)
     valid, valid_tail = offs < n, offs_tail < n
-    want = tl.maximum(c, 1)  # count 0 selects nothing (masked in _emit); the search needs >= 1
     lo, hi, n_hi = _search(key, key_tail, valid, valid_tail, want, INTERP_STEPS, TAIL)
 
     # Compaction: every key >= hi, then the bracket's keys by position until count is reached.
@@ -244,13 +251,6 @@ def _histogram(values, counted, CHUNK: tl.constexpr):
     """256-bin histogram of ``values`` where ``counted`` (the others land in bin 0, taken back)."""
     h = tl.histogram(tl.where(counted, values, 0), 256)
     return h - tl.where(tl.arange(0, 256) == 0, CHUNK - tl.sum(counted.to(tl.int32), 0), 0)
-
-
-@triton.jit
-def _wanted(cnt_ptr, row, n, k_max):
-    c = tl.minimum(tl.load(cnt_ptr + row).to(tl.int32), k_max)
-    c = tl.minimum(tl.maximum(c, 0), n)
-    return c, tl.maximum(c, 1)  # count 0 selects nothing (the emit masks it); the search needs >= 1
 
 
 @triton.jit
