@@ -231,8 +231,9 @@ def section_variants(rows, groups=VARIANT_GROUPS):
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
               "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1),
               "pages 8192 fp32 x8 keep 0.1, 12 forced": (8, 8192, torch.float32, False, 0.1)}
-    select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS", "METHOD", "HIST_CHUNK")
+    select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS", "METHOD", "HIST_CHUNK", "HIST_MIN_N")
     saved_select = tuple(getattr(select_module, a) for a in select_knobs)
+    hist_from = None  # (entries, chunk) of the shortest bf16 row the histograms won
     if "select_top" in groups:
         kernels.scratch.reserve(dev)  # the histogram method's buffers, as a Decoder with sparse projections has
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
@@ -254,25 +255,40 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         counts = (0, 4) if small else (0, 4, 8) if n <= 4096 else (0, 8, 16)
         # bf16 keys from the scores' 16 bits or through fp32 (`BF16_BITS`); fp32 scores have one path.
         paths = {" bits=direct": True, " bits=fp32": False} if dtype == torch.bfloat16 else {"": saved_select[2]}
-        knobs = {f"interp_steps={i} warps={w or 'by size'}{p}": (i, w, b, "program", saved_select[4])
+        knobs = {f"interp_steps={i} warps={w or 'by size'}{p}": (i, w, b, "program", *saved_select[4:])
                  for i in (saved_select[0],) for w in counts for p, b in paths.items()}
         if dtype == torch.bfloat16:  # the row spread over programs of `HIST_CHUNK` entries, four launches
             for chunk in ((64,) if small else (512, 1024, 2048)):
-                knobs[f"histogram chunk={chunk}"] = (*saved_select[:3], "histogram", chunk)
-        _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
-              lambda name: [setattr(select_module, a, v) for a, v in zip(select_knobs, knobs[name])])
-    if "select_top" in groups:  # one fixed choice would not suit every row: back to the defaults
+                knobs[f"histogram chunk={chunk}"] = (*saved_select[:3], "histogram", chunk, saved_select[5])
+        chosen = _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
+                       lambda name: [setattr(select_module, a, v) for a, v in zip(select_knobs, knobs[name])])
+        if chosen.startswith("histogram") and (hist_from is None or n < hist_from[0]):
+            hist_from = (n, knobs[chosen][4])
+    if "select_top" in groups:
+        # One fixed choice would not suit every row: back to the defaults, except that bf16 rows as
+        # long as the shortest one the histograms won go by histograms (in that chunk) from here on.
         for a, v in zip(select_knobs, saved_select):
             setattr(select_module, a, v)
+        if hist_from is not None:
+            select_module.METHOD, select_module.HIST_MIN_N, select_module.HIST_CHUNK = "auto", *hist_from
+        rule = (f"METHOD=auto HIST_MIN_N={select_module.HIST_MIN_N} HIST_CHUNK={select_module.HIST_CHUNK}"
+                if hist_from is not None else f"METHOD={select_module.METHOD}")
+        rows.append({"section": "variants", "shape": "select_top", "setting": f"rule for the rest of the run: {rule}"})
+        print(f"variants select_top: {rule} for the rest of the run", flush=True)
 
-    # The attention merge: fixed steps of 32 chunk partials, or all of them in one step; warps.
+    # The attention merge: in the chunk kernel's last program (an arrival counter) in steps of
+    # FUSED_BLOCK_C chunks, or a launch of its own in fixed steps of 32 chunk partials or all of them
+    # in one step, with 1-8 warps.
+    kernels.scratch.reserve(dev)  # the merge's arrival counters, as a Decoder on CUDA has
+    merge_knobs = ("FUSE_MERGE", "FUSED_BLOCK_C", "BLOCK_C", "MERGE_WARPS")
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
         fn, check = _attention_case(*_dense_layer(n))
-        merges = {f"merge BLOCK_C={bc or 'all'} warps={w}": (bc, w) for bc in (32, 0) for w in (1, 2, 4, 8)}
-        if small:
-            merges = dict(list(merges.items())[::4])
+        merges = {f"fused merge BLOCK_C={fb}": (True, fb, attn_module.BLOCK_C, attn_module.MERGE_WARPS)
+                  for fb in ((4,) if small else (4, 8, 16, 32))}
+        merges.update({f"merge launch BLOCK_C={bc or 'all'} warps={w}": (False, attn_module.FUSED_BLOCK_C, bc, w)
+                       for bc in (32, 0) for w in ((2,) if small else (1, 2, 4, 8))})
         _pick(rows, "variants", f"attention dense {n // 1024}K", {name: (fn, check) for name in merges},
-              lambda name: [setattr(attn_module, a, v) for a, v in zip(("BLOCK_C", "MERGE_WARPS"), merges[name])])
+              lambda name: [setattr(attn_module, a, v) for a, v in zip(merge_knobs, merges[name])])
 
     # Quest page bound over a 128K context, folded over the group: method, tile and warps, on bf16
     # summaries (the cache keeps its extremes in its own dtype).

@@ -46,7 +46,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402  (benchmarks/, the script's folder)
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK  # noqa: E402
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK, kernels  # noqa: E402
 from policyzoo._compat import attn_implementation  # noqa: E402
 from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
 from policyzoo.bytes import ByteAccount  # noqa: E402
@@ -351,6 +351,18 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
 
 
 # ------------------------------------------------------------------------------------- output
+def kernel_knobs() -> dict:
+    """The kernel modules' launch choices that the variants section can change (none on CPU without
+    the interpreter: no kernel modules)."""
+    from policyzoo.kernels import dispatch
+
+    picks = {"_attn": ("FUSE_MERGE", "FUSED_BLOCK_C", "BLOCK_C", "MERGE_WARPS"),
+             "_select": ("METHOD", "HIST_MIN_N", "HIST_CHUNK", "NUM_WARPS", "BF16_BITS"),
+             "_gemv": ("FUSE_EPILOGUE", "MIN_FUSED_SPLIT"), "_page": ("METHOD", "BLOCK_P", "NUM_WARPS")}
+    return {f"{mod[1:]}.{a}": getattr(getattr(dispatch, mod), a)
+            for mod, names in picks.items() if getattr(dispatch, mod, None) is not None for a in names}
+
+
 def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -413,8 +425,11 @@ def main(argv=None) -> None:
     deadline = time.perf_counter() + args.deadline
 
     def save():
+        meta["knobs"] = kernel_knobs()  # as they stand at this save (the variants section may change them)
         write_outputs(out, meta, rows)
 
+    if DEVICE == "cuda":  # the kernels' counters and histograms, as a Decoder on CUDA reserves them
+        kernels.scratch.reserve(DEVICE)
     bw = copy_bandwidth()
     meta["bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)

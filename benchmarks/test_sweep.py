@@ -34,6 +34,11 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     # select_top per row shape, the merge, the page bound, sparse attention, the GEMV epilogue per shape
     assert len(chosen) == 5 + 1 + 1 + 1 + 4
     assert all(r["correct"] for r in by_section["variants"] if "correct" in r)
+    # select_top's choice for the rest of the run is a rule by row length, and the run records it
+    rule = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("rule for the rest")]
+    assert len(rule) == 1 and "METHOD=" in rule[0]
+    knobs = json.loads((tmp_path / "sweep.json").read_text())["meta"]["knobs"]
+    assert knobs["select.METHOD"] in ("program", "auto") and "attn.FUSE_MERGE" in knobs
     appends = [r for r in by_section["variants"] if r["shape"].startswith("cache append")]
     assert len(appends) == 2 * 3 * 2 and all(r["us"] > 0 for r in appends)  # 2 page sizes x 3 summary sets x 2
     assert {r["setting"] for r in by_section["kernel"]} == {"split-K dense", "split-K 1/16 pages", "torch SDPA"}

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import _compat
+from . import _compat, kernels
 from .attention import ATTN_IMPLEMENTATION, Runtime
 from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState
@@ -79,6 +79,8 @@ class Decoder:
         self.dtype = dtype or param.dtype
         self.device = torch.device(device) if device is not None else param.device
         self._check_model_placement()
+        if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
+            kernels.scratch.reserve(self.device)
         self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
         self.num_layers = len(_compat.decoder_layers(model))
         self.runtime = Runtime(policy=kv if kv is not None else Dense())
@@ -218,6 +220,8 @@ class Decoder:
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         _check_generation_args(max_new_tokens, temperature, top_p)
         self._check_model_placement()
+        if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
+            kernels.scratch.reserve(self.device)
         b, t = input_ids.shape
         eos = _eos_ids(self.model, eos_token_id)
         pad = pad_token_id if pad_token_id is not None else _pad_id(self.model, eos)

@@ -150,12 +150,17 @@ def run_attention(case, mode):
 
 @here
 @ATTENTION_SETTINGS
-@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]))
-def test_decode_attention_softmax(case, merge):
-    """``merge``: the merge's (BLOCK_C, MAX_BLOCK_C), i.e. every chunk in one step, in steps of at
-    most 16 (with > 16 chunks), or in fixed steps of 32."""
-    with mock.patch.object(dispatch._attn, "BLOCK_C", merge[0]), mock.patch.object(dispatch._attn, "MAX_BLOCK_C", merge[1]):
+@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]),
+       fused_block=st.sampled_from([0, 1, 4, 16]))
+def test_decode_attention_softmax(case, merge, fused_block):
+    """``fused_block``: chunks per step of the merge in the chunk kernel's last program (0: the merge
+    as a launch of its own, with ``merge`` its (BLOCK_C, MAX_BLOCK_C): every chunk in one step, in
+    steps of at most 16 (with > 16 chunks), or in fixed steps of 32). The arrival counters are zero
+    after."""
+    knobs = dict(BLOCK_C=merge[0], MAX_BLOCK_C=merge[1], FUSE_MERGE=fused_block > 0, FUSED_BLOCK_C=max(fused_block, 1))
+    with mock.patch.multiple(dispatch._attn, **knobs):
         out, lse, ref_out, ref_lse = run_attention(case, "softmax")
+    assert int(kernels.scratch.zeroed("attention_counters", 1, out.device).abs().sum()) == 0
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
@@ -681,6 +686,28 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
 
 
 @here
+def test_select_top_auto_picks_the_method_by_row_length():
+    """``METHOD="auto"``: bf16 rows of `HIST_MIN_N` entries or more by histograms, shorter bf16 rows
+    and every fp32 row by one program; the same positions either way."""
+    calls = []
+    by_histograms = dispatch._select._select_by_histograms
+
+    def spy(scores, *args):
+        calls.append(scores.shape[-1])
+        return by_histograms(scores, *args)
+
+    g = gen(11)
+    with mock.patch.multiple(dispatch._select, METHOD="auto", HIST_MIN_N=200, HIST_CHUNK=64, _select_by_histograms=spy):
+        for n, dtype in ((199, torch.bfloat16), (200, torch.bfloat16), (300, torch.float32)):
+            s = torch.randn(2, n, generator=g).to(dtype).to(DEVICE)
+            count = torch.tensor([5, n // 2], device=DEVICE)
+            with poisoned():
+                got = dispatch._select.select_top(s, count, n // 2, True)
+            assert torch.equal(got, ref.select_top(s, count, n // 2, True)), (n, dtype)
+    assert calls == [200]
+
+
+@here
 def test_select_top_rows_longer_than_the_registers():
     """The kernel holds a row in registers and refuses a longer one; the library's seam sends such
     rows to the reference."""
@@ -802,11 +829,13 @@ def test_select_top_rows_of_bf16_patterns():
     nan = nans[torch.randperm(96, generator=g)][None].to(DEVICE)
     count = torch.tensor([1, 52, 95], device=DEVICE)  # 52 of the specials: among the ±0 (signed)
     # (one program from bf16 bits, through fp32, by histograms in chunks of 32: the bits again)
-    for bits, method in ((True, "program"), (False, "program"), (True, "histogram")):
+    # ("auto" from rows of 96 entries: these rows by histograms; from 97: by one program)
+    for bits, method, min_n in ((True, "program", 0), (False, "program", 0), (True, "histogram", 0),
+                                (True, "auto", 96), (True, "auto", 97)):
         rows = s if bits else _fp32_path_exact(s)
         nan_row = nan if bits else _fp32_path_exact(nan)
         for absolute in (False, True):
-            knobs = dict(BF16_BITS=bits, METHOD=method, HIST_CHUNK=32)
+            knobs = dict(BF16_BITS=bits, METHOD=method, HIST_CHUNK=32, HIST_MIN_N=min_n)
             with mock.patch.multiple(dispatch._select, **knobs), poisoned():
                 got = dispatch._select.select_top(rows, count, 95, absolute)
                 got_nan = dispatch._select.select_top(nan_row.expand(3, -1), count, 95, absolute)

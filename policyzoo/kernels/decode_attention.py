@@ -10,7 +10,11 @@ Softmax, two launches:
    otherwise — and all G query heads of the GQA group, so each selected key and value is read once
    per group. It walks the chunk's tokens in tiles of ``BLOCK_T`` (online softmax) and writes the
    chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
-2. `_merge_kernel`, grid ``(H, B)``: merges the chunks by log-sum-exp into ``out`` and ``lse``.
+2. The chunks of each (row, KV head) are merged by log-sum-exp into ``out`` and ``lse`` (`_merge_heads`).
+   By default the last chunk program of the group to finish does it, told so by an arrival counter
+   (`FUSE_MERGE`; the counters are `kernels.scratch` buffers, zero between launches): no second launch.
+   Without counters (none reserved on CUDA) or with `FUSE_MERGE` off, `_merge_kernel` does it, grid
+   ``(H, B)``.
 
 1.5-entmax, two passes over the selection (keys in the first, values in the second):
 
@@ -39,6 +43,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import scratch
+
 # The interpreter runs these kernels on CPU tensors when TRITON_INTERPRET=1 was set before triton was
 # first imported (triton.jit reads it as each kernel, its own standard library's included, is
 # defined). Its tl.dot multiplies bfloat16 operands as their raw uint16 bits (triton 3.9), so under
@@ -59,6 +65,11 @@ MIN_CHUNK_TOKENS = 128  # tokens per program at least
 BLOCK_C = 0  # chunk partials per merge step; 0: all of them in one step (up to MAX_BLOCK_C)
 MAX_BLOCK_C = 128
 MERGE_WARPS = 2
+# The merge inside the chunk kernel (last program of each KV head's chunks, all G query heads at
+# once). Its tile is [G, FUSED_BLOCK_C, D] fp32 in the chunk kernel's 4 warps: a wide one would raise
+# the register count, and with it cost occupancy, of the whole kernel.
+FUSE_MERGE = True
+FUSED_BLOCK_C = 16
 # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
 # selection is then one step per pass).
 BLOCK_M = 4096  # scratch entries per step of the entmax threshold search
@@ -120,17 +131,19 @@ def _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G: tl.constexpr, D: 
 @triton.jit
 def _softmax_chunk_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
-    m_ptr, l_ptr, o_ptr,
+    m_ptr, l_ptr, o_ptr, done_ptr, out_ptr, lse_ptr,
     s_qb, s_qh,
     s_kb, s_kh, s_kn,
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
+    s_ob, s_oh,
     n, k_max, chunk, n_chunks, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    FUSE: tl.constexpr, G_P2: tl.constexpr, MERGE_BLOCK_C: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -185,6 +198,60 @@ def _softmax_chunk_kernel(
         acc,
         mask=g_mask[:, None] & (offs_d[None, :] < D),
     )
+    if FUSE:
+        # The barrier orders every thread's partial stores before the counter's release; the
+        # counter's acquire orders them before the last program's reads (.cg in `_merge_heads`: past
+        # this SM's L1). That program resets the counter: zero again for the next launch.
+        tl.debug_barrier()
+        done = done_ptr + b * tl.num_programs(1) + kv
+        if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == n_chunks - 1:
+            _merge_heads(m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, b, kv * G, G * tl.num_programs(1),
+                         s_ob, s_oh, n_chunks, G, G_P2, D, D_PAD, MERGE_BLOCK_C)
+            tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_heads(
+    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, b, h0, n_heads, s_ob, s_oh, n_chunks,
+    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Log-sum-exp merge of the chunk partials of query heads ``h0 .. h0 + G - 1`` of row ``b``
+    (``n_heads`` per row) into ``out`` and ``lse``, ``BLOCK_C`` chunks per step."""
+    offs_g = tl.arange(0, G_P2)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < G
+    head = b * n_heads + h0 + offs_g
+
+    m_run = tl.full([G_P2], -float("inf"), tl.float32)
+    l_run = tl.zeros([G_P2], tl.float32)
+    acc = tl.zeros([G_P2, D_PAD], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        cs = c0 + offs_c
+        mask = g_mask[:, None] & (cs < n_chunks)[None, :]
+        part = head[:, None] * n_chunks + cs[None, :]
+        m = tl.load(m_ptr + part, mask=mask, other=-float("inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(
+            o_ptr + part[:, :, None] * D + offs_d[None, None, :],
+            mask=mask[:, :, None] & (offs_d[None, None, :] < D),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
+        alpha = tl.exp(m_run - m_safe)
+        w = tl.exp(m - m_safe[:, None])
+        l_run = l_run * alpha + tl.sum(w * l, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m_run = m_new
+
+    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_run)[:, None])
+    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
+    tl.store(out_ptr + b * s_ob + (h0 + offs_g)[:, None] * s_oh + offs_d[None, :], out,
+             mask=g_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(lse_ptr + head, lse, mask=g_mask)
 
 
 @triton.jit
@@ -193,39 +260,9 @@ def _merge_kernel(
     s_ob, s_oh, n_chunks,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Log-sum-exp merge of the chunk partials of one (row, query head)."""
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    head = b * tl.num_programs(0) + h
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = tl.arange(0, D_PAD)
-
-    m_run = -float("inf")
-    l_run = 0.0
-    acc = tl.zeros([D_PAD], tl.float32)
-    for c0 in range(0, n_chunks, BLOCK_C):
-        cs = c0 + offs_c
-        c_mask = cs < n_chunks
-        m = tl.load(m_ptr + head * n_chunks + cs, mask=c_mask, other=-float("inf"))
-        l = tl.load(l_ptr + head * n_chunks + cs, mask=c_mask, other=0.0)
-        o = tl.load(
-            o_ptr + (head * n_chunks + cs)[:, None] * D + offs_d[None, :],
-            mask=c_mask[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-        )
-        m_new = tl.maximum(m_run, tl.max(m, 0))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
-        alpha = tl.exp(m_run - m_safe)
-        w = tl.exp(m - m_safe)
-        l_run = l_run * alpha + tl.sum(w * l, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        m_run = m_new
-
-    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
-    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_run))
-    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
-    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out, mask=offs_d < D)
-    tl.store(lse_ptr + head, lse)
+    """The merge as a launch of its own: one program per (query head, row)."""
+    _merge_heads(m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, tl.program_id(1), tl.program_id(0), tl.num_programs(0),
+                 s_ob, s_oh, n_chunks, 1, 1, D, D_PAD, BLOCK_C)
 
 
 @triton.jit
@@ -447,18 +484,23 @@ def decode_attention(
     if mode == "softmax":
         m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
         l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
+        done = scratch.zeroed("attention_counters", b * h_kv, q.device) if FUSE_MERGE else None
+        fuse = done is not None
         _softmax_chunk_kernel[grid](
             q, keys, values, indices, count, lw, start, length,
-            m_part, l_part, o_part,
+            m_part, l_part, o_part, done if fuse else count, out, second,  # count: a dummy, never read unfused
             q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
             indices.stride(0), indices.stride(1), indices.stride(2),
             count.stride(0), count.stride(1),
             lw.stride(0), lw.stride(1), lw.stride(2),
+            out.stride(0), out.stride(1),
             n, k_max, chunk, n_chunks, float(scale),
-            HAS_LW=has_lw, **common,
+            HAS_LW=has_lw, FUSE=fuse, G_P2=triton.next_power_of_2(g), MERGE_BLOCK_C=FUSED_BLOCK_C, **common,
         )
+        if fuse:
+            return out, second
         _merge_kernel[(h, b)](
             m_part, l_part, o_part, out, second,
             out.stride(0), out.stride(1), n_chunks,

@@ -59,10 +59,13 @@ INTERP_STEPS = 16
 # bf16 keys from the scores' 16 bits (False: through fp32 and a shift, as fp32 and fp16 scores go).
 BF16_BITS = True
 # "program": one program per row (above). "histogram" (bf16 rows only): `_select_by_histograms`,
-# the row spread over programs of HIST_CHUNK entries in four launches. Not yet timed on a GPU: the
-# sweep's `variants` probe times both; one program stays the default until it loses.
+# the row spread over programs of HIST_CHUNK entries in four launches. "auto": histograms for bf16
+# rows of HIST_MIN_N entries or more, one program otherwise. Not yet timed on a GPU: the sweep's
+# `variants` probe times both and sets these for the rest of its run; one program stays the default
+# until it loses.
 METHOD = "program"
 HIST_CHUNK = 1024
+HIST_MIN_N = 8192
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -358,7 +361,7 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
     bf16 = scores.dtype == torch.bfloat16
-    if METHOD == "histogram" and bf16:
+    if bf16 and (METHOD == "histogram" or (METHOD == "auto" and n >= HIST_MIN_N)):
         hist = scratch.zeroed("select_histograms", r * 512, scores.device)
         if hist is not None:  # else (none reserved, or too many rows): one program per row
             _select_by_histograms(scores, count, k_max, absolute, hist, idx)
