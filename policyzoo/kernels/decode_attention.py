@@ -11,10 +11,9 @@ Softmax, two launches:
    per group. It walks the chunk's tokens in tiles of ``BLOCK_T`` (online softmax) and writes the
    chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
 2. The chunks of each (row, KV head) are merged by log-sum-exp into ``out`` and ``lse`` (`_merge_heads`).
-   By default the last chunk program of the group to finish does it, told so by an arrival counter
-   (`FUSE_MERGE`; the counters are `kernels.scratch` buffers, zero between launches): no second launch.
-   Without counters (none reserved on CUDA) or with `FUSE_MERGE` off, `_merge_kernel` does it, grid
-   ``(H, B)``.
+   `_merge_kernel` does it, grid ``(H, B)``. With `FUSE_MERGE` (off: measured slower), the last chunk
+   program of the group to finish does it instead, told so by an arrival counter (a `kernels.scratch`
+   buffer, zero between launches), and the second launch goes.
 
 1.5-entmax, two passes over the selection (keys in the first, values in the second):
 
@@ -66,9 +65,11 @@ BLOCK_C = 0  # chunk partials per merge step; 0: all of them in one step (up to 
 MAX_BLOCK_C = 128
 MERGE_WARPS = 2
 # The merge inside the chunk kernel (last program of each KV head's chunks, all G query heads at
-# once). Its tile is [G, FUSED_BLOCK_C, D] fp32 in the chunk kernel's 4 warps: a wide one would raise
-# the register count, and with it cost occupancy, of the whole kernel.
-FUSE_MERGE = True
+# once), tiles of [G, FUSED_BLOCK_C, D] fp32. Measured slower than the launch it saves (H200, run 7,
+# call 1, dense, batch 1): 42.8 µs with tiles of 16 chunks (43.2 with 8, 51.2 with 32, 57.7 with 4)
+# against 40.1 µs at 32K, 132.9 against 131.1 at 128K. One program merging 4 heads x 64 chunks
+# after the others finish costs more than a second launch of 32 programs. So it is off.
+FUSE_MERGE = False
 FUSED_BLOCK_C = 16
 # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
 # selection is then one step per pass).

@@ -27,10 +27,10 @@ in registers:
    and write their positions in ascending order, zeros after ``count``: one prefix sum of two packed
    flags gives each kept key its output slot (`_emit`).
 
-bf16 rows can instead be spread over several programs (`METHOD = "histogram"`): two 256-bin
-histograms of their 16-bit keys give the exact threshold, in four launches (`_select_by_histograms`).
-That is implemented and tested against the same reference, but not yet timed on a GPU, so one
-program per row stays the default.
+Long bf16 rows (`HIST_MIN_N` entries and more: the down projection's 14,336 inputs) are instead
+spread over several programs (`METHOD`): two 256-bin histograms of their 16-bit keys give the exact
+threshold, in four launches (`_select_by_histograms`). One SM holding the whole row was the
+bottleneck there: 17.9 µs in one program, 10.8 by histograms (H200, run 7).
 
 Rows of up to 16384 entries (`MAX_BLOCK_N`: every activation vector and the pages of a 256K context)
 are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a power of
@@ -60,11 +60,12 @@ INTERP_STEPS = 16
 BF16_BITS = True
 # "program": one program per row (above). "histogram" (bf16 rows only): `_select_by_histograms`,
 # the row spread over programs of HIST_CHUNK entries in four launches. "auto": histograms for bf16
-# rows of HIST_MIN_N entries or more, one program otherwise. Not yet timed on a GPU: the sweep's
-# `variants` probe times both and sets these for the rest of its run; one program stays the default
-# until it loses.
-METHOD = "program"
-HIST_CHUNK = 1024
+# rows of HIST_MIN_N entries or more, one program otherwise. On an H200 (run 7, call 1, graph replay,
+# keep 0.5): 14,336 entries took 10.8 µs by histograms in chunks of 512 (11.4 in 1,024, 12.3 in 2,048)
+# against 17.9 µs in one program; 4,096 entries 9.6 against 6.85. The two lines cross near 7K
+# entries (interpolated, not measured), hence 8,192.
+METHOD = "auto"
+HIST_CHUNK = 512
 HIST_MIN_N = 8192
 
 
