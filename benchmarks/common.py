@@ -56,8 +56,8 @@ def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch
 
 
 def plot_speedups(rows: list[dict], path: Path, title: str) -> None:
-    """Speedup over dense against context, one solid line per setting, its byte bound dashed in the
-    same colour (marked x, so a single context shows too). ``rows``: dicts with ``setting``,
+    """Speedup over dense against context, one solid line per setting (a colour and marker of its
+    own), its byte bound dashed in the same colour (marked x, so a single context shows too). ``rows``: dicts with ``setting``,
     ``context``, ``speedup`` and ``bound``."""
     import matplotlib
 
@@ -65,11 +65,16 @@ def plot_speedups(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in sorted({r["setting"] for r in rows}):
+    names = sorted({r["setting"] for r in rows})
+    # Matplotlib's default cycle repeats after 10 colours: past that, settings would share one.
+    colours = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    markers = "os^Dv<>p*h"
+    for i, name in enumerate(names):
         rs = sorted((r for r in rows if r["setting"] == name), key=lambda r: r["context"])
         xs = [r["context"] / 1024 for r in rs]
-        (line,) = ax.plot(xs, [r["speedup"] for r in rs], marker="o", label=name)
-        ax.plot(xs, [r["bound"] for r in rs], linestyle="--", marker="x", color=line.get_color(), alpha=0.6)
+        colour = colours(i % colours.N)
+        ax.plot(xs, [r["speedup"] for r in rs], marker=markers[i % len(markers)], color=colour, label=name)
+        ax.plot(xs, [r["bound"] for r in rs], linestyle="--", marker="x", color=colour, alpha=0.6)
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (K tokens)")
