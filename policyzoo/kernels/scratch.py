@@ -5,8 +5,9 @@ decode-attention merge, `select_top`'s histograms.
 They are made eagerly by `reserve`, never inside a decode step: made during torch.compile's
 CUDA-graph warm-up, a buffer would sit untracked in the graph's memory pool, which cudagraph trees
 refuse ("tensor(s) in the cudagraph pool not tracked as outputs", H200 run 6, call 3).
-A `Decoder` on CUDA reserves them when it wraps a model, and so does `ProjectionSparsifier.install`. A kernel that finds none (or too
-few) takes its path without them. On CPU (the interpreter, no graphs) they are made on first use.
+A `Decoder` on CUDA reserves them when it wraps a model, and so does `ProjectionSparsifier.install`.
+A kernel that finds none (or too few) takes its path without them. On CPU (the interpreter, no
+graphs) they are made on first use.
 
 Two launches running at the same time on different streams would share a buffer: a decode step
 runs them one after another on one stream, and a CUDA graph captured from one stream keeps that
