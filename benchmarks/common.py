@@ -3,12 +3,26 @@ filled with random keys and values (speed does not depend on the values at fixed
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
 import torch
 
 from policyzoo import Decoder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """A short hash of the code a benchmark ran (every ``.py`` under ``policyzoo/`` and
+    ``benchmarks/``, by path and content). The device machine's copy of ``.git`` can be stale (run 7
+    logged an older commit than the tree it ran), so the sweep records this (``meta.source``): a
+    checkout of the commit that ran gives the same digest."""
+    h = hashlib.sha256()
+    for path in sorted(p for folder in ("policyzoo", "benchmarks") for p in (root / folder).rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def llama8b(device: str, layers: int | None = None, tiny: bool = False):

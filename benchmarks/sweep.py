@@ -419,7 +419,7 @@ def main(argv=None) -> None:
 
     meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)", "date": dt.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "model": MODEL, "layers": args.layers or 32}
+            "model": MODEL, "layers": args.layers or 32, "source": common.source_digest()}
     rows: list[dict] = []
     out = Path(args.out)
     deadline = time.perf_counter() + args.deadline

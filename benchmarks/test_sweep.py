@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402
 
 
 def test_sweep_sections_run_on_cpu(tmp_path):
@@ -37,8 +40,9 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     # select_top's choice for the rest of the run is a rule by row length, and the run records it
     rule = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("rule for the rest")]
     assert len(rule) == 1 and "METHOD=" in rule[0]
-    knobs = json.loads((tmp_path / "sweep.json").read_text())["meta"]["knobs"]
-    assert knobs["select.METHOD"] in ("program", "auto") and "attn.FUSE_MERGE" in knobs
+    meta = json.loads((tmp_path / "sweep.json").read_text())["meta"]
+    assert meta["knobs"]["select.METHOD"] in ("program", "auto") and "attn.FUSE_MERGE" in meta["knobs"]
+    assert meta["source"] == common.source_digest()  # the code this test runs
     appends = [r for r in by_section["variants"] if r["shape"].startswith("cache append")]
     assert len(appends) == 2 * 3 * 2 and all(r["us"] > 0 for r in appends)  # 2 page sizes x 3 summary sets x 2
     assert {r["setting"] for r in by_section["kernel"]} == {"split-K dense", "split-K 1/16 pages", "torch SDPA"}
@@ -81,3 +85,16 @@ def test_compiled_items_parse_batches_and_refuse_typos():
     for bad in ("dense@32k", "quest@4096", "dense@4096x0", "dense", "dense@4096x"):
         with pytest.raises(ValueError, match="setting@context"):
             compiled_items(bad, known)
+
+
+def test_source_digest_follows_the_code_and_nothing_else(tmp_path):
+    """``meta.source`` names the code a sweep ran: the same for the same files, changed by any edit
+    to a ``.py`` under policyzoo/ or benchmarks/, blind to other files."""
+    for folder in ("policyzoo", "benchmarks"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    first = common.source_digest(tmp_path)
+    (tmp_path / "benchmarks" / "notes.md").write_text("not code")
+    assert common.source_digest(tmp_path) == first and len(first) == 12
+    (tmp_path / "policyzoo" / "a.py").write_text("x = 2\n")
+    assert common.source_digest(tmp_path) != first
