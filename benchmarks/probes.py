@@ -218,7 +218,8 @@ VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages", "epilo
 def section_variants(rows, groups=VARIANT_GROUPS):
     """The alternatives a kernel module offers, timed against each other and checked against the
     torch reference; the fastest correct one is kept for the rest of the run (and printed, so the
-    defaults in the modules can follow the measurement)."""
+    defaults in the modules can follow the measurement). The kernels' scratch buffers (histograms,
+    arrival counters) are reserved once by `sweep.main`, as a Decoder on CUDA reserves them."""
     from policyzoo.kernels.dispatch import _page as page_module
     from policyzoo.kernels.dispatch import _select as select_module
 
@@ -234,8 +235,6 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS", "METHOD", "HIST_CHUNK", "HIST_MIN_N")
     saved_select = tuple(getattr(select_module, a) for a in select_knobs)
     hist_from = None  # (entries, chunk) of the shortest bf16 row the histograms won
-    if "select_top" in groups:
-        kernels.scratch.reserve(dev)  # the histogram method's buffers, as a Decoder with sparse projections has
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
@@ -271,15 +270,14 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             setattr(select_module, a, v)
         if hist_from is not None:
             select_module.METHOD, select_module.HIST_MIN_N, select_module.HIST_CHUNK = "auto", *hist_from
-        rule = (f"METHOD=auto HIST_MIN_N={select_module.HIST_MIN_N} HIST_CHUNK={select_module.HIST_CHUNK}"
-                if hist_from is not None else f"METHOD={select_module.METHOD}")
+        rule = f"METHOD={select_module.METHOD}" + (
+            f" HIST_MIN_N={select_module.HIST_MIN_N} HIST_CHUNK={select_module.HIST_CHUNK}" if select_module.METHOD == "auto" else "")
         rows.append({"section": "variants", "shape": "select_top", "setting": f"rule for the rest of the run: {rule}"})
         print(f"variants select_top: {rule} for the rest of the run", flush=True)
 
     # The attention merge: in the chunk kernel's last program (an arrival counter) in steps of
     # FUSED_BLOCK_C chunks, or a launch of its own in fixed steps of 32 chunk partials or all of them
     # in one step, with 1-8 warps.
-    kernels.scratch.reserve(dev)  # the merge's arrival counters, as a Decoder on CUDA has
     merge_knobs = ("FUSE_MERGE", "FUSED_BLOCK_C", "BLOCK_C", "MERGE_WARPS")
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
         fn, check = _attention_case(*_dense_layer(n))
@@ -341,7 +339,6 @@ def section_variants(rows, groups=VARIANT_GROUPS):
     if "epilogue" in groups:
         from policyzoo.kernels.dispatch import _gemv as gemv_module
 
-        kernels.scratch.reserve(dev)  # as a Decoder with sparse projections does: else no fusion on CUDA
         knobs = ("FUSE_EPILOGUE", "MIN_FUSED_SPLIT")
         saved_fuse = tuple(getattr(gemv_module, a) for a in knobs)
         for label, (d_in, d_out) in GEMV_SHAPES.items():
