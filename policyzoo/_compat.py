@@ -59,6 +59,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in decoder_layers(model)]
 
 
+def output_size(model: nn.Module) -> int:
+    """Entries of the model's logits: its LM head's outputs (the config's vocabulary size when the
+    head is not a plain linear)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(getattr(head, "out_features", None) or model.config.vocab_size)
+
+
 def head_dims(model: nn.Module) -> tuple[int, int, int]:
     """``(num_heads, num_kv_heads, head_dim)``."""
     c = model.config

@@ -12,67 +12,16 @@ for it (the implementation has no mask function registered): the cache knows eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from . import kernels
-from .cache import PagedKVCache
-from .kv.base import KVSelector, KVState
 from .kv.dense import Dense
-
-if TYPE_CHECKING:
-    from .eval.audit import Audit
 
 ATTN_IMPLEMENTATION = "policyzoo"
 _DENSE = Dense()
-
-
-Attention = Literal["softmax", "entmax"]
-ATTENTIONS = ("softmax", "entmax")
-
-
-def attention_of(policy: KVSelector) -> Attention:
-    """The attention of the model a KV policy serves: its ``attention`` attribute (`EntmaxKV`,
-    `Certified`), ``"softmax"`` for policies without one."""
-    attention = getattr(policy, "attention", "softmax")
-    if attention not in ATTENTIONS:
-        raise ValueError(f"{type(policy).__name__}.attention must be 'softmax' or 'entmax', got {attention!r}")
-    return attention
-
-
-@dataclass
-class Runtime:
-    """Mutable decode state shared by the attention function and the projection wrappers.
-
-    ``policy`` is the KV policy decode steps use and ``sparse_proj`` says whether the projection
-    wrappers sparsify them: `Decoder.use` sets both per request (a gated Decoder picks ``dense``,
-    ``proj``, ``kv`` or ``both``).
-
-    ``attention`` is the model's attention, ``"softmax"`` or ``"entmax"``; by default that of the
-    policy the Runtime is built with (the Decoder's KV policy). It is a property of the model, not of
-    a request: it stays when `Decoder.use` swaps in the `Dense` stand-in, so the dense setting and the
-    dense reference pass of an audit (phase ``"dense_decode"``) of an entmax model attend with entmax.
-    """
-
-    policy: KVSelector
-    # "dense_decode" decodes with every page and dense projections (the reference pass of an audit)
-    phase: Literal["idle", "prefill", "decode", "dense_decode"] = "idle"
-    cache: PagedKVCache | None = None
-    states: list[KVState] = field(default_factory=list)
-    audit: "Audit | None" = None
-    sparse_proj: bool = True
-    attention: Attention | None = None
-
-    def __post_init__(self) -> None:
-        if self.attention is None:
-            self.attention = attention_of(self.policy)
-        elif self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be 'softmax' or 'entmax', got {self.attention!r}")
 
 
 def prefill_mask(start: Tensor, t: int) -> Tensor:
@@ -154,6 +103,8 @@ def policyzoo_attention(
         prefill = prefill_attention_entmax15 if entmax else prefill_attention
         out = prefill(query, key, value, cache.start, scale)
         runtime.policy.prefill(state, query, key, value)
+        if runtime.contexts.keep_previous:  # the selection for the prompt's last token: step 0's "previous"
+            runtime.contexts.seed_previous(layer, runtime.policy.select(state, query[:, :, -1]))
         return out.transpose(1, 2), None
     if query.shape[2] != 1:
         raise RuntimeError(f"decode expects one token per row, got {query.shape[2]}")
@@ -162,6 +113,8 @@ def policyzoo_attention(
     policy.append(state, key, value)
     q = query[:, :, 0]
     sel = policy.select(state, q)
+    if runtime.phase == "decode":  # a dense reference pass leaves the policy's record alone
+        runtime.contexts.record(layer, sel)
     attend = kernels.decode_attention_entmax15 if entmax else kernels.decode_attention
     out, _ = attend(q, state.keys, state.values, sel, cache.start, cache.length, scale)
     if runtime.audit is not None:

@@ -139,7 +139,7 @@ class PagedKVCache:
         t = k.shape[2]
         self.keys[layer][:, :, :t].copy_(k)
         self.values[layer][:, :, :t].copy_(v)
-        self._summarise(layer, slice(0, math.ceil(t / self.page_size)))
+        self.summarise(layer, slice(0, math.ceil(t / self.page_size)))
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Write one token ``k, v [B, H_kv, 1, D]`` at slot ``length - 1``; refresh its page.
@@ -151,7 +151,7 @@ class PagedKVCache:
         kept = tuple(getattr(self, name)[layer] if self.keeps(name) else None for name in SUMMARIES)
         kernels.cache_append(k, v, self.keys[layer], self.values[layer], kept, self.start, self.length, self.page_size)
 
-    def _summarise(self, layer: int, pages: slice) -> None:
+    def summarise(self, layer: int, pages: slice) -> None:
         """Recompute the kept summaries of ``pages`` over their visible slots (after a prefill, or
         after a benchmark fills the cache by hand)."""
         if not self.summaries:

@@ -33,8 +33,6 @@ import datetime as dt
 import json
 import math
 import numbers
-import statistics
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,25 +421,22 @@ class Gate:
     ) -> "Gate":
         """Measure step-time curves on the model's device with a short timing sweep.
 
-        For each context the Decoder's cache is filled with random keys and values (timing does not
-        depend on their values for fixed budgets; a policy that builds state in ``prefill`` gets it
-        from random queries), then for each setting ``warmup`` steps run and ``reps`` times ``steps``
-        decode steps are timed from the same starting length (CUDA events on CUDA,
-        ``time.perf_counter`` elsewhere); the curve point is the median of the per-step means. The
-        steps run the way a gated `Decoder` runs them: one Decoder with ``kv`` and ``proj``
-        installed, switched per setting with `Decoder.use` (with ``compile=True``, through the
-        compiled step, after at least 3 warm-up steps).
-        ``settings`` defaults to those ``kv`` / ``proj`` make possible; ``dense`` is always timed.
-        The model's projection wrappers are removed afterwards.
+        For each context and setting the Decoder's session starts a sequence batch of random keys
+        and values (`DecodeSession.fill_random`: timing does not depend on their values for fixed
+        budgets; a policy that builds state in its own prefill gets it from random queries), then
+        times ``reps`` times ``steps`` decode steps from that context after ``warmup`` steps
+        (`DecodeSession.time_step`: the shared timer, CUDA events on CUDA, the wall clock
+        elsewhere); the curve point is the median of the per-step means. The steps run the way a
+        gated `Decoder` runs them: one Decoder with ``kv`` and ``proj`` installed, switched per
+        setting with `Decoder.use`; with ``compile=True``, through the compiled step as `generate`
+        replays it. ``settings`` defaults to those ``kv`` / ``proj`` make possible; ``dense`` is
+        always timed. The model's projection wrappers are removed afterwards.
 
         ``model`` may also be a `Decoder` (then give no ``kv``, ``proj``, ``page_size`` or
         ``compile``): its own policies and step are timed (a compiled step is compiled once for
         calibration and later decoding alike) and its setting is restored afterwards.
         """
-        from ._compat import attn_implementation
-        from .attention import ATTN_IMPLEMENTATION
         from .decoder import Decoder
-        from .kv.base import KVSelector
         from .proj.base import uninstall
 
         for name, value, low in (("steps", steps, 1), ("reps", reps, 1), ("warmup", warmup, 0), ("batch", batch, 1)):
@@ -459,7 +454,7 @@ class Gate:
             if kv is not None or proj is not None or page_size is not None or compile:
                 raise ValueError("calibrating a Decoder: kv, proj, page_size and compile are the Decoder's own; pass none")
             dec, kv, proj, model = model, model.kv, model.proj, model.model
-            compile, restore = dec._step != dec._decode_step, dec.setting  # compiled: a torch.compile wrapper
+            compile, restore = dec.session.compiled, dec.setting
         else:
             dec, restore = Decoder(model, kv=kv, proj=proj, page_size=page_size, compile=compile), None
         possible = dec.available_settings()
@@ -467,47 +462,23 @@ class Gate:
         missing = [s for s in chosen if s not in possible]
         if missing:
             raise ValueError(f"settings {missing} need {'a KV policy' if 'kv' in missing or 'both' in missing else 'a projection sparsifier'}")
-        device, runtime = dec.device, dec.runtime
-        if compile:
-            warmup = max(warmup, 3)  # compile, record the CUDA graph, replay once before timing
-        margin = max(warmup, steps) + 1
+        session, device = dec.session, dec.device
+        margin = max(warmup, steps, 3) + 1  # room for the warm-up (and, compiled, the capture) or the timed steps
         gen = torch.Generator(device=device).manual_seed(seed)
         curves: dict[str, dict[int, float]] = {s: {} for s in SETTINGS if s in chosen}
-        timer = _time_cuda if device.type == "cuda" else _time_wall
-        token = torch.randint(1, int(model.config.vocab_size), (batch, 1), generator=gen, device=device)
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(contexts) * len(curves), desc="gate calibration", disable=not progress, leave=False)
         try:
-            with torch.no_grad(), attn_implementation(model, ATTN_IMPLEMENTATION):  # as in generate: one compiled entry per setting
-                for n in contexts:
-                    dec._prepare_cache(batch, contexts[-1] + margin, torch.zeros(batch, dtype=torch.long, device=device), n)
-                    cache = runtime.cache
-                    for layer in range(cache.num_layers):
-                        cache.keys[layer][:, :, :n].normal_(generator=gen)
-                        cache.values[layer][:, :, :n].normal_(generator=gen)
-                        cache._summarise(layer, slice(0, math.ceil(n / cache.page_size)))
-                    if kv is not None and type(kv).prefill is not KVSelector.prefill:
-                        for layer, state in enumerate(runtime.states):
-                            q = torch.randn(batch, dec.num_heads, n, dec.head_dim, generator=gen, device=device).to(dec.dtype)
-                            kv.prefill(state, q, cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n])
-                    for s in curves:
-                        bar.set_postfix_str(f"{s} @ {format_context(n)}")
-                        dec.use(s)
-                        runtime.phase = "decode"
-
-                        def run_steps(count: int, n: int = n) -> None:
-                            cache.length.fill_(n)
-                            for _ in range(count):
-                                dec._step(token)
-
-                        if warmup:
-                            run_steps(warmup)
-                        curves[s][n] = statistics.median(timer(lambda: run_steps(steps)) / steps for _ in range(reps))
-                        runtime.phase = "idle"
-                        bar.update(1)
+            for n in contexts:
+                for s in curves:
+                    bar.set_postfix_str(f"{s} @ {format_context(n)}")
+                    session.use(s)
+                    # One cache for every context: a compiled step captured on it is replayed at each.
+                    session.fill_random(n, batch=batch, capacity=contexts[-1] + margin, generator=gen)
+                    curves[s][n] = session.time_step(calls=steps, reps=reps, warmup=warmup)
+                    bar.update(1)
         finally:
-            runtime.phase = "idle"
             bar.close()
             if restore is None:
                 uninstall(model)
@@ -520,20 +491,3 @@ class Gate:
         }  # fmt: skip
         return cls(curves, quality=quality, max_ppl_increase=max_ppl_increase, names=names, device=device_name(device),
                    kv_spec=spec(kv), proj_spec=spec(proj), meta=meta)  # fmt: skip
-
-
-def _time_cuda(fn: Any) -> float:
-    """Milliseconds ``fn`` takes on the current CUDA stream (CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def _time_wall(fn: Any) -> float:
-    """Milliseconds of wall-clock time ``fn`` takes."""
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3

@@ -14,10 +14,9 @@ from transformers import AttentionInterface
 
 from policyzoo import Decoder, EntmaxKV, Quest
 from policyzoo._compat import attn_implementation
-from policyzoo.attention import Runtime, prefill_attention_entmax15, prefill_mask
+from policyzoo.attention import prefill_attention_entmax15, prefill_mask
 from policyzoo.eval import compare
 from policyzoo.eval.audit import Audit
-from policyzoo.kv import Dense
 
 NEW = 8
 ORACLE = "policyzoo_test_entmax15"
@@ -79,7 +78,7 @@ def test_dense_setting_of_an_entmax_decoder_attends_with_entmax():
     model = tiny_model("llama")
     ids, mask = padded_batch(2, 21)
     dec = Decoder(model, kv=EntmaxKV(budget=4, attention="entmax", page=4)).use("dense")
-    assert dec.runtime.attention == "entmax"
+    assert dec.session.runtime.attention == "entmax"
     seq, logits = dec.generate(ids, NEW, attention_mask=mask, output_logits=True)
     torch.testing.assert_close(logits, oracle_logits(copy.deepcopy(model), seq, mask), atol=2e-4, rtol=1e-4)
 
@@ -153,13 +152,6 @@ def test_audit_measures_entmax_policies_against_dense_entmax(make_case):
     torch.testing.assert_close(audit.dropped_mass[0][0].double(), delta, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(audit.output_error[0][0].double(), err, atol=1e-5, rtol=1e-4)
     assert not audit.certified_bound  # a softmax bound: not recorded for entmax attention
-
-
-def test_runtime_attention_follows_the_policy():
-    assert Runtime(policy=Dense()).attention == "softmax"
-    assert Runtime(policy=full_entmax()).attention == "entmax"
-    with pytest.raises(ValueError, match="attention"):
-        Runtime(policy=Dense(), attention="sparsemax")
 
 
 def test_entmax_dispatcher_routes_to_the_kernels_entmax_mode(monkeypatch):

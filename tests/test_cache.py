@@ -246,7 +246,7 @@ def test_kept_summaries_equal_recomputation_when_others_are_dropped(data, cases)
                         dtype=c.dtype, summaries=pair)
     lone.keys[0].copy_(c.keys[0])
     lone.reset(c.start, int(c.length))
-    lone._summarise(0, slice(0, lone.num_pages))
+    lone.summarise(0, slice(0, lone.num_pages))
     ref = _recomputed(case, 0)
     for name in pair:
         torch.testing.assert_close(getattr(lone, name)[0], ref[name].to(getattr(lone, name)[0].dtype), rtol=1e-5, atol=1e-5)

@@ -85,14 +85,14 @@ def test_caches_are_freed_when_replaced_not_when_collected():
     ids, mask = padded_batch(1, 16)
     first = Decoder(model, kv=Quest(0.5, page=4))
     first.generate(ids, 3, attention_mask=mask)
-    small = weakref.ref(first.runtime.cache.keys[0])
+    small = weakref.ref(first.session.cache.keys[0])
     gc.disable()
     try:
         first.generate(ids, 40, attention_mask=mask)  # needs a larger cache
         assert small() is None
-        grown = weakref.ref(first.runtime.cache.keys[0])
+        grown = weakref.ref(first.session.cache.keys[0])
         Decoder(model).generate(ids, 3, attention_mask=mask)
-        assert grown() is None and first.runtime.cache is None
+        assert grown() is None and first.session.cache is None
     finally:
         gc.enable()
 
@@ -284,7 +284,7 @@ def test_cache_keeps_only_the_summaries_the_policy_reads():
     for policy, kept in expected:
         dec = Decoder(model, kv=policy)
         dec.generate(ids, 3, attention_mask=mask, audit=policy is None)
-        assert dec.runtime.cache.summaries == kept, policy
+        assert dec.session.cache.summaries == kept, policy
 
 
 def test_dense_audit_records_no_certified_bound_without_summaries():

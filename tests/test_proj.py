@@ -144,7 +144,7 @@ def test_shared_input_leaves_nothing_pending_and_recomputes_for_another_input(mo
     dec = Decoder(model, proj=TopK(0.5))
     attn = model.model.layers[0].self_attn
     group = attn.q_proj.group
-    dec.runtime.phase = "decode"
+    dec.session.runtime.phase = "decode"
     x, other = torch.randn(2, 1, model.config.hidden_size), torch.randn(2, 1, model.config.hidden_size)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     assert group._input is None and group._outputs == ()  # every member took its output

@@ -27,6 +27,6 @@ def test_readme_policy_runs_and_respects_its_budget():
     kept = dec.last_audit.per_layer("kv_keep")  # fraction of the visible context
     assert float(kept.max()) <= 12 / 37 + 1e-6 and float(kept.min()) > 0
     assert 0 < dec.last_audit.mean("dropped_mass") < 1
-    assert dec.runtime.cache.summaries == ()  # it reads keys only, and says so: no page summary kept
+    assert dec.session.cache.summaries == ()  # it reads keys only, and says so: no page summary kept
     full = Decoder(tiny_model("llama"), kv=KeyNormTopK(budget=1000, sinks=2, window=4))
     assert torch.equal(full.generate(ids, 4, attention_mask=mask), Decoder(tiny_model("llama")).generate(ids, 4, attention_mask=mask))

@@ -7,28 +7,44 @@ synchronises with the host, so a compiled decode step does not recompile as the 
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import kernels
 from ..cache import SUMMARIES, PagedKVCache
 from ..selection import Selection
+from .context import ContextStore, StepContext
 
 Aggregate = Literal["sum", "max"]
 
 
 @dataclass
 class KVState:
-    """What a policy sees of one layer: the cache, visibility, the softmax scale and a scratch dict."""
+    """What a policy sees of one layer: the cache, visibility, the softmax scale, a per-layer store
+    that persists across steps (the policy's own dict) and the step context (`context`)."""
 
     cache: PagedKVCache
     layer: int
     scale: float
-    store: dict = field(default_factory=dict)  # per-layer scratch owned by the policy
+    store: dict = field(default_factory=dict)  # per-layer, kept across steps, owned by the policy
+    contexts: ContextStore | None = field(default=None, repr=False)  # the session's; None: standalone
+
+    @property
+    def context(self) -> StepContext:
+        """This layer's `StepContext` (step index, previous selections, hidden state, shared store).
+
+        A state made outside a decode session (tests, a hand-driven cache) gets one of its own, at
+        step 0 with nothing recorded.
+        """
+        if self.contexts is None:
+            self.contexts = ContextStore(self.cache.num_layers, self.cache.device)
+        return self.contexts.view(self.layer)
 
     @property
     def keys(self) -> Tensor:
@@ -66,6 +82,9 @@ class KVSelector:
     # and refreshes only these. All of them unless a policy says otherwise, so that a policy written
     # before this attribute existed still finds what it reads.
     summaries: tuple[str, ...] = SUMMARIES
+    # The parts of the step context `select` reads beyond the step index and the shared store
+    # (`kv.context.PARTS`: "previous", "below", "hidden"); the session keeps only these.
+    step_context: tuple[str, ...] = ()
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Called once per layer after the dense prefill; ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
@@ -76,6 +95,85 @@ class KVSelector:
 
     def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
         """Called after each decode token is written (the cache keeps page summaries itself)."""
+
+    # ------------------------------------------------------------------ learned parameters
+    # A policy may own parameters: any attribute that is an `nn.Module` (a scoring head, say). The
+    # Decoder moves them to the model's device and dtype; `save` and `load` keep them in a
+    # safetensors file together with the policy's parameters (its dataclass fields).
+
+    def modules(self) -> dict[str, nn.Module]:
+        """The policy's learned parts: its attributes that are `nn.Module`s, by name."""
+        return {name: value for name, value in vars(self).items() if isinstance(value, nn.Module)}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Every learned parameter (none for a policy without modules)."""
+        for module in self.modules().values():
+            yield from module.parameters()
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "KVSelector":
+        """Move the learned parts (floating-point tensors take ``dtype``); returns the policy."""
+        for module in self.modules().values():
+            module.to(device=device, dtype=dtype)
+        return self
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{"<module>.<name>": tensor}`` of every learned part."""
+        return {f"{name}.{key}": value for name, module in self.modules().items() for key, value in module.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> "KVSelector":
+        """Load `state_dict` output into the learned parts, strictly: every key, every shape."""
+        modules = self.modules()
+        owner = type(self).__name__
+        unknown = sorted({key.split(".", 1)[0] for key in state} - set(modules))
+        if unknown:
+            raise ValueError(f"{owner} has no learned part {unknown[0]!r} (its parts: {sorted(modules) or 'none'})")
+        for name, module in modules.items():
+            part = {key.split(".", 1)[1]: value for key, value in state.items() if key.split(".", 1)[0] == name}
+            try:
+                module.load_state_dict(part, strict=True)
+            except RuntimeError as e:
+                raise ValueError(f"{owner}.{name}: the saved tensors do not fit ({e})") from None
+        return self
+
+    def save(self, path: str | Path) -> Path:
+        """Write the learned parts and the policy's parameters to a safetensors file."""
+        from safetensors.torch import save_file
+
+        if not self.modules():
+            raise ValueError(f"{type(self).__name__} has no learned parameters to save")
+        tensors = {key: value.detach().contiguous().cpu() for key, value in self.state_dict().items()}
+        meta = {"policy": type(self).__name__, "params": json.dumps(_params(self))}
+        save_file(tensors, str(path), metadata=meta)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> "KVSelector":
+        """A policy of this class built with the parameters saved in ``path`` (``overrides`` replace
+        some, e.g. the budget), its learned parts loaded from the file."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no policy file {str(path)!r}")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        if meta.get("policy") != cls.__name__:
+            raise ValueError(f"{path} holds a {meta.get('policy', 'unknown')} policy, not {cls.__name__}")
+        params = {**json.loads(meta.get("params", "{}")), **overrides}
+        return cls(**params).load_state_dict(tensors)
+
+
+def _params(policy: KVSelector) -> dict[str, Any]:
+    """A policy's JSON-ready parameters: its dataclass fields that the constructor takes."""
+    if not is_dataclass(policy):
+        return {}
+    out = {}
+    for f in fields(policy):
+        value = getattr(policy, f.name)
+        if f.init and isinstance(value, (bool, int, float, str, type(None), list, tuple)):
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 # ------------------------------------------------------------------------------------ budgets

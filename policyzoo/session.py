@@ -1,0 +1,424 @@
+"""`DecodeSession`: the one owner of a Decoder's decode state.
+
+A session holds the paged KV cache, the per-layer policy states, the step context, the sampler
+state and the setting (``dense``, ``proj``, ``kv``, ``both``), and it is the only code that drives
+the wrapped model through a decode: `prefill` fills the cache from a prompt, `step` decodes one token
+per row, `audit` records what the policy changes. `Decoder.generate`, the evaluation runner,
+`policyzoo.eval.compare`, gate calibration and the benchmarks all decode through it::
+
+    session = dec.session
+    logits = session.prefill(input_ids, capacity=input_ids.shape[1] + 64)
+    token = session.choose(logits[:, -1])           # greedy unless `sample` said otherwise
+    for _ in range(63):
+        logits = session.step(token)                # or session.step(): feed the token it chose
+        token = session.last_token
+
+The step is one function of the session's device tensors, so it compiles once
+(`Decoder.compile`) and, on CUDA, is captured in a CUDA graph that the session replays directly: a
+replay costs the host tens of microseconds, where a call through torch.compile's guards costs
+milliseconds on an 8B model. The first two steps of a new shape (cache, setting, sampling mode) run
+the compiled function itself (compilation, warm-up); the third captures the graph and replays it.
+Every step is a real step: nothing is run twice or rolled back.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from . import _compat
+from .attention import ATTN_IMPLEMENTATION
+from .cache import PagedKVCache
+from .kv.base import KVSelector, KVState
+from .kv.context import ContextStore
+from .runtime import Recorder, Runtime
+from .sampling import Sampler
+from .timing import time_ms
+
+SETTINGS = ("dense", "proj", "kv", "both")
+WARMUP_STEPS = 2  # compiled runs of a new shape before its CUDA graph is captured
+
+
+class DecodeSession:
+    """Decode state and the steps that advance it, for one wrapped model (see the module docstring).
+
+    Built by `Decoder`; reach it as ``decoder.session``. Args: the wrapped ``model``, the shared
+    ``runtime`` the model's hooks read, the Decoder's KV policy (``kv``, or None) and whether it has
+    a projection sparsifier (``proj``), the ``dense`` stand-in policy, and the cache layout.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        runtime: Runtime,
+        *,
+        kv: KVSelector | None,
+        proj: bool,
+        dense: KVSelector,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model, self.runtime, self.kv, self.has_proj, self._dense = model, runtime, kv, proj, dense
+        self.page_size, self.dtype, self.device = page_size, dtype, device
+        self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
+        self.num_layers = len(_compat.decoder_layers(model))
+        self.vocab_size = _compat.output_size(model)
+        self.setting = ("both" if proj else "kv") if kv is not None else ("proj" if proj else "dense")
+        self.sampler: Sampler | None = None
+        self.contexts: ContextStore | None = None
+        self.last_token: Tensor | None = None  # the tokens the last step (or `choose`) chose, [B]
+        self._tokens: Tensor | None = None  # [B, 1]: what the next step feeds
+        self._compiled: Any = None  # the compiled step, or None (eager)
+        self._cuda_graphs = False
+        self._dynamic_capacity = False
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self._runs: dict[tuple, int] = {}
+
+    # ------------------------------------------------------------------------------ setting
+    def available_settings(self) -> tuple[str, ...]:
+        """``dense`` always, ``proj`` with a projection sparsifier, ``kv`` with a KV policy, ``both``
+        with both."""
+        have = {"dense": True, "proj": self.has_proj, "kv": self.kv is not None}
+        have["both"] = have["proj"] and have["kv"]
+        return tuple(s for s in SETTINGS if have[s])
+
+    def use(self, setting: str) -> "DecodeSession":
+        """Decode from the next prefill on with ``setting``: ``dense`` (every KV page, dense
+        projections), ``proj`` (sparse projections only), ``kv`` (the KV policy only) or ``both``."""
+        if setting not in self.available_settings():
+            raise ValueError(f"setting must be one of {', '.join(self.available_settings())} for this Decoder, got {setting!r}")
+        self.runtime.policy = self.kv if setting in ("kv", "both") else self._dense
+        self.runtime.sparse_proj = setting in ("proj", "both")
+        self.setting = setting
+        return self
+
+    # ------------------------------------------------------------------------------ compile
+    def compile(self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None) -> None:
+        """Compile the step with ``torch.compile`` (see `Decoder.compile`)."""
+        self._dynamic_capacity = dynamic_capacity
+        self._cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if self._cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a model on a CUDA device")
+        if self._cuda_graphs and mode in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"mode={mode!r} records CUDA graphs itself; pass cuda_graphs=False with it")
+        self._graphs.clear()
+        self._runs.clear()
+        if dynamic_capacity:
+            # Inductor's rewrite of a scatter into a zero tensor as a pointwise select gave `SSA` a
+            # wrong selection with symbolic sizes (a sampled page lost on caches of up to 8 pages;
+            # aot_eager and this build match eager). `options` replaces `mode`: same settings.
+            modal = torch._inductor.list_mode_options(mode) if mode else {}
+            options = {**modal, "optimize_scatter_upon_const_tensor": False}
+            self._compiled = torch.compile(self._decode_step, options=options, dynamic=None)
+            if self.runtime.cache is not None:
+                _mark_capacity_dynamic(self.runtime.cache)
+        else:
+            self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run a compiled function (audited steps still run eagerly)."""
+        return self._compiled is not None
+
+    # ------------------------------------------------------------------------------ cache
+    @property
+    def cache(self) -> PagedKVCache | None:
+        return self.runtime.cache
+
+    def reserve(self, batch: int, capacity: int, *, exact: bool = False) -> PagedKVCache:
+        """A cache for ``batch`` rows of ``capacity`` tokens (rounded up to whole pages): the current
+        one when it fits (``exact``: only when it has exactly that capacity: the kernels' grids follow
+        the capacity, so a benchmark must not time a larger cache), else a new one. A new cache frees
+        the old one first and drops the CUDA graphs recorded on it."""
+        for name, value in (("batch", batch), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        capacity = math.ceil(capacity / self.page_size) * self.page_size
+        cache = self.runtime.cache
+        if cache is not None and cache.batch == batch and (cache.capacity == capacity if exact else cache.capacity >= capacity):
+            return cache
+        self.release()
+        cache = PagedKVCache(
+            self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
+            page_size=self.page_size, dtype=self.dtype, device=self.device, summaries=self._summaries(),
+        )  # fmt: skip
+        if self._dynamic_capacity:
+            _mark_capacity_dynamic(cache)
+        self.contexts = ContextStore(self.num_layers, self.device)
+        self.runtime.cache, self.runtime.contexts = cache, self.contexts
+        scale = self.head_dim**-0.5
+        self.runtime.states = [KVState(cache, layer, scale, contexts=self.contexts) for layer in range(self.num_layers)]
+        self.sampler = Sampler(batch, self.vocab_size, self.device)
+        self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        if self.device.type == "cuda":
+            torch._dynamo.mark_static_address(self._tokens)
+        return cache
+
+    def release(self) -> None:
+        """Free the cache and everything made for it (its CUDA graphs, step context, sampler)."""
+        self.runtime.cache, self.runtime.states, self.runtime.contexts = None, [], None
+        self.contexts = self.sampler = self._tokens = self.last_token = None
+        self._graphs.clear()
+        self._runs.clear()
+
+    def _summaries(self) -> tuple[str, ...]:
+        """The page summaries the cache keeps: those the KV policy reads (`KVSelector.summaries`).
+        Every setting decodes with that policy or with `Dense`, which reads none."""
+        return tuple(self.kv.summaries) if self.kv is not None else ()
+
+    def _begin(self, batch: int, capacity: int, start: Tensor, length: int, exact: bool = False) -> PagedKVCache:
+        """A new sequence batch: rows own slots ``start[b] .. length-1``; the policy's per-layer
+        stores and the step context start empty."""
+        cache = self.reserve(batch, capacity, exact=exact)
+        for state in self.runtime.states:
+            state.store.clear()
+        cache.reset(start, length)
+        parts = self.runtime.policy.step_context
+        self.contexts.keep_previous = "previous" in parts
+        self.contexts.keep_hidden = "hidden" in parts
+        self.contexts.reset()
+        self.sampler.configure()
+        return cache
+
+    # ------------------------------------------------------------------------------ prefill
+    def check_inputs(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(input_ids int64[B, T], attention_mask int64[B, T])`` checked: integer ids on the
+        model's device, a 0/1 left-padded mask (all ones when None) with a real token in every row."""
+        if not isinstance(input_ids, Tensor) or input_ids.dtype not in (torch.long, torch.int32):
+            raise TypeError("input_ids must be an integer tensor of shape [batch, tokens]")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        if input_ids.device != self.device:
+            raise ValueError(f"input_ids are on {input_ids.device} but the model is on {self.device}")
+        input_ids = input_ids.long()
+        if attention_mask is None:
+            return input_ids, torch.ones_like(input_ids)
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask shape {shape} != input_ids shape {tuple(input_ids.shape)}")
+        mask = attention_mask.to(input_ids.device).long()
+        if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError("attention_mask must be 0/1 and left-padded (zeros before the ones in every row)")
+        if bool((mask[:, -1] == 0).any()):
+            raise ValueError("attention_mask: every row needs at least one real token")
+        return input_ids, mask
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, capacity: int | None = None, keep_logits: int = 1
+    ) -> Tensor:
+        """Start a sequence batch from a (left-padded) prompt: a dense forward fills the cache.
+
+        ``capacity`` is the tokens per row the cache must hold (prompt plus new tokens; default the
+        prompt). Returns the logits of the last ``keep_logits`` prompt positions, ``[B, keep, V]``.
+        """
+        input_ids, mask = self.check_inputs(input_ids, attention_mask)
+        b, t = input_ids.shape
+        start = (mask == 0).sum(1)
+        self._begin(b, max(capacity or t, t), start, t)
+        positions = (torch.arange(t, device=input_ids.device)[None, :] - start[:, None]).clamp(min=0)
+        with self._phase("prefill"):
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep_logits)
+        return out.logits
+
+    def needs_own_prefill(self) -> bool:
+        """Whether the policy in use builds state in a prefill of its own (`KVSelector.prefill`, or
+        the previous step's selection it reads), so that `load_prefix` cannot start it."""
+        policy = self.runtime.policy
+        return type(policy).prefill is not KVSelector.prefill or "previous" in policy.step_context
+
+    @torch.no_grad()
+    def load_prefix(self, prefix: list[tuple[Tensor, Tensor]], start: Tensor, *, capacity: int) -> None:
+        """Start a sequence batch from keys and values computed elsewhere (a dense prefill shared by
+        several settings): ``prefix`` holds per layer ``(k, v) [B, H_kv, T, D]``, left-padded, with
+        row ``b``'s first real token at ``start[b]``. The cache then holds what `prefill` of the same
+        prompt would have written."""
+        if self.needs_own_prefill():
+            raise ValueError(f"{type(self.runtime.policy).__name__} builds state in its own prefill: call prefill()")
+        if len(prefix) != self.num_layers:
+            raise ValueError(f"prefix has {len(prefix)} layers, the model {self.num_layers}")
+        b, _, t, _ = prefix[0][0].shape
+        cache = self._begin(b, max(capacity, t), start.to(self.device), t)
+        for layer, (k, v) in enumerate(prefix):
+            cache.write_prefill(layer, k.to(cache.dtype), v.to(cache.dtype))
+
+    @torch.no_grad()
+    def fill_random(self, n: int, *, batch: int = 1, capacity: int | None = None, generator: torch.Generator | None = None) -> None:
+        """Start a sequence batch of ``n`` random keys and values per row, summaries included, for
+        timing (speed does not depend on the values at a fixed budget): a cache of exactly
+        ``capacity`` tokens (default ``n + 64``), no prompt. A policy that builds state in its own
+        prefill gets it from random queries."""
+        capacity = capacity if capacity is not None else n + 64
+        if capacity < n:
+            raise ValueError(f"capacity ({capacity}) must hold the {n} filled tokens")
+        cache = self._begin(batch, capacity, torch.zeros(batch, dtype=torch.long, device=self.device), n, exact=True)
+        q_shape = (batch, self.num_heads, n, self.head_dim)
+        policy = self.runtime.policy
+        for layer, state in enumerate(self.runtime.states):
+            cache.keys[layer][:, :, :n].normal_(generator=generator)
+            cache.values[layer][:, :, :n].normal_(generator=generator)
+            cache.summarise(layer, slice(0, math.ceil(n / cache.page_size)))
+            if self.needs_own_prefill():
+                q = torch.randn(q_shape, generator=generator, device=self.device).to(self.dtype)
+                policy.prefill(state, q, cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n])
+                if self.contexts.keep_previous:
+                    self.contexts.seed_previous(layer, policy.select(state, q[:, :, -1]))
+
+    def rewind(self, length: int) -> None:
+        """Set every row's length back to ``length`` tokens (a benchmark times the same slot again)."""
+        self._need_cache()
+        self.runtime.cache.length.fill_(length)
+
+    def time_step(self, *, calls: int = 8, reps: int = 3, warmup: int = 2) -> float:
+        """Milliseconds per decode step at the current context, the step as `generate` runs it
+        (compiled and replayed when the session is compiled), by the shared timer
+        (`timing.time_ms`: CUDA events on CUDA): the median over ``reps`` of ``calls`` steps, every
+        rep from the current length. A compiled session first takes the steps that compile and
+        capture it."""
+        self._need_cache()
+        cache = self.runtime.cache
+        length = int(cache.length)
+        if self.compiled:
+            warmup = max(warmup, WARMUP_STEPS + 1)
+        if length + max(calls, warmup) > cache.capacity:
+            raise ValueError(f"the cache holds {cache.capacity} tokens: no room for {max(calls, warmup)} steps after {length}")
+        return time_ms(self.step, calls=calls, reps=reps, warmup=warmup, setup=lambda: self.rewind(length), device=self.device)
+
+    # ------------------------------------------------------------------------------ steps
+    def sample(
+        self,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        eos_token_id: list[int] = (),  # type: ignore[assignment]
+        pad_token_id: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """How this sequence batch chooses its tokens (`sampling.Sampler`): greedy by default. Rows
+        that choose an ``eos_token_id`` are finished and get ``pad_token_id`` from then on."""
+        self._need_cache()
+        self.sampler.configure(
+            do_sample=do_sample, temperature=temperature, top_p=top_p, eos=list(eos_token_id), pad=pad_token_id, generator=generator
+        )
+
+    @torch.no_grad()
+    def choose(self, logits: Tensor) -> Tensor:
+        """The next tokens ``int64[B]`` from ``logits [B, V]`` (the prefill's last position) by the
+        sequence batch's sampling rule; the next `step` feeds them."""
+        self._need_cache()
+        self.sampler.draw()
+        token = self.sampler.choose(logits)
+        self._tokens.copy_(token[:, None])
+        self.last_token = token
+        return token
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor | None = None) -> Tensor:
+        """Decode one token per row and return the next-token logits ``[B, V]``.
+
+        ``tokens`` (``[B]`` or ``[B, 1]``) are fed; None feeds what the last step or `choose` chose
+        (finished rows: the pad id). The step then chooses the next tokens itself (`last_token`). On
+        a compiled session this is the compiled step, replayed as a CUDA graph on CUDA; with an audit
+        on, the eager step. A CUDA graph's outputs are overwritten by the next step: copy what must
+        outlive it.
+        """
+        self._need_cache()
+        if tokens is not None:
+            self._tokens.copy_(tokens.reshape(self._tokens.shape))
+        self.sampler.draw()
+        with self._phase("decode"):
+            if self._compiled is None or self.runtime.audit is not None:
+                logits, token = self._decode_step()
+            elif self._cuda_graphs:
+                logits, token = self._replay()
+            else:
+                logits, token = self._compiled()
+        self.last_token = token
+        return logits
+
+    @torch.no_grad()
+    def redo_dense(self, tokens: Tensor) -> Tensor:
+        """Decode ``tokens`` (the last step's, ``[B]`` or ``[B, 1]``) again at the last step's slot,
+        densely (every page, dense projections) and uncompiled; their keys and values replace the
+        step's. Returns the dense logits ``[B, V]`` (the reference pass of `policyzoo.eval.compare`)."""
+        self._need_cache()
+        self._tokens.copy_(tokens.reshape(self._tokens.shape))
+        with self._phase("dense_decode"):
+            return self._forward()
+
+    @contextmanager
+    def audit(self, recorder: Recorder | None = None) -> Iterator[Recorder]:
+        """Record every step in the block with ``recorder`` (a new `policyzoo.eval.audit.Audit` by
+        default): dropped mass, output error, kept fractions. Audited steps run eagerly."""
+        if recorder is None:
+            from .eval.audit import Audit
+
+            recorder = Audit()
+        previous, self.runtime.audit = self.runtime.audit, recorder
+        try:
+            yield recorder
+        finally:
+            self.runtime.audit = previous
+
+    # ------------------------------------------------------------------------------ internals
+    def _need_cache(self) -> None:
+        if self.runtime.cache is None:
+            raise RuntimeError("no sequence batch: call prefill(), load_prefix() or fill_random() first")
+
+    @contextmanager
+    def _phase(self, phase: str) -> Iterator[None]:
+        self.runtime.phase = phase  # type: ignore[assignment]
+        try:
+            with _compat.attn_implementation(self.model, ATTN_IMPLEMENTATION):
+                yield
+        finally:
+            self.runtime.phase = "idle"
+
+    def _forward(self) -> Tensor:
+        """The model on ``_tokens`` at slot ``length - 1``; its RoPE position is the token's index
+        among its row's real tokens."""
+        cache = self.runtime.cache
+        positions = (cache.length - 1 - cache.start).clamp(min=0)[:, None]
+        logits = self.model(input_ids=self._tokens, position_ids=positions, use_cache=False, logits_to_keep=1).logits[:, -1]
+        self.contexts.end_step()
+        return logits
+
+    def _decode_step(self) -> tuple[Tensor, Tensor]:
+        """The compiled unit: advance the cache (every layer writes at the new ``length - 1``),
+        run the model, choose the next tokens and feed them to the next step. Only device tensors
+        change, in place."""
+        self.runtime.cache.length += 1
+        logits = self._forward()
+        self.contexts.advance()
+        token = self.sampler.choose(logits)
+        self._tokens.copy_(token[:, None])
+        return logits, token
+
+    def _replay(self) -> tuple[Tensor, Tensor]:
+        key = (self.setting, self.sampler.mode)  # and the cache: `release` drops its graphs
+        entry = self._graphs.get(key)
+        if entry is None:
+            runs = self._runs.get(key, 0)
+            if runs < WARMUP_STEPS:  # compile, then warm up, with real steps
+                self._runs[key] = runs + 1
+                return self._compiled()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = self._compiled()
+            entry = self._graphs[key] = (graph, outputs)
+        graph, outputs = entry
+        graph.replay()
+        return outputs
+
+
+def _mark_capacity_dynamic(cache: PagedKVCache) -> None:
+    # maybe_: a value the code specialises on recompiles instead of raising.
+    for t in cache.tensors():
+        if t.dim() == 4:  # keys/values [B, H_kv, capacity, D], summaries [B, H_kv, pages, D]
+            torch._dynamo.maybe_mark_dynamic(t, 2)
