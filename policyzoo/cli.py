@@ -279,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_eval_parser(sub: Any) -> None:
-    """``policyzoo eval``: the quality grid (defined with the harness, `policyzoo.eval.harness`)."""
-    from .eval.harness import add_parser
+    """``policyzoo eval``: the quality grid (its arguments and command are in `policyzoo.eval.cli`)."""
+    from .eval.cli import add_parser
 
     add_parser(sub)
 

@@ -9,6 +9,7 @@ pairs; a leading value without a key is the policy's first parameter::
     parse_kv("dense")                         # Dense()
     parse_proj("topk:0.5")                    # TopK(keep=0.5)
     parse_proj("threshold:0.5,path=thr.safetensors")   # Threshold.load("thr.safetensors")
+    parse_kv("mine:budget=0.2,path=mine.safetensors")  # a learned policy: MyPolicy.load(path, budget=0.2)
     parse_proj("none")                        # None (dense projections)
 
 Values keep their type as written: ``256`` is an int (a number of tokens), ``0.25`` a float (a keep
@@ -17,7 +18,9 @@ their items with ``+`` (``topk:0.5,targets=gate+up+down``). A bad spec raises `V
 the accepted policies, or the policy's parameters and defaults.
 
 New policies register in one line: ``KV_POLICIES["mine"] = MyPolicy`` (a dataclass whose fields are
-its parameters) or ``PROJ_SPARSIFIERS["mine"] = MySparsifier``.
+its parameters) or ``PROJ_SPARSIFIERS["mine"] = MySparsifier``. Every KV policy also takes ``path``:
+a safetensors file written by `KVSelector.save` (a policy with learned parameters), whose saved
+parameters the spec's others replace.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ PROJ_NONE_NAMES = ("none", "dense")
 # Parameters a spec may not set (internal state) and extra ones handled here.
 _HIDDEN = {Threshold: ("thresholds",)}
 _EXTRA = {Threshold: {"path": "a safetensors file written by Threshold.save (loads its thresholds)"}}
+_KV_EXTRA = {"path": "a safetensors file written by KVSelector.save (its parameters and learned tensors)"}
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.+-]*$")
 
@@ -60,7 +64,13 @@ def parse_kv(spec: str) -> KVSelector:
     if name.lower() == "none":
         name = "dense"
     cls = _lookup(name, KV_POLICIES, "KV policy", extra_names=("none",))
-    return _build(cls, name, params, spec)
+    kwargs = _kwargs(cls, name, params, spec, extra=("path",))
+    path = kwargs.pop("path", None)
+    if path is None:
+        return _construct(cls, cls, name, kwargs, spec)
+    if not Path(str(path)).is_file():
+        raise ValueError(f"spec {spec!r}: no policy file {str(path)!r}")
+    return _construct(lambda **kw: cls.load(str(path), **kw), cls, name, kwargs, spec)
 
 
 def parse_proj(spec: str) -> ProjectionSparsifier | None:
@@ -169,7 +179,8 @@ def _show(value: Any) -> str:
 
 def _params_text(cls: type) -> str:
     parts = [f"{f.name}={_show(_default(f))}" for f in _fields(cls)]
-    parts += [f"{k} ({doc})" for k, doc in _EXTRA.get(cls, {}).items()]
+    extra = _EXTRA.get(cls, _KV_EXTRA if isinstance(cls, type) and issubclass(cls, KVSelector) and cls is not Dense else {})
+    parts += [f"{k} ({doc})" for k, doc in extra.items()]
     return ", ".join(parts) if parts else "(no parameters)"
 
 

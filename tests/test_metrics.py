@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_model
 
-from policyzoo.eval.metrics import dropped_mass, group_mean, logits_kl, relative_output_error, top1_agreement
+from policyzoo.eval.metrics import dropped_mass, group_mean, logits_kl, relative_output_error, top1_agreement, topk_mass_recall
+from policyzoo.eval.runner import evaluate
+from policyzoo.eval.settings import Setting
 from policyzoo.kernels import reference
 from policyzoo.kv import AttentionTopK, Dense, Quest, Window
 from policyzoo.selection import Selection
@@ -127,3 +131,33 @@ def test_group_mean():
     torch.testing.assert_close(group_mean(x, 3), torch.tensor([[2.0, 6.0, 10.0]]))
     torch.testing.assert_close(group_mean(x, 1), torch.tensor([[6.0]]))
     torch.testing.assert_close(group_mean(x, 6), x)
+
+
+def _ppl_record(length: int = 80, span: int = 12, seed: int = 0, vocab: int = 128) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (length,), generator=g).tolist()
+    return {"task": "ppl", "input_ids": ids, "answer": "", "length": length, "span": span}
+
+
+def test_topk_mass_recall_by_hand():
+    p = torch.tensor([[[0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4]]])  # [B=1, H=2, N=4], one KV head
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    sel = Selection(indices=torch.tensor([[[1, 2, 0]]], dtype=torch.int32), count=torch.tensor([[2]], dtype=torch.int32))
+    recall = topk_mass_recall(p, sel, valid)
+    # head 0 kept 0.3 + 0.2 of the best two (0.5 + 0.3); head 1 kept 0.2 + 0.3 of 0.4 + 0.3
+    assert recall[0].tolist() == pytest.approx([0.5 / 0.8, 0.5 / 0.7])
+    best = Selection(indices=torch.tensor([[[0, 1, 3]]], dtype=torch.int32), count=torch.tensor([[2]], dtype=torch.int32))
+    assert topk_mass_recall(p[:, :1], best, valid).item() == pytest.approx(1.0)
+    empty = Selection(indices=torch.zeros(1, 1, 3, dtype=torch.int32), count=torch.zeros(1, 1, dtype=torch.int32))
+    assert topk_mass_recall(p, empty, valid)[0].tolist() == [1.0, 1.0]  # nothing kept, nothing to recall
+    pages = Selection(indices=torch.tensor([[[1]]], dtype=torch.int32), count=torch.tensor([[1]], dtype=torch.int32), block=2)
+    assert topk_mass_recall(p[:, :1], pages, valid).item() == pytest.approx(0.2 / 0.8)  # tokens 2, 3
+
+
+def test_recall_is_one_for_exact_topk_without_forced_tokens():
+    model = tiny_model("llama", heads=2, kv_heads=2)  # no GQA: the exact top-k is the best selection
+    settings = [Setting("topk", AttentionTopK(16, sinks=0, window=0), None)]
+    res = evaluate(model, None, settings, [_ppl_record(64, 6)], progress=False)
+    row = res["rows"][0]
+    assert row["recall"] == pytest.approx(1.0, abs=1e-5) and row["recall_p5"] == pytest.approx(1.0, abs=1e-5)
+    assert row["delta_mean"] > 0

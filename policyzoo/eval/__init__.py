@@ -1,13 +1,17 @@
-"""Evaluation: audit metrics against dense decoding, task datasets and the evaluation harness.
+"""Evaluation: audit metrics against dense decoding, task datasets and the evaluation grid.
 
-`tasks` builds passkey, multi-key and perplexity records as `datasets.Dataset`; `harness.evaluate`
-runs a grid of settings on them (`policyzoo eval` on the command line).
+`metrics` and `audit` measure a decode against dense attention; `tasks` builds passkey, multi-key
+and perplexity records as `datasets.Dataset`; `runner.evaluate` runs a grid of settings
+(`settings`) on them, `aggregate` summarises the audits, `report` writes the table and plots, and
+`cli` is `policyzoo eval` on the command line.
 """
 
-from .audit import Audit
+from .aggregate import summarize_audit
+from .audit import Audit, EvalAudit
 from .compare import compare
-from .harness import EvalAudit, Setting, evaluate, make_settings, summarize_audit, topk_mass_recall
-from .metrics import dropped_mass, logits_kl, relative_output_error, top1_agreement
+from .metrics import dropped_mass, logits_kl, relative_output_error, top1_agreement, topk_mass_recall
+from .runner import evaluate
+from .settings import Setting, make_settings
 
 __all__ = [
     "Audit",

@@ -6,6 +6,8 @@ against), never a change to the decode itself.
 
 The dense reference is the model's own attention: softmax, or 1.5-entmax for an entmax model (the
 dropped mass is then the dense entmax probability mass outside the selection).
+
+`EvalAudit` also records the top-k mass recall; the evaluation runner (`policyzoo.eval.runner`) uses it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..attention import Attention, entmax15
+from ..attention import entmax15
+from ..runtime import Attention
 from ..cache import PagedKVCache
 from ..kv.base import KVState
 from ..kv.certified import certified_dropped_mass
 from ..selection import Selection
-from .metrics import dropped_mass, group_mean, relative_output_error
+from .metrics import dropped_mass, group_mean, relative_output_error, topk_mass_recall
 
 
 def dense_attention_probs(
@@ -120,3 +123,17 @@ class Audit:
             return torch.cat([r.float().flatten() for r in records]).mean().item() if records else float("nan")
         values = [r.float().flatten() for rs in records.values() for r in rs]
         return torch.cat(values).mean().item() if values else float("nan")
+
+
+@dataclass
+class EvalAudit(Audit):
+    """An `Audit` that also records the top-k mass recall (`topk_mass_recall`) per layer and KV head."""
+
+    topk_recall: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
+
+    def record_attention(self, layer, q, cache, sel, out, scale, *args, **kwargs) -> None:  # noqa: ANN001
+        super().record_attention(layer, q, cache, sel, out, scale, *args, **kwargs)
+        token_valid = cache.token_valid()
+        keys = cache.keys[layer]
+        p = dense_attention_probs(q, keys, cache.start, cache.length, scale, kwargs.get("attention", "softmax"))
+        self.topk_recall[layer].append(group_mean(topk_mass_recall(p, sel, token_valid), keys.shape[1]).cpu())

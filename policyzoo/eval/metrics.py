@@ -26,6 +26,27 @@ def dropped_mass(p_dense: Tensor, sel: Selection, token_valid: Tensor) -> Tensor
     return (1.0 - kept).clamp(min=0.0).reshape(b, h)
 
 
+def topk_mass_recall(p_dense: Tensor, sel: Selection, token_valid: Tensor) -> Tensor:
+    """``float32[B, H]``: the dense mass the selection captured over the dense top-k mass.
+
+    ``k`` is the number of real tokens the selection kept for the query head's KV head, so the
+    recall is 1 exactly when the policy kept the ``k`` heaviest tokens of every query head of the
+    group (the best any selection of that size can do) and is never above 1.
+    """
+    b, h, n = p_dense.shape
+    keep = sel.token_mask(n) & token_valid[:, None, :]  # [B, H_kv, N]
+    h_kv = keep.shape[1]
+    p = p_dense.float().view(b, h_kv, h // h_kv, n)
+    captured = (p * keep[:, :, None, :]).sum(-1)  # [B, H_kv, G]
+    k = keep.sum(-1)  # [B, H_kv]
+    cum = p.sort(dim=-1, descending=True).values.cumsum(-1)
+    idx = (k - 1).clamp(min=0)[:, :, None, None].expand(b, h_kv, h // h_kv, 1)
+    best = torch.gather(cum, -1, idx).squeeze(-1)
+    best = torch.where(k[:, :, None] > 0, best, torch.zeros_like(best))
+    recall = torch.where(best > 0, captured / best.clamp(min=1e-30), torch.ones_like(best))
+    return recall.clamp(max=1.0).reshape(b, h)
+
+
 def relative_output_error(o_dense: Tensor, o_sparse: Tensor, eps: float = 1e-12) -> Tensor:
     """``‖o − ô‖ / ‖o‖`` over the last dim."""
     o, oh = o_dense.float(), o_sparse.float()

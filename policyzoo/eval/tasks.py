@@ -12,7 +12,7 @@ Every record has the fields of `FEATURES`:
 - ``span``: number of scored tokens at the end of the window (perplexity; 0 for retrieval);
 - ``name``: whose key is asked (multikey; ``""`` otherwise).
 
-`policyzoo.eval.harness` runs any dataset with these fields (a record with ``span > 0`` is scored
+`policyzoo.eval.runner` runs any dataset with these fields (a record with ``span > 0`` is scored
 by perplexity, any other by greedy retrieval of ``answer``), so users who are online can plug in
 their own HF datasets. Placements are ``N`` depths evenly spread: ``(i + 0.5) / N``.
 """
