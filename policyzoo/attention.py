@@ -35,11 +35,16 @@ def prefill_mask(start: Tensor, t: int) -> Tensor:
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float) -> Tensor:
-    """Causal SDPA over a left-padded prompt (`prefill_mask`); ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
+    """Causal SDPA over a left-padded prompt (`prefill_mask`); ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``.
+
+    A batch without padding attends with SDPA's own causal mask instead: no ``[B, T, T]`` mask is
+    made (17 GB for a 128K prompt), and the flash kernel can run. (One host read of ``start``: the
+    prefill runs eagerly.)"""
+    gqa = q.shape[1] != k.shape[1]
+    if not bool(start.any()):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     allowed = prefill_mask(start, q.shape[2])
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
 
 
 def entmax15(z: Tensor) -> Tensor:

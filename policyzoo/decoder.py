@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from . import _compat, kernels
 from .kv.base import KVSelector
+from .kv.context import check_parts
 from .kv.dense import Dense
 from .proj.base import ProjectionSparsifier, fuse_shared_inputs
 from .proj.base import uninstall as uninstall_projections
@@ -87,6 +88,8 @@ class Decoder:
             raise TypeError(f"proj must be a ProjectionSparsifier (e.g. TopK(0.5)) or None, got {type(proj).__name__}")
         if gate is not None and not (callable(getattr(gate, "choose", None)) and callable(getattr(gate, "warn_if_mismatched", None))):
             raise TypeError(f"gate must be a policyzoo.gate.Gate (e.g. Gate.load(path)) or None, got {type(gate).__name__}")
+        if kv is not None:
+            check_parts(kv.step_context, type(kv).__name__)
         self.model, self.kv, self.proj = model, kv, proj
         self.page_size = _resolve_page_size(page_size, kv)
         param = next(model.parameters())
@@ -126,8 +129,11 @@ class Decoder:
             hook = getattr(block, "_policyzoo_hook", None)
             if hook is not None:
                 hook.remove()
-            # The hidden state entering the layer, for policies that read it (`StepContext.hidden`).
-            block._policyzoo_hook = block.register_forward_pre_hook(partial(_record_hidden, runtime, layer), with_kwargs=True)
+                del block._policyzoo_hook
+            if self.kv is not None and "hidden" in self.kv.step_context:
+                # The hidden state entering the layer (`StepContext.hidden`); only where a policy
+                # reads it, so that other models keep no hook.
+                block._policyzoo_hook = block.register_forward_pre_hook(partial(_record_hidden, runtime, layer), with_kwargs=True)
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if self.proj is not None:
             self.proj.install(model, runtime)

@@ -150,6 +150,55 @@ def test_streamer_receives_prompt_then_each_token():
     assert torch.cat([c.reshape(-1) for c in rec.chunks[1:]]).tolist() == out[0, 9:].tolist()
 
 
+def reference_loop(dec, ids, mask, new, eos, pad):
+    """What `generate` must return: a plain synchronous loop over the session that checks the end
+    after every token (the device-side stop and the delayed host reads must not change it)."""
+    session = dec.session
+    token = session.choose(session.prefill(ids, mask, capacity=ids.shape[1] + new)[:, -1].clone())
+    finished = torch.isin(token, torch.tensor(eos))
+    out = [token.clone()]
+    while len(out) < new and not bool(finished.all()):
+        session.step(out[-1])
+        token = torch.where(finished, torch.tensor(pad), session.last_token.clone())
+        finished |= torch.isin(token, torch.tensor(eos))
+        out.append(token)
+    return torch.cat([ids, torch.stack(out, 1)], 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generate_stops_where_a_step_by_step_loop_stops_and_streams_nothing_after(family):
+    """Rows end at different steps; generate stops once all have ended, pads the early ones, and
+    its streamer gets exactly the returned tokens."""
+
+    class Recorder:
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, x):
+            self.chunks.append(x.clone())
+
+        def end(self):
+            pass
+
+    model = tiny_model(family)
+    ids, mask = padded_batch(3, 15)
+    dec = Decoder(model, kv=Quest(0.5, page=4))
+    free = dec.generate(ids, 12, attention_mask=mask)
+    # row 0 ends by its third token, row 1 by its fourth, row 2 by its sixth: all before the 12th
+    eos = [int(free[0, 15 + 2]), int(free[1, 15 + 3]), int(free[2, 15 + 5])]
+    rec = Recorder()
+    out, logits = dec.generate(ids, 12, attention_mask=mask, eos_token_id=eos, pad_token_id=0, streamer=rec, output_logits=True)
+    want = reference_loop(dec, ids, mask, 12, eos, 0)
+    assert torch.equal(out, want) and out.shape[1] <= 15 + 6
+    assert logits.shape[:2] == (3, out.shape[1] - 15)
+    streamed = torch.stack([c.reshape(-1) for c in rec.chunks[1:]], 1)
+    assert torch.equal(streamed, out[:, 15:])
+    for row in out[:, 15:].tolist():
+        ended = [i for i, t in enumerate(row) if t in eos]
+        if ended:
+            assert all(t == 0 for t in row[ended[0] + 1 :])  # nothing after a row's EOS but the pad id
+
+
 def test_decode_step_compiles_once_and_does_not_recompile():
     torch._dynamo.reset()
     model = tiny_model("qwen3", layers=1)

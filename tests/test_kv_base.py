@@ -307,3 +307,57 @@ def test_dense_selects_every_visible_page(data, cases, contract):
     from policyzoo.eval.metrics import dropped_mass
 
     torch.testing.assert_close(dropped_mass(p, sel, tv), torch.zeros(case.b, case.h), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------- learned parameters
+def test_a_policy_without_modules_has_no_learned_parameters(tmp_path):
+    from policyzoo import Quest
+
+    q = Quest(0.25)
+    assert q.modules() == {} and list(q.parameters()) == [] and q.state_dict() == {}
+    assert q.to(dtype=torch.float64) is q
+    with pytest.raises(ValueError, match="no learned parameters"):
+        q.save(tmp_path / "q.safetensors")
+
+
+def test_learned_parts_save_and_load_with_their_parameters(tmp_path):
+    from tiny_models import LearnedQuest
+
+    policy = LearnedQuest(0.3, page=4, hidden_size=64, kv_heads=2)
+    assert set(policy.modules()) == {"head"} and set(policy.state_dict()) == {"head.weight", "head.bias"}
+    path = policy.save(tmp_path / "learned.safetensors")
+    back = LearnedQuest.load(path)
+    assert back == policy  # the dataclass parameters
+    for key, value in policy.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value)
+    assert LearnedQuest.load(path, budget=0.5).budget == 0.5  # overrides replace saved parameters
+    with pytest.raises(ValueError, match="do not fit"):
+        LearnedQuest.load(path, hidden_size=32)  # the head's shape follows the parameters
+    with pytest.raises(ValueError, match="holds a LearnedQuest policy, not Quest"):
+        from policyzoo import Quest
+
+        Quest.load(path)
+    with pytest.raises(FileNotFoundError, match="no policy file"):
+        LearnedQuest.load(tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="no learned part 'tail'"):
+        policy.load_state_dict({"tail.weight": torch.zeros(1)})
+
+
+def test_the_decoder_moves_learned_parameters_to_the_model_and_loaded_weights_decode_alike(tmp_path):
+    from tiny_models import LearnedQuest, padded_batch, tiny_model
+
+    from policyzoo import Decoder
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    policy = LearnedQuest(0.25, page=4, sinks=1, window=4, hidden_size=64, kv_heads=2)
+    torch.nn.init.normal_(policy.head.weight, std=2.0)
+    dec = Decoder(model, kv=policy)
+    assert all(p.dtype == torch.bfloat16 for p in policy.parameters())
+    ids, mask = padded_batch(2, 64)
+    out = dec.generate(ids, 6, attention_mask=mask)
+    loaded = LearnedQuest.load(policy.save(tmp_path / "p.safetensors"))
+    assert torch.equal(Decoder(model, kv=loaded).generate(ids, 6, attention_mask=mask), out)
+    torch.nn.init.zeros_(loaded.head.weight)  # other weights: another selection, other tokens
+    torch.nn.init.zeros_(loaded.head.bias)
+    plain = Decoder(model, kv=loaded).generate(ids, 6, attention_mask=mask)
+    assert not torch.equal(plain, out)

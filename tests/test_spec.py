@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from policyzoo import AttentionTopK, Dense, Quest, Threshold, TopK, Window
 from policyzoo import spec as spec_mod
@@ -117,3 +118,19 @@ def test_labels_and_describe():
     assert spec_label("quest:0.25", "topk:0.5") == "quest:0.25 + topk:0.5"
     text = spec_mod.describe()
     assert "attn-topk: budget=0.25" in text and "threshold: keep=0.5" in text and "path (" in text
+
+
+def test_a_learned_kv_policy_loads_from_a_path_with_its_saved_parameters(monkeypatch, tmp_path):
+    from tiny_models import LearnedQuest
+
+    saved = LearnedQuest(0.3, page=8, hidden_size=16, kv_heads=2)
+    path = saved.save(tmp_path / "learned.safetensors")
+    monkeypatch.setitem(spec_mod.KV_POLICIES, "learned", LearnedQuest)
+    loaded = parse_kv(f"learned:path={path}")
+    assert loaded == saved and torch.equal(loaded.head.weight, saved.head.weight)
+    assert parse_kv(f"learned:budget=0.1,path={path}").budget == 0.1  # the spec's others replace saved ones
+    with pytest.raises(ValueError, match="no policy file"):
+        parse_kv(f"learned:path={tmp_path / 'missing.safetensors'}")
+    with pytest.raises(ValueError, match="do not fit"):
+        parse_kv(f"learned:hidden_size=8,path={path}")
+    assert "path (a safetensors file written by KVSelector.save" in spec_mod.describe(spec_mod.KV_POLICIES)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import transformers
+
+from policyzoo import Quest
+from policyzoo.kv.base import choose_topk, forced_pages, group_page_bounds, page_budget
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -49,3 +54,25 @@ def padded_batch(batch: int, length: int, vocab: int = 128, seed: int = 0) -> tu
     for i in range(batch):
         mask[i, : min(i * 3, length - 1)] = 0
     return ids * mask, mask
+
+
+@dataclass
+class LearnedQuest(Quest):
+    """A toy policy with learned parameters, for the contract tests: Quest's page bound plus a
+    recency bonus per KV head that a linear head reads off the hidden state entering the layer."""
+
+    hidden_size: int = 64
+    kv_heads: int = 2
+    step_context = ("hidden",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.head = torch.nn.Linear(self.hidden_size, self.kv_heads)
+
+    def select(self, state, q):
+        k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "LearnedQuest")
+        hidden = state.context.hidden
+        pages = torch.arange(state.cache.num_pages, device=q.device, dtype=torch.float32)
+        bonus = self.head(hidden.to(self.head.weight.dtype)).float()[:, :, None] * pages  # [B, H_kv, P]
+        scores = group_page_bounds(state, q) + bonus
+        return choose_topk(scores, forced_pages(state, self.sinks, self.window), k_max, count, block=self.page)

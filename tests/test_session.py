@@ -1,0 +1,171 @@
+"""`DecodeSession` contract: the one owner of decode state. Its prefill and steps reproduce the
+unwrapped model; every way to start a sequence batch leaves the same cache; a compiled session
+steps like an eager one; misuse fails with a clear error."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from tiny_models import padded_batch, tiny_model
+
+from policyzoo import Decoder, Quest, Window
+from policyzoo.eval.audit import Audit
+
+
+def hf_logits(model, seq, mask):
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(seq, attention_mask=mask, position_ids=positions).logits
+
+
+def test_prefill_and_steps_reproduce_the_unwrapped_model():
+    model = tiny_model("qwen2")
+    ids, mask = padded_batch(3, 14)
+    session = Decoder(model).session
+    logits = session.prefill(ids, mask, capacity=20, keep_logits=3)
+    want = hf_logits(model, ids, mask)
+    torch.testing.assert_close(logits, want[:, -3:], atol=1e-4, rtol=1e-4)
+    seq, full = ids, mask
+    token = session.choose(logits[:, -1])
+    for _ in range(4):
+        seq = torch.cat([seq, token[:, None]], 1)
+        full = torch.cat([full, torch.ones_like(full[:, :1])], 1)
+        step_logits = session.step()  # feeds the token the session chose
+        torch.testing.assert_close(step_logits, hf_logits(model, seq, full)[:, -1], atol=1e-4, rtol=1e-4)
+        assert torch.equal(session.last_token, step_logits.argmax(-1))
+        token = session.last_token
+    assert int(session.cache.length) == 18 and int(session.contexts.index) == 4
+
+
+def test_a_step_given_tokens_feeds_them_instead_of_its_choice():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 9)
+    session = Decoder(model).session
+    session.choose(session.prefill(ids, mask, capacity=12)[:, -1])
+    forced = torch.tensor([5, 6])
+    logits = session.step(forced)
+    seq = torch.cat([ids, forced[:, None]], 1)
+    full = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    torch.testing.assert_close(logits, hf_logits(model, seq, full)[:, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_load_prefix_leaves_the_cache_a_prefill_leaves():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 13)
+    a = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4)).session
+    a.prefill(ids, mask, capacity=20)
+    prefix = [(a.cache.keys[l][:, :, :13].clone(), a.cache.values[l][:, :, :13].clone()) for l in range(2)]
+    b = Decoder(model, kv=Quest(0.5, page=4)).session
+    b.load_prefix(prefix, a.cache.start, capacity=20)
+    for name in ("keys", "values", "page_min", "page_max"):
+        for layer in range(2):
+            assert torch.equal(getattr(a.cache, name)[layer], getattr(b.cache, name)[layer]), name
+    assert torch.equal(a.cache.start, b.cache.start) and int(a.cache.length) == int(b.cache.length) == 13
+    tokens = torch.tensor([3, 4])
+    torch.testing.assert_close(a.step(tokens), b.step(tokens))
+
+
+def test_load_prefix_refuses_a_policy_that_needs_its_own_prefill():
+    from policyzoo import SSA
+
+    session = Decoder(tiny_model("llama"), kv=SSA(0.2, 0.1, page=4)).session  # SSA builds its RNG in prefill
+    assert session.needs_own_prefill()
+    with pytest.raises(ValueError, match="own prefill"):
+        session.load_prefix([(torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16))] * 2, torch.zeros(1, dtype=torch.long), capacity=8)
+
+
+def test_fill_random_gives_an_exact_capacity_and_consistent_summaries():
+    session = Decoder(tiny_model("llama"), kv=Quest(0.5, page=4)).session
+    session.fill_random(30, batch=2, capacity=50, generator=torch.Generator().manual_seed(0))
+    cache = session.cache
+    assert cache.capacity == 52 and int(cache.length) == 30 and cache.batch == 2  # whole pages
+    page_min = cache.page_min[1].clone()
+    cache.summarise(1, slice(0, cache.num_pages))
+    assert torch.equal(cache.page_min[1], page_min)
+    session.fill_random(20, batch=2, capacity=60)  # another exact capacity: another cache
+    assert session.cache.capacity == 60 and session.cache is not cache
+    with pytest.raises(ValueError, match="must hold the 20 filled tokens"):
+        session.fill_random(20, capacity=10)
+
+
+def test_rewind_and_time_step_time_the_same_context_again():
+    session = Decoder(tiny_model("llama")).session
+    session.fill_random(16, capacity=32)
+    ms = session.time_step(calls=4, reps=2, warmup=1)
+    assert ms > 0 and int(session.cache.length) == 20  # the last rep started again from 16
+    session.rewind(16)
+    assert int(session.cache.length) == 16
+    with pytest.raises(ValueError, match="no room for 40 steps"):
+        session.time_step(calls=40)
+
+
+def test_audit_records_steps_in_its_block_only_and_restores_the_previous_recorder():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(1, 20)
+    session = Decoder(model, kv=Window(sinks=1, window=4)).session
+    session.choose(session.prefill(ids, mask, capacity=26)[:, -1])
+    with session.audit() as audit:
+        session.step()
+        session.step()
+    session.step()
+    assert isinstance(audit, Audit) and len(audit.dropped_mass[0]) == 2 and session.runtime.audit is None
+    assert audit.mean("dropped_mass") > 0  # a window of 5 tokens drops mass
+
+
+def test_redo_dense_rewrites_the_slot_with_the_dense_pass():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 18)
+    sparse = Decoder(copy.deepcopy(model), kv=Window(sinks=1, window=2)).session
+    dense = Decoder(model).session
+    token = torch.tensor([7, 8])
+    for s in (sparse, dense):
+        s.prefill(ids, mask, capacity=20)
+    want = dense.step(token)
+    sparse.step(token)
+    torch.testing.assert_close(sparse.redo_dense(token), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse.cache.keys[1], dense.cache.keys[1])  # the dense pass's keys replaced the sparse ones
+
+
+def test_settings_and_misuse_fail_clearly():
+    session = Decoder(tiny_model("llama"), kv=Quest(0.5, page=4)).session
+    assert session.available_settings() == ("dense", "kv") and session.setting == "kv"
+    with pytest.raises(ValueError, match="setting must be one of dense, kv"):
+        session.use("proj")
+    with pytest.raises(RuntimeError, match="call prefill"):
+        session.step()
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        session.reserve(0, 8)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a model on a CUDA device"):
+        session.compile(cuda_graphs=True)
+
+
+def test_a_larger_request_replaces_the_cache_and_frees_the_old_one_at_once():
+    session = Decoder(tiny_model("llama")).session
+    small = session.reserve(1, 16)
+    assert session.reserve(1, 10) is small  # it fits
+    keys = weakref.ref(small.keys[0])
+    del small
+    session.reserve(1, 64)
+    assert keys() is None
+
+
+def test_a_compiled_session_steps_like_an_eager_one_without_recompiling():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("mistral", layers=1)
+    ids, mask = padded_batch(2, 11)
+    eager = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4)).session
+    torch._dynamo.reset()
+    counters.clear()
+    dec = Decoder(model, kv=Quest(0.5, page=4), compile=True)
+    compiled = dec.session
+    for s in (eager, compiled):
+        s.choose(s.prefill(ids, mask, capacity=20)[:, -1])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(6):
+            torch.testing.assert_close(compiled.step(), eager.step(), atol=1e-5, rtol=1e-5)
+            assert torch.equal(compiled.last_token, eager.last_token)
+    assert compiled.compiled and counters["stats"]["unique_graphs"] == 1
