@@ -1,11 +1,12 @@
 """Device probes behind the sweep's targets: why a step costs what it costs.
 
 Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile``):
-  variants each kernel's alternatives (select_top's warps and bf16 keys, the attention merge's width
-           and warps, the page bound's tiles, the sparse GEMV's split-K epilogue) checked against the
-           reference and timed; the fastest correct one is kept for the rest of the run (select_top
-           and the epilogue go back to their defaults afterwards); and the cache-append kernel,
-           checked and timed next to its torch reference
+  variants each kernel's alternatives (select_top's method and warps, the attention merge's width
+           and warps, the page bound's method and tiles, the sparse GEMV's split-K epilogue), each a
+           `kernels.config` override, checked against the reference and timed; the merge's and the
+           page bound's fastest correct ones, and select_top's rule by row length, stay in force for
+           the rest of the run (`keep_for_run`); and the cache-append kernel, checked and timed next
+           to its torch reference
   tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
            GEMV at keep 0.5 from an index list and from a threshold, and the top-k that names the kept
@@ -24,6 +25,8 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from contextlib import ExitStack
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +36,22 @@ from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, kernels
 from policyzoo._compat import attn_implementation
 from policyzoo.attention import ATTN_IMPLEMENTATION
 from policyzoo.cache import SUMMARIES, PagedKVCache
+from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
 
 H, H_KV, D, PAGE = 32, 8, 128, 16
+
+# The overrides the variants section keeps for the rest of the run. They stay open until the process
+# ends: sweep.main runs the later sections after it, in this thread, so those launch the kernels
+# under them (and `sweep.kernel_knobs` records them).
+RUN_CONFIGS = ExitStack()
+
+
+def keep_for_run(**configs) -> None:
+    """Launch these kernels with ``configs`` (`kernels.config.override` keywords) from now on."""
+    RUN_CONFIGS.enter_context(override(**configs))
 
 
 def _dense_selection(b: int, pages: int, device) -> Selection:
@@ -63,7 +77,6 @@ def section_tune(contexts, rows, grid=None):
     grid = grid or [(bt, w, st, tp) for bt in (64, 128) for w in (4, 8) for st in (2, 3, 4) for tp in (512, 1056)]
     if dev == "cpu":  # smoke test under the interpreter: one variant
         grid = grid[:1]
-    saved = (attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS)
     for n in contexts:
         q, keys, values, start, length, sel = _dense_layer(n)
         scale = D**-0.5
@@ -75,17 +88,17 @@ def section_tune(contexts, rows, grid=None):
         for bt, w, st, tp in grid:
             row = {"section": "tune", "setting": f"BLOCK_T={bt} warps={w} stages={st} programs={tp}", "context": n}
             try:
-                attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS = bt, w, st, tp
-                out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                t = sweep.graph_time_ms(lambda: attn_module.decode_attention(
-                    q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale))
+                cfg = replace(current(AttentionConfig), block_t=bt, num_warps=w, num_stages=st, target_programs=tp)
+                with override(attention=cfg):
+                    out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale)
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    t = sweep.graph_time_ms(lambda: attn_module.decode_attention(
+                        q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale))
                 row.update({"us": t * 1e3, "TB/s": kv_bytes / (t * 1e-3) / 1e12, "vs_sdpa": t_sdpa / t, "rel_err": err})
                 print(f"tune n={n} {row['setting']:<42} {t*1e3:7.1f} us  x{t_sdpa/t:4.2f} of SDPA  err {err:.1e}", flush=True)
             except Exception as e:  # a variant that does not compile (too many registers) is a row too
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
-        attn_module.BLOCK_T, attn_module.NUM_WARPS, attn_module.NUM_STAGES, attn_module.TARGET_PROGRAMS = saved
 
 
 # ------------------------------------------------------------------------------------------ gemv
@@ -133,8 +146,6 @@ def section_gemv_tune(rows, keep: float = 0.5):
     from policyzoo.kernels.dispatch import _gemv as gemv_module
 
     dev = sweep.DEVICE
-    names = ("BLOCK_K", "NUM_WARPS", "TARGET_PROGRAMS")
-    saved = tuple(getattr(gemv_module, a) for a in names)
     grid = [(bn, bk, w, tp) for bn in (64, 256, 1024) for bk in (8, 16, 32, 128) for w in (4, 8) for tp in (512, 1024)
             if bn * bk <= 128 * 32 * w and bn * bk >= 32 * w * 8]
     if dev == "cpu":
@@ -151,34 +162,30 @@ def section_gemv_tune(rows, keep: float = 0.5):
         for bn, bk, w, tp in grid:
             row = {"section": "gemvtune", "shape": label, "setting": f"BLOCK_N={bn} BLOCK_K={bk} warps={w} programs={tp}"}
             try:
-                for a, v in zip(names, (bk, w, tp)):
-                    setattr(gemv_module, a, v)
-                y = gemv_module.sparse_gemv_index(x, idx, w_t, block_n=bn)
-                err = ((y.float() - ref).norm() / ref.norm()).item()
-                us = sweep.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t, block_n=bn)) * 1e3
+                with override(gemv=replace(current(GemvConfig), block_n=bn, block_k=bk, num_warps=w, target_programs=tp)):
+                    y = gemv_module.sparse_gemv_index(x, idx, w_t)
+                    err = ((y.float() - ref).norm() / ref.norm()).item()
+                    us = sweep.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t)) * 1e3
                 row.update({"us": us, "TB/s": wbytes / (us * 1e-6) / 1e12, "rel_err": err})
                 print(f"gemvtune {label:<22} {row['setting']:<50} {us:7.1f} us {row['TB/s']:5.2f} TB/s err {err:.1e}", flush=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
-        for a, v in zip(names, saved):
-            setattr(gemv_module, a, v)
 
 
 # -------------------------------------------------------------------------------------- variants
-def _pick(rows, section, label, variants, apply):
-    """Time each correct variant, apply the fastest (``apply(name)``) and record every row.
-
-    ``variants``: name -> (function to time, check returning an error string or ""). The choice
-    holds for the rest of the run, so later sections (select, compiled) use the winner.
+def _pick(rows, section, label, fn, check, candidates: dict[str, dict]) -> tuple[str, dict]:
+    """Run ``check`` (an error string, "" when correct) and time ``fn`` under each candidate
+    (name -> `kernels.config.override` keywords), record every row and the fastest correct one, and
+    return that one's ``(name, keywords)``: the caller keeps it for the run (`keep_for_run`) or not.
     """
     best = None
-    for name, (fn, check) in variants.items():
+    for name, configs in candidates.items():
         row = {"section": section, "shape": label, "setting": name}
         try:
-            apply(name)
-            problem = check()
-            us = sweep.graph_time_ms(fn) * 1e3
+            with override(**configs):
+                problem = check()
+                us = sweep.graph_time_ms(fn) * 1e3
             row.update({"us": us, "correct": not problem})
             if problem:
                 row["error"] = problem[:200]
@@ -191,10 +198,9 @@ def _pick(rows, section, label, variants, apply):
         rows.append(row)
     if best is None:
         raise RuntimeError(f"{section} {label}: no variant ran correctly")
-    apply(best[0])
     rows.append({"section": section, "shape": label, "setting": f"chosen: {best[0]}", "us": best[1]})
     print(f"{section} {label}: chose {best[0]}", flush=True)
-    return best[0]
+    return best[0], candidates[best[0]]
 
 
 def _attention_case(q, keys, values, start, length, sel):
@@ -216,10 +222,11 @@ VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages", "epilo
 
 
 def section_variants(rows, groups=VARIANT_GROUPS):
-    """The alternatives a kernel module offers, timed against each other and checked against the
-    torch reference; the fastest correct one is kept for the rest of the run (and printed, so the
-    defaults in the modules can follow the measurement). The kernels' scratch buffers (histograms,
-    arrival counters) are reserved once by `sweep.main`, as a Decoder on CUDA reserves them."""
+    """The alternatives a kernel's config offers, timed against each other and checked against the
+    torch reference, and printed, so the defaults in `kernels.config` can follow the measurement;
+    some are kept for the rest of the run (`keep_for_run`). The kernels' scratch buffers
+    (histograms, arrival counters) are reserved once by `sweep.main`, as a Decoder on CUDA reserves
+    them."""
     from policyzoo.kernels.dispatch import _page as page_module
     from policyzoo.kernels.dispatch import _select as select_module
 
@@ -232,9 +239,8 @@ def section_variants(rows, groups=VARIANT_GROUPS):
               "pages 8192 fp32 x8 keep 0.1": (8, 8192, torch.float32, False, 0.1),
               "pages 8203 fp32 x8 keep 0.1": (8, 8203, torch.float32, False, 0.1),
               "pages 8192 fp32 x8 keep 0.1, 12 forced": (8, 8192, torch.float32, False, 0.1)}
-    select_knobs = ("INTERP_STEPS", "NUM_WARPS", "BF16_BITS", "METHOD", "HIST_CHUNK", "HIST_MIN_N")
-    saved_select = tuple(getattr(select_module, a) for a in select_knobs)
     hist_from = None  # (entries, chunk) of the shortest bf16 row the histograms won
+    base = current(SelectTopConfig)
     for label, (r, n, dtype, absolute, keep) in shapes.items() if "select_top" in groups else ():
         n = n // 64 if small else n
         s = torch.randn(r, n, device=dev).to(dtype)
@@ -249,47 +255,43 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
         fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
-        # The warps (by entries held, or fixed; 1-2 warps measured 1.7-4x slower on 4,096 entries in
-        # run5's first call). The search interpolates: halving only was slower on every row in run 5.
+        # The warps (by entries held, or fixed; 1-2 warps measured 1.7-4x slower on 4,096 entries).
+        # The search interpolates: halving only measured slower on every row.
         counts = (0, 4) if small else (0, 4, 8) if n <= 4096 else (0, 8, 16)
-        # bf16 keys from the scores' 16 bits or through fp32 (`BF16_BITS`); fp32 scores have one path.
-        paths = {" bits=direct": True, " bits=fp32": False} if dtype == torch.bfloat16 else {"": saved_select[2]}
-        knobs = {f"interp_steps={i} warps={w or 'by size'}{p}": (i, w, b, "program", *saved_select[4:])
-                 for i in (saved_select[0],) for w in counts for p, b in paths.items()}
-        if dtype == torch.bfloat16:  # the row spread over programs of `HIST_CHUNK` entries, four launches
+        candidates = {f"interp_steps={base.interp_steps} warps={w or 'by size'}":
+                      {"select_top": replace(base, method="program", num_warps=w)} for w in counts}
+        if dtype == torch.bfloat16:  # the row spread over programs of `hist_chunk` entries, four launches
             for chunk in ((64,) if small else (512, 1024, 2048)):
-                knobs[f"histogram chunk={chunk}"] = (*saved_select[:3], "histogram", chunk, saved_select[5])
-        chosen = _pick(rows, "variants", f"select_top {label}", {name: (fn, check) for name in knobs},
-                       lambda name: [setattr(select_module, a, v) for a, v in zip(select_knobs, knobs[name])])
+                hist = replace(base, method="histogram", hist_chunk=chunk)
+                candidates[f"histogram chunk={chunk}"] = {"select_top": hist}
+        chosen, configs = _pick(rows, "variants", f"select_top {label}", fn, check, candidates)
         if chosen.startswith("histogram") and (hist_from is None or n < hist_from[0]):
-            hist_from = (n, knobs[chosen][4])
+            hist_from = (n, configs["select_top"].hist_chunk)
     if "select_top" in groups:
-        # One fixed choice would not suit every row: back to the defaults, except that bf16 rows as
-        # long as the shortest one the histograms won go by histograms (in that chunk) from here on.
-        for a, v in zip(select_knobs, saved_select):
-            setattr(select_module, a, v)
+        # One fixed choice would not suit every row: a rule by row length, with bf16 rows as long as
+        # the shortest one the histograms won by histograms (in that chunk), or the default rule.
         if hist_from is not None:
-            select_module.METHOD, select_module.HIST_MIN_N, select_module.HIST_CHUNK = "auto", *hist_from
-        rule = f"METHOD={select_module.METHOD}" + (
-            f" HIST_MIN_N={select_module.HIST_MIN_N} HIST_CHUNK={select_module.HIST_CHUNK}" if select_module.METHOD == "auto" else "")
+            keep_for_run(select_top=replace(base, method="auto", hist_min_n=hist_from[0], hist_chunk=hist_from[1]))
+        cfg = current(SelectTopConfig)
+        rule = f"METHOD={cfg.method}" + (
+            f" HIST_MIN_N={cfg.hist_min_n} HIST_CHUNK={cfg.hist_chunk}" if cfg.method == "auto" else "")
         rows.append({"section": "variants", "shape": "select_top", "setting": f"rule for the rest of the run: {rule}"})
         print(f"variants select_top: {rule} for the rest of the run", flush=True)
 
-    # The attention merge: in the chunk kernel's last program (an arrival counter) in steps of
-    # FUSED_BLOCK_C chunks, or a launch of its own in fixed steps of 32 chunk partials or all of them
-    # in one step, with 1-8 warps.
-    merge_knobs = ("FUSE_MERGE", "FUSED_BLOCK_C", "BLOCK_C", "MERGE_WARPS")
+    # The attention merge, a launch of its own: in fixed steps of 32 chunk partials or all of them in
+    # one step, with 1-8 warps. The winner at the longest context is kept.
+    merge_winner = None
     for n in ((256,) if small else (32768, 131072)) if "merge" in groups else ():
         fn, check = _attention_case(*_dense_layer(n))
-        merges = {f"fused merge BLOCK_C={fb}": (True, fb, attn_module.BLOCK_C, attn_module.MERGE_WARPS)
-                  for fb in ((4,) if small else (4, 8, 16, 32))}
-        merges.update({f"merge launch BLOCK_C={bc or 'all'} warps={w}": (False, attn_module.FUSED_BLOCK_C, bc, w)
-                       for bc in (32, 0) for w in ((2,) if small else (1, 2, 4, 8))})
-        _pick(rows, "variants", f"attention dense {n // 1024}K", {name: (fn, check) for name in merges},
-              lambda name: [setattr(attn_module, a, v) for a, v in zip(merge_knobs, merges[name])])
+        base = current(AttentionConfig)
+        merges = {f"merge launch BLOCK_C={bc or 'all'} warps={w}": {"attention": replace(base, block_c=bc, merge_warps=w)}
+                  for bc in (32, 0) for w in ((2,) if small else (1, 2, 4, 8))}
+        _, merge_winner = _pick(rows, "variants", f"attention dense {n // 1024}K", fn, check, merges)
+    if merge_winner is not None:
+        keep_for_run(**merge_winner)
 
     # Quest page bound over a 128K context, folded over the group: method, tile and warps, on bf16
-    # summaries (the cache keeps its extremes in its own dtype).
+    # summaries (the cache keeps its extremes in its own dtype). The winner is kept.
     if "page_bound" in groups:
         pages = 8192 // (64 if small else 1)
         q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
@@ -303,16 +305,17 @@ def section_variants(rows, groups=VARIANT_GROUPS):
             return "" if err < 1e-5 else f"max rel err {err:.1e}"
 
         fn = lambda: page_module.quest_page_bound(q, mn, mx, D**-0.5, "max")  # noqa: E731
-        tiles = {f"{m} BLOCK_P={bp} warps={w}": (m, bp, w)
-                 for m in page_module.METHODS for bp in (16, 32, 64) for w in (2, 4, 8)}
+        base = current(PageScoreConfig)
+        tiles = {f"{m} BLOCK_P={bp} warps={w}": {"page_score": replace(base, method=m, block_p=bp, num_warps=w)}
+                 for m in PageScoreConfig.METHODS for bp in (16, 32, 64) for w in (2, 4, 8)}
         if small:
             tiles = dict(list(tiles.items())[::9])
-        _pick(rows, "variants", "page bound 128K bfloat16", {name: (fn, check) for name in tiles},
-              lambda name: [setattr(page_module, a, v) for a, v in zip(("METHOD", "BLOCK_P", "NUM_WARPS"), tiles[name])])
+        _, chosen = _pick(rows, "variants", "page bound 128K bfloat16", fn, check, tiles)
+        keep_for_run(**chosen)
 
     # Decode attention over a sparse page selection (1/10 of the pages at 128K, as Quest(0.1) picks):
-    # the split's size and the tile. Reported only (the dense kernel's parameters are restored after:
-    # the compiled rows compare both through one set of parameters).
+    # the split's size and the tile. Reported only (the compiled rows compare dense and sparse steps
+    # through one set of parameters).
     if "attention_pages" in groups:
         n = 4096 if small else 131072
         q, keys, values, start, length, _ = _dense_layer(n)
@@ -321,26 +324,23 @@ def section_variants(rows, groups=VARIANT_GROUPS):
         perm = torch.stack([torch.randperm(pages, device=dev)[:k10].sort().values for _ in range(H_KV)]).int()[None]
         sel = Selection(perm.contiguous(), torch.full((1, H_KV), k10, device=dev, dtype=torch.int32), block=PAGE)
         fn, check = _attention_case(q, keys, values, start, length, sel)
-        names = ("TARGET_PROGRAMS", "BLOCK_T", "NUM_WARPS", "NUM_STAGES")
-        saved = tuple(getattr(attn_module, a) for a in names)
-        knobs = {f"programs={tp} BLOCK_T={bt} warps={w} stages={st}": (tp, bt, w, st)
+        base = current(AttentionConfig)
+        knobs = {f"programs={tp} BLOCK_T={bt} warps={w} stages={st}":
+                 {"attention": replace(base, target_programs=tp, block_t=bt, num_warps=w, num_stages=st)}
                  for tp in (512, 1024, 2048) for bt in (32, 64) for w in (4,) for st in (2, 3)}
         if small:
             knobs = dict(list(knobs.items())[::6])
-        try:
-            _pick(rows, "variants", "attention 1/10 pages 128K", {name: (fn, check) for name in knobs},
-                  lambda name: [setattr(attn_module, a, v) for a, v in zip(names, knobs[name])])
-        finally:
-            for a, v in zip(names, saved):
-                setattr(attn_module, a, v)
+        _pick(rows, "variants", "attention 1/10 pages 128K", fn, check, knobs)
 
     # The sparse GEMV's split-K epilogue: summed by the last program of each output block (an
-    # arrival counter), or by a launch of its own; the four Llama-8B shapes at keep 0.5.
+    # arrival counter), or by a launch of its own; the four Llama-8B shapes at keep 0.5. Reported
+    # only: one shape's winner need not suit the others.
     if "epilogue" in groups:
         from policyzoo.kernels.dispatch import _gemv as gemv_module
 
-        knobs = ("FUSE_EPILOGUE", "MIN_FUSED_SPLIT")
-        saved_fuse = tuple(getattr(gemv_module, a) for a in knobs)
+        base = current(GemvConfig)
+        modes = {"epilogue in the last program": {"gemv": replace(base, fuse_epilogue=True, min_fused_split=2)},
+                 "epilogue launch": {"gemv": replace(base, fuse_epilogue=False)}}
         for label, (d_in, d_out) in GEMV_SHAPES.items():
             d_in, d_out = (d_in // 32, d_out // 32) if small else (d_in, d_out)
             x = torch.randn(1, d_in, device=dev, dtype=torch.bfloat16)
@@ -354,11 +354,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
                 return "" if err < 1e-2 else f"rel err {err:.1e}"
 
             fn = lambda x=x, idx=idx, w_t=w_t: gemv_module.sparse_gemv_index(x, idx, w_t)  # noqa: E731
-            modes = {"epilogue in the last program": (True, 2), "epilogue launch": (False, saved_fuse[1])}
-            _pick(rows, "variants", f"sparse GEMV {label} keep 0.5", {name: (fn, check) for name in modes},
-                  lambda name: [setattr(gemv_module, a, v) for a, v in zip(knobs, modes[name])])
-        for a, v in zip(knobs, saved_fuse):  # one shape's winner need not suit the others
-            setattr(gemv_module, a, v)
+            _pick(rows, "variants", f"sparse GEMV {label} keep 0.5", fn, check, modes)
 
     # The decode-step cache append (key, value, the touched page's summaries) as one kernel, checked
     # against the torch reference and timed next to it (eager torch: in a compiled step Inductor fuses
@@ -371,7 +367,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
                                      summaries=kept)
                 cache.keys[0].normal_()
                 cache.reset(torch.zeros(1, dtype=torch.long, device=dev), n + page // 2)
-                cache._summarise(0, slice(0, cache.num_pages))
+                cache.summarise(0, slice(0, cache.num_pages))
                 k, v = (torch.randn(1, H_KV, 1, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
                 dest = lambda c: tuple(getattr(c, s)[0] if c.keeps(s) else None for s in SUMMARIES)  # noqa: E731
                 args = lambda c: (k, v, c.keys[0], c.values[0], dest(c), c.start, c.length, page)  # noqa: E731
@@ -409,7 +405,7 @@ def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
     g = torch.Generator(device=dev).manual_seed(1)
     cache.keys[0][:, :, :n].normal_(generator=g)
     cache.values[0][:, :, :n].normal_(generator=g)
-    cache._summarise(0, slice(0, math.ceil(n / PAGE)))
+    cache.summarise(0, slice(0, math.ceil(n / PAGE)))
     return cache
 
 

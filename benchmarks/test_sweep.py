@@ -41,7 +41,8 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     rule = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("rule for the rest")]
     assert len(rule) == 1 and "METHOD=" in rule[0]
     meta = json.loads((tmp_path / "sweep.json").read_text())["meta"]
-    assert meta["knobs"]["select.METHOD"] in ("program", "auto") and "attn.FUSE_MERGE" in meta["knobs"]
+    # the launch configs in force: the merge and the page bound kept from the variants section
+    assert meta["knobs"]["select_top"]["method"] == "auto" and set(meta["knobs"]["overridden"]) >= {"attention", "page_score"}
     assert meta["source"] == common.source_digest()  # the code this test runs
     appends = [r for r in by_section["variants"] if r["shape"].startswith("cache append")]
     assert len(appends) == 2 * 3 * 2 and all(r["us"] > 0 for r in appends)  # 2 page sizes x 3 summary sets x 2

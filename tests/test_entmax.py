@@ -39,6 +39,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from policyzoo import kernels  # noqa: E402
 from policyzoo.kernels import dispatch, reference  # noqa: E402
+from policyzoo.kernels.config import EntmaxThresholdConfig, override  # noqa: E402
 from policyzoo.kv import Dense, EntmaxKV, Quest  # noqa: E402
 from policyzoo.kv.entmax import censored_relu_sq, gaussian_entmax_threshold, gaussian_relu_sq  # noqa: E402
 
@@ -336,8 +337,8 @@ def threshold_pools(draw):
 def test_threshold_kernel_matches_reference(pool):
     """The kernel is the reference's algorithm: same τ̂ to ~1e-9 (float64), -inf for empty rows."""
     m, s, n, cap, iters, block = pool
-    patch_block = mock.patch.object(dispatch._entmax, "BLOCK_P", block or dispatch._entmax.BLOCK_P)
-    with poisoned(), patch_block:
+    cfg = EntmaxThresholdConfig(block_p=block) if block else EntmaxThresholdConfig()
+    with poisoned(), override(entmax_threshold=cfg):
         got = dispatch.gaussian_entmax_threshold(m, s, n, cap, iters)
     want = reference.gaussian_entmax_threshold(m.cpu(), s.cpu(), n.cpu(), None if cap is None else cap.cpu(), iters)
     assert got.dtype == torch.float64 and got.shape == (*m.shape[:-1], 1)

@@ -42,6 +42,13 @@ pytest.importorskip("triton")
 from policyzoo import kernels  # noqa: E402
 from policyzoo.kernels import dispatch  # noqa: E402
 from policyzoo.kernels import reference as ref  # noqa: E402
+from policyzoo.kernels.config import (  # noqa: E402
+    AttentionConfig,
+    GemvConfig,
+    PageScoreConfig,
+    SelectTopConfig,
+    override,
+)
 from policyzoo.selection import Selection  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dispatch.HAS_TRITON, reason="triton does not import here")
@@ -51,6 +58,14 @@ here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_kernels_in_f
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 # (cache_append allocates nothing: its tests poison the summaries it writes.)
 KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv, dispatch._select) if m is not None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reserved_scratch():
+    """The kernels' histograms and arrival counters, reserved as a Decoder on CUDA reserves them (on
+    CUDA a kernel never makes them, and takes its path without them)."""
+    if MODE != "subprocess":
+        kernels.scratch.reserve(DEVICE)
 
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
@@ -130,7 +145,7 @@ def attention_cases(draw, dtypes=(torch.float32, torch.bfloat16)):
     keys = randn(g_rand, b, h_kv, n, d, dtype=dtype)
     values = randn(g_rand, b, h_kv, n, d, dtype=dtype)
     sel = Selection(indices.to(DEVICE), count.to(DEVICE), log_weight, block)
-    chunk = draw(st.sampled_from([0, 1, 2, 3, 7]))  # entries per program; 1 gives > 32 chunks to merge
+    chunk = draw(st.sampled_from([0, 1, 2, 3, 7]))  # entries per program (0: by shape); 1 gives > 32 chunks to merge
     return dict(
         q=q, keys=keys, values=values, sel=sel,
         start=torch.tensor(start, dtype=torch.int64, device=DEVICE),
@@ -139,10 +154,11 @@ def attention_cases(draw, dtypes=(torch.float32, torch.bfloat16)):
     )
 
 
-def run_attention(case, mode):
+def run_attention(case, mode, cfg=None):
+    """The kernels on ``case`` under ``cfg`` (default: the case's chunk), and the reference."""
     args = (case["q"], case["keys"], case["values"], case["sel"], case["start"], case["length"], case["scale"])
-    with poisoned():
-        out, second = dispatch.decode_attention(*args, mode=mode, chunk=case["chunk"])
+    with poisoned(), override(attention=cfg or AttentionConfig(chunk=case["chunk"])):
+        out, second = dispatch.decode_attention(*args, mode=mode)
     reference = ref.decode_attention if mode == "softmax" else ref.decode_attention_entmax15
     ref_out, ref_second = reference(*args)
     return out, second, ref_out, ref_second
@@ -150,17 +166,12 @@ def run_attention(case, mode):
 
 @here
 @ATTENTION_SETTINGS
-@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]),
-       fused_block=st.sampled_from([0, 1, 4, 16]))
-def test_decode_attention_softmax(case, merge, fused_block):
-    """``fused_block``: chunks per step of the merge in the chunk kernel's last program (0: the merge
-    as a launch of its own, with ``merge`` its (BLOCK_C, MAX_BLOCK_C): every chunk in one step, in
-    steps of at most 16 (with > 16 chunks), or in fixed steps of 32). The arrival counters are zero
-    after."""
-    knobs = dict(BLOCK_C=merge[0], MAX_BLOCK_C=merge[1], FUSE_MERGE=fused_block > 0, FUSED_BLOCK_C=max(fused_block, 1))
-    with mock.patch.multiple(dispatch._attn, **knobs):
-        out, lse, ref_out, ref_lse = run_attention(case, "softmax")
-    assert int(kernels.scratch.zeroed("attention_counters", 1, out.device).abs().sum()) == 0
+@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]))
+def test_decode_attention_softmax(case, merge):
+    """``merge``: the merge's (block_c, max_block_c): every chunk in one step, in steps of at most
+    16 (with > 16 chunks), or in fixed steps of 32."""
+    cfg = AttentionConfig(chunk=case["chunk"], block_c=merge[0], max_block_c=merge[1])
+    out, lse, ref_out, ref_lse = run_attention(case, "softmax", cfg)
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
@@ -193,8 +204,8 @@ def test_decode_attention_empty(mode, block):
     sel = Selection(indices, count, randn(g_rand, b, h_kv, 3), block)
     start = torch.tensor([0, block + 1], device=DEVICE)
     length = torch.tensor(n, device=DEVICE)
-    with poisoned():
-        out, second = dispatch.decode_attention(q, keys, values, sel, start, length, d**-0.5, mode=mode, chunk=1)
+    with poisoned(), override(attention=AttentionConfig(chunk=1)):
+        out, second = dispatch.decode_attention(q, keys, values, sel, start, length, d**-0.5, mode=mode)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(second, torch.full_like(second, -torch.inf))
 
@@ -206,7 +217,8 @@ def test_entmax15_kernel_weights_sum_to_one(case):
     """With all values 1 the output is Σp: 1 for a row with a visible entry, 0 otherwise."""
     values = torch.ones_like(case["values"])
     args = (case["q"], case["keys"], values, case["sel"], case["start"], case["length"], case["scale"])
-    out, tau = dispatch.decode_attention(*args, mode="entmax15", chunk=case["chunk"])
+    with override(attention=AttentionConfig(chunk=case["chunk"])):
+        out, tau = dispatch.decode_attention(*args, mode="entmax15")
     nonempty = torch.isfinite(tau)
     expected = torch.where(nonempty, 1.0, 0.0).unsqueeze(-1).expand_as(out)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -285,18 +297,12 @@ def test_entmax15_reference_attention_matches_plain_entmax():
 # --------------------------------------------------------------------------------------------------
 # Page scores
 
-PAGE_METHODS = dispatch._page.METHODS if dispatch._page is not None else ("loop",)
+PAGE_METHODS = PageScoreConfig.METHODS
 
 
-@contextmanager
 def page_method(method: str):
-    """The page-bound kernel computed by ``method`` (a module constant the sweep's probe sets)."""
-    saved = dispatch._page.METHOD
-    dispatch._page.METHOD = method
-    try:
-        yield
-    finally:
-        dispatch._page.METHOD = saved
+    """The page-bound kernel computed by ``method`` (head dims under 16 take the loop either way)."""
+    return override(page_score=PageScoreConfig(method=method))
 
 
 @here
@@ -369,16 +375,16 @@ def gemv_cases(draw):
     else:
         w_t = randn(g_rand, d_out, d_in, dtype=dtype).t()  # an nn.Linear weight read through .t()
     bias = randn(g_rand, d_out, dtype=dtype) if draw(st.booleans()) else None
-    split = draw(st.sampled_from([0, 1, 2, 5]))  # slices of the inputs (split-K); 0 picks from the shapes
+    split = draw(st.sampled_from([0, 1, 2, 5]))  # slices of the inputs (split-K); 0: by shape
     fuse = draw(st.booleans())  # split-K epilogue in the last program of each block, or a launch of its own
     return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse)
 
 
 @contextmanager
 def epilogue(case):
-    """Run with the case's split-K epilogue (fused from 2 slices up, so small cases reach it too);
-    the arrival counters must be back to zero after."""
-    with mock.patch.object(dispatch._gemv, "FUSE_EPILOGUE", case["fuse"]), mock.patch.object(dispatch._gemv, "MIN_FUSED_SPLIT", 2):
+    """Run with the case's split and split-K epilogue (fused from 2 slices up, so small cases reach
+    it too); the arrival counters must be back to zero after."""
+    with override(gemv=GemvConfig(split=case["split"], fuse_epilogue=case["fuse"], min_fused_split=2)):
         yield
     for (name, _), buf in kernels.scratch.buffers().items():
         assert int(buf.abs().sum()) == 0, f"{name} was left set"
@@ -398,7 +404,7 @@ def test_sparse_gemv_index(case, frac):
     k = round(frac * d_in)
     idx = torch.stack([torch.randperm(d_in, generator=case["g"])[:k] for _ in range(b)]).to(torch.int32).to(DEVICE)
     with poisoned(), epilogue(case):
-        got = dispatch.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"], split=case["split"])
+        got = dispatch.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"])
     assert_gemv_close(got, ref.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"]), case)
 
 
@@ -411,7 +417,7 @@ def test_sparse_gemv_threshold(case, quantile):
     t = float("inf") if quantile is None else torch.quantile(x.float().abs(), quantile).item()
     t_arg = torch.tensor(t, device=DEVICE) if quantile == 0.5 else t
     with poisoned(), epilogue(case):
-        got = dispatch.sparse_gemv_threshold(x, t_arg, case["w_t"], case["bias"], split=case["split"])
+        got = dispatch.sparse_gemv_threshold(x, t_arg, case["w_t"], case["bias"])
     assert_gemv_close(got, ref.sparse_gemv_threshold(x, t, case["w_t"], case["bias"]), case)
 
 
@@ -426,7 +432,7 @@ def test_sparse_linear_mask(case, p_keep):
         if case["split"] == 0:  # through sparse_linear: x [B, 1, d_in] and the nn.Linear weight
             got = dispatch.sparse_linear(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1)).squeeze(1)
         else:
-            got = dispatch.sparse_gemv_mask(x, keep, w_t, case["bias"], split=case["split"])
+            got = dispatch.sparse_gemv_mask(x, keep, w_t, case["bias"])
     assert_gemv_close(got, ref.sparse_linear(x, weight, case["bias"], keep), case)
 
 
@@ -563,7 +569,7 @@ def test_custom_ops_opcheck():
     for mode in ("softmax", "entmax15"):
         torch.library.opcheck(
             torch.ops.policyzoo.decode_attention.default,
-            (q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, scale, mode, 1),
+            (q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, scale, mode),
             test_utils=checks,
         )
     page_min = torch.randn(2, 2, 5, 64, device=DEVICE)
@@ -621,7 +627,7 @@ def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch):
     for c in caches:
         c.keys[0].copy_(randn(gen(1), 2, 2, 32, 16))
         c.reset(torch.tensor([0, 3]), 9)
-        c._summarise(0, slice(0, c.num_pages))
+        c.summarise(0, slice(0, c.num_pages))
 
     def step(c, k, v):
         c.length += 1
@@ -658,9 +664,9 @@ def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch):
     data=st.data(),
 )
 def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
-    """Same positions as the reference, ties (frequent in bf16 and after rounding) included; bf16
-    through both key paths (`select_top.BF16_BITS`) and by histograms (`METHOD`, in chunks of 64, so
-    a row spans up to 5 programs); the histogram buffers are zero again after each call."""
+    """Same positions as the reference, ties (frequent in bf16 and after rounding) included, by one
+    program; bf16 also by histograms (in chunks of 64, so a row spans up to 5 programs); the
+    histogram buffers are zero again after each call."""
     g = gen(seed)
     s = torch.randn(rows, n, generator=g)
     if ties:
@@ -674,12 +680,11 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
     if infinities and not absolute:  # callers never ask for invalid entries
         count = torch.minimum(count, (s > -torch.inf).sum(-1))
     want = ref.select_top(s, count, k_max, absolute)
-    for bits in (True, False) if dtype == torch.bfloat16 else (dispatch._select.BF16_BITS,):
-        with mock.patch.object(dispatch._select, "BF16_BITS", bits), poisoned():
-            got = dispatch.select_top(s, count, k_max, absolute)
-        assert torch.equal(got, want), bits
+    with override(select_top=SelectTopConfig(method="program")), poisoned():
+        got = dispatch.select_top(s, count, k_max, absolute)
+    assert torch.equal(got, want), "program"
     if dtype == torch.bfloat16:
-        with mock.patch.multiple(dispatch._select, METHOD="histogram", HIST_CHUNK=64), poisoned():
+        with override(select_top=SelectTopConfig(method="histogram", hist_chunk=64)), poisoned():
             got = dispatch.select_top(s, count, k_max, absolute)
         assert torch.equal(got, want), "histogram"
         assert all(int(b.abs().sum()) == 0 for b in kernels.scratch.buffers().values())
@@ -687,7 +692,7 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
 
 @here
 def test_select_top_auto_picks_the_method_by_row_length():
-    """``METHOD="auto"``: bf16 rows of `HIST_MIN_N` entries or more by histograms, shorter bf16 rows
+    """``method="auto"``: bf16 rows of `hist_min_n` entries or more by histograms, shorter bf16 rows
     and every fp32 row by one program; the same positions either way."""
     calls = []
     by_histograms = dispatch._select._select_by_histograms
@@ -697,7 +702,8 @@ def test_select_top_auto_picks_the_method_by_row_length():
         return by_histograms(scores, *args)
 
     g = gen(11)
-    with mock.patch.multiple(dispatch._select, METHOD="auto", HIST_MIN_N=200, HIST_CHUNK=64, _select_by_histograms=spy):
+    rule = SelectTopConfig(method="auto", hist_min_n=200, hist_chunk=64)
+    with override(select_top=rule), mock.patch.object(dispatch._select, "_select_by_histograms", spy):
         for n, dtype in ((199, torch.bfloat16), (200, torch.bfloat16), (300, torch.float32)):
             s = torch.randn(2, n, generator=g).to(dtype).to(DEVICE)
             count = torch.tensor([5, n // 2], device=DEVICE)
@@ -737,16 +743,15 @@ def _hard_rows(g, n):
 def test_select_top_search_paths(interp_steps, dtype):
     """Interpolating probes, halving probes and their switch-over select what the reference selects,
     on rows built to make interpolation slow (`_search` bounds the steps by halving after
-    `INTERP_STEPS`); bf16 through both key paths."""
+    `interp_steps`)."""
     g = gen(11)
     s = _hard_rows(g, 700).to(dtype).to(DEVICE)
     absolute = dtype == torch.bfloat16
-    for bits in (True, False) if dtype == torch.bfloat16 else (dispatch._select.BF16_BITS,):
-        for k in (1, 5, 6, 350, 699, 700):
-            count = torch.full((4,), k, device=DEVICE)
-            with mock.patch.multiple(dispatch._select, INTERP_STEPS=interp_steps, BF16_BITS=bits), poisoned():
-                got = dispatch._select.select_top(s, count, k, absolute=absolute)
-            assert torch.equal(got, ref.select_top(s, count, k, absolute=absolute)), (k, interp_steps, bits)
+    for k in (1, 5, 6, 350, 699, 700):
+        count = torch.full((4,), k, device=DEVICE)
+        with override(select_top=SelectTopConfig(method="program", interp_steps=interp_steps)), poisoned():
+            got = dispatch._select.select_top(s, count, k, absolute=absolute)
+        assert torch.equal(got, ref.select_top(s, count, k, absolute=absolute)), (k, interp_steps)
 
 
 import triton  # noqa: E402  (after the interpreter switch above; pytest.importorskip has found it)
@@ -765,40 +770,28 @@ def _bf16_keys(s, absolute):
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) >> 16
 
 
-def _fp32_path_exact(s):
-    """``s`` with its subnormals flushed to zero when the Triton interpreter runs the kernels: its
-    bf16 -> fp32 conversion, which the fp32 key path takes, gets them wrong (0x8003, -2.8e-40, comes
-    out as -5.9e-39, and 0x8001 as 0); a GPU converts them exactly."""
-    if MODE == "cuda":
-        return s
-    return torch.where((s.view(torch.int16) & 0x7F80) == 0, torch.zeros_like(s), s)
-
-
 @triton.jit
-def _select_top_keys(s_ptr, out_ptr, n, n_out, ABS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _select_top_keys(s_ptr, out_ptr, n, n_out, ABS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, dispatch._select._keys(s_ptr, offs, n, ABS, SHIFT, BITS), mask=offs < n_out)
+    tl.store(out_ptr + offs, dispatch._select._keys(s_ptr, offs, n, ABS, BITS), mask=offs < n_out)
 
 
 @here
 @pytest.mark.parametrize("absolute", [False, True])
 def test_select_top_bf16_keys_from_bits_equal_the_fp32_keys(absolute):
-    """The keys `select_top._keys` makes from bf16 bits are those of the fp32 path, for all 65,536
-    patterns (±0, ±inf, subnormals, NaNs of either sign and any payload); both are -2^31 off the
-    end, and order non-NaN scores as floats do (equal keys for equal scores)."""
+    """The keys `select_top._keys` makes from bf16 bits are those of the fp32 path (fp32 and fp16
+    scores) shifted right by 16, for all 65,536 patterns (±0, ±inf, subnormals, NaNs of either sign
+    and any payload), the fp32 path reading the same values widened by torch; both are -2^31 off
+    the end, and order non-NaN scores as floats do (equal keys for equal scores)."""
     want = _bf16_keys(ALL_BF16, absolute)
-    s, n = ALL_BF16.to(DEVICE), len(ALL_BF16)
+    n = len(ALL_BF16)
     for bits in (True, False):
+        s = ALL_BF16.view(torch.int16) if bits else ALL_BF16.float()  # torch widens NaN payloads and subnormals exactly
         out = torch.full((n + 16,), 7, dtype=torch.int32, device=DEVICE)
-        _select_top_keys[(n // 1024 + 1,)](s.view(torch.int16) if bits else s, out, n, n + 16, ABS=absolute,
-                                           SHIFT=0 if bits else 16, BITS=bits, BLOCK=1024)
+        _select_top_keys[(n // 1024 + 1,)](s.to(DEVICE), out, n, n + 16, ABS=absolute, BITS=bits, BLOCK=1024)
         out = out.cpu()
         assert bool((out[n:] == -(2**31)).all()), bits
-        exact = torch.ones(n, dtype=torch.bool)
-        if not bits and MODE != "cuda":  # all but the subnormals (`_fp32_path_exact`)
-            exact = ((ALL_BF16.view(torch.int16) & 0x7F80) != 0) | (ALL_BF16 == 0)
-        assert torch.equal(out[:n][exact], want[exact]), bits
+        assert torch.equal(out[:n] if bits else out[:n] >> 16, want), bits
     x = ALL_BF16.float().abs() if absolute else ALL_BF16.float()
     x, order = x[~x.isnan()].sort()
     key = want[~ALL_BF16.isnan()][order]
@@ -807,8 +800,8 @@ def test_select_top_bf16_keys_from_bits_equal_the_fp32_keys(absolute):
 
 @here
 def test_select_top_rows_of_bf16_patterns():
-    """Rows drawn from every bf16 pattern select what the reference selects through both key paths:
-    random non-NaN patterns; ±0, ±inf, the smallest and largest subnormals and normals, and ties;
+    """Rows drawn from every bf16 pattern select what the reference selects by each method: random
+    non-NaN patterns; ±0, ±inf, the smallest and largest subnormals and normals, and ties;
     NaN rows. The reference ranks every NaN above +inf and takes no NaN (`reference.select_top`),
     while the keys rank NaNs by sign and payload (above +inf, or below -inf): NaN rows are checked
     against the reference run on the keys."""
@@ -828,20 +821,19 @@ def test_select_top_rows_of_bf16_patterns():
     nans = torch.cat([pick(ALL_BF16[ALL_BF16.isnan()], 32), pick(special, 32), pick(finite, 32)])
     nan = nans[torch.randperm(96, generator=g)][None].to(DEVICE)
     count = torch.tensor([1, 52, 95], device=DEVICE)  # 52 of the specials: among the ±0 (signed)
-    # (one program from bf16 bits, through fp32, by histograms in chunks of 32: the bits again)
-    # ("auto" from rows of 96 entries: these rows by histograms; from 97: by one program)
-    for bits, method, min_n in ((True, "program", 0), (False, "program", 0), (True, "histogram", 0),
-                                (True, "auto", 96), (True, "auto", 97)):
-        rows = s if bits else _fp32_path_exact(s)
-        nan_row = nan if bits else _fp32_path_exact(nan)
+    # One program; histograms in chunks of 32; "auto" from rows of 96 entries (these rows by
+    # histograms) and from 97 (these rows by one program).
+    methods = (SelectTopConfig(method="program"), SelectTopConfig(method="histogram", hist_chunk=32),
+               SelectTopConfig(method="auto", hist_min_n=96, hist_chunk=32),
+               SelectTopConfig(method="auto", hist_min_n=97, hist_chunk=32))
+    for cfg in methods:
         for absolute in (False, True):
-            knobs = dict(BF16_BITS=bits, METHOD=method, HIST_CHUNK=32, HIST_MIN_N=min_n)
-            with mock.patch.multiple(dispatch._select, **knobs), poisoned():
-                got = dispatch._select.select_top(rows, count, 95, absolute)
-                got_nan = dispatch._select.select_top(nan_row.expand(3, -1), count, 95, absolute)
-            assert torch.equal(got, ref.select_top(rows, count, 95, absolute)), (bits, method, absolute)
-            keys = _bf16_keys(nan_row.cpu(), absolute).float().expand(3, -1)
-            assert torch.equal(got_nan.cpu(), ref.select_top(keys, count.cpu(), 95)), (bits, method, absolute)
+            with override(select_top=cfg), poisoned():
+                got = dispatch._select.select_top(s, count, 95, absolute)
+                got_nan = dispatch._select.select_top(nan.expand(3, -1), count, 95, absolute)
+            assert torch.equal(got, ref.select_top(s, count, 95, absolute)), (cfg, absolute)
+            keys = _bf16_keys(nan.cpu(), absolute).float().expand(3, -1)
+            assert torch.equal(got_nan.cpu(), ref.select_top(keys, count.cpu(), 95)), (cfg, absolute)
 
 
 @here

@@ -4,12 +4,14 @@
 these functions. They run the Triton kernels (torch custom ops, `dispatch`) when
 `dispatch.use_triton` says so — CUDA tensors with triton installed, or ``POLICYZOO_TRITON=1`` — and
 the plain-torch references in `reference.py` otherwise (the default on CPU), without any call site
-changing.
+changing. The kernels' launch parameters are values in `config`; ``kernels.config.override(...)``
+changes them for a scope.
 """
 
 # dispatch first: it imports the kernel modules, one of which (decode_attention.py) is named like the
 # function below; the function must be bound after the module (see dispatch's docstring).
 from . import dispatch
+from . import config
 from . import reference
 from . import scratch
 from .reference import dense_probs
@@ -92,6 +94,7 @@ def sparse_gemv_threshold(x, t, w_t, bias=None):
 
 
 __all__ = [
+    "config",
     "reference",
     "dispatch",
     "cache_append",

@@ -3,7 +3,7 @@ the page that holds it, in one launch; spec: `reference.cache_append`.
 
 In a compiled decode step the torch version is three or four kernels per layer (the key's copy, the
 value's copy, the touched page's statistics), each moving a few kilobytes: their cost is launches,
-not bytes (about 1-2 µs each on an H200, run 3 profile). Here one program per (batch row, KV head)
+not bytes (about 1-2 µs each on an H200). Here one program per (batch row, KV head)
 stores the key and value at slot ``length - 1`` and re-summarises the page over its visible slots,
 with the new key taken from registers (so no program reads memory another one is writing). Only
 the summaries the cache keeps are computed (``MINMAX``, ``MOMENTS``): a `Dense` decode keeps none.

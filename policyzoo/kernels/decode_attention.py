@@ -8,23 +8,22 @@ Softmax, two launches:
 1. `_softmax_chunk_kernel`, grid ``(chunks, H_kv, B)``. A program takes ``chunk`` consecutive entries
    of the selection of one (row, KV head) — tokens when ``block == 1``, pages of ``block`` tokens
    otherwise — and all G query heads of the GQA group, so each selected key and value is read once
-   per group. It walks the chunk's tokens in tiles of ``BLOCK_T`` (online softmax) and writes the
+   per group. It walks the chunk's tokens in tiles of ``block_t`` (online softmax) and writes the
    chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
-2. The chunks of each (row, KV head) are merged by log-sum-exp into ``out`` and ``lse`` (`_merge_heads`).
-   `_merge_kernel` does it, grid ``(H, B)``. With `FUSE_MERGE` (off: measured slower), the last chunk
-   program of the group to finish does it instead, told so by an arrival counter (a `kernels.scratch`
-   buffer, zero between launches), and the second launch goes.
+2. `_merge_kernel`, grid ``(H, B)``, merges the chunks of each (row, query head) by log-sum-exp into
+   ``out`` and ``lse``, ``block_c`` partials per step. (Merging in the last chunk program of each
+   KV head instead, after an arrival counter, measured slower than this second launch.)
 
 1.5-entmax, two passes over the selection (keys in the first, values in the second):
 
 1. `_entmax_logits_kernel`, grid ``(chunks, H_kv, B)``: ``x = (scale·q·k + log_weight) / 2`` of every
    selected token into an fp32 scratch ``[B, H, K_max·block]`` (``-inf`` where not visible).
 2. `_entmax_tau_kernel`, grid ``(H, B)``: the threshold ``tau`` with ``Σ max(0, x − tau)² = 1``.
-   Bisection on ``tau`` over the scratch (bracket ``[max − 1, max − 1/√n]``, ``N_BISECT`` steps)
+   Bisection on ``tau`` over the scratch (bracket ``[max − 1, max − 1/√n]``, ``n_bisect`` steps)
    finds the support; the exact ``tau`` for that support then follows in closed form (the root of
    ``Σ_S (x − tau)² = 1``, as in the sort-based algorithm). Bisection rather than a sort because a
    sort of a long selection does not fit one program; the closed form removes the bisection error,
-   which only remains for entries within 2^-N_BISECT of ``tau`` (weight < 2^-2·N_BISECT either way).
+   which only remains for entries within 2^-n_bisect of ``tau`` (weight < 2^-2·n_bisect either way).
 3. `_entmax_out_kernel`, grid ``(chunks, H_kv, B)``: ``Σ p·v`` per chunk with ``p = max(0, x − tau)²``;
    values are loaded only for tokens in the support of some head of the group.
 4. The chunk outputs are summed (no normalisation: the weights already sum to one).
@@ -33,16 +32,21 @@ Index arithmetic: token ``f`` of a selection (``0 <= f < count·block``) is offs
 ``f // block``, i.e. cache slot ``indices[f // block]·block + f % block``; the tokens of one page are
 contiguous in memory. Tokens at or past ``count·block``, or outside ``start[b] <= pos < length``, are
 masked and never loaded. ``length`` is read from device memory (no host sync, CUDA-graph safe).
+
+Launch parameters: `config.AttentionConfig`, chosen per call by `attention_config`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import scratch
+from .config import AttentionConfig, current
 
 # The interpreter runs these kernels on CPU tensors when TRITON_INTERPRET=1 was set before triton was
 # first imported (triton.jit reads it as each kernel, its own standard library's included, is
@@ -51,34 +55,6 @@ from . import scratch
 # the same arithmetic as a bf16 tensor-core dot with fp32 accumulation. (Its fp32 -> bf16 casts also
 # truncate instead of rounding to nearest: a bf16 output can differ from the GPU's by one ulp.)
 INTERPRET = bool(triton.knobs.runtime.interpret)
-
-# Launch parameters, from a sweep on an H200 (bf16, D=128, GQA 4, 2k–32k selected tokens): tiles of
-# 64 tokens and 4 warps read ~2.5 TB/s at B=4 with 2k tokens and ~4 TB/s at B=4 with 32k.
-BLOCK_T = 64  # tokens per tile
-NUM_WARPS = 4  # of the kernels that read keys or values
-NUM_STAGES = 3  # software pipelining of the tile loop (the CUDA default)
-TARGET_PROGRAMS = 512  # chunks x KV heads x rows the split aims at
-MIN_CHUNK_TOKENS = 128  # tokens per program at least
-# The merge reads every chunk partial of a head in one step (up to MAX_BLOCK_C) with 2 warps: on an
-# H200 that is 40.0 µs at 32K against 42.1 for steps of 32 with 4 warps (131.5 against 133.4 at 128K).
-BLOCK_C = 0  # chunk partials per merge step; 0: all of them in one step (up to MAX_BLOCK_C)
-MAX_BLOCK_C = 128
-MERGE_WARPS = 2
-# The merge inside the chunk kernel (last program of each KV head's chunks, all G query heads at
-# once), tiles of [G, FUSED_BLOCK_C, D] fp32. Measured slower than the launch it saves (H200, run 7,
-# call 1, dense, batch 1): 42.8 µs with tiles of 16 chunks (43.2 with 8, 51.2 with 32, 57.7 with 4)
-# against 40.1 µs at 32K, 132.9 against 131.1 at 128K. One program merging 4 heads x 64 chunks
-# after the others finish costs more than a second launch of 32 programs. So it is off.
-FUSE_MERGE = False
-FUSED_BLOCK_C = 16
-# The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2k-token
-# selection is then one step per pass).
-BLOCK_M = 4096  # scratch entries per step of the entmax threshold search
-TAU_WARPS = 8
-# Bisection steps for the entmax threshold. They only have to find the support: the bracket starts
-# < 1 wide, so an entry misplaced after 16 halvings lies within 2^-16 of tau, weighs < 2^-32, and
-# the closed form then gives tau to fp32 precision anyway.
-N_BISECT = 16
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -132,19 +108,17 @@ def _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G: tl.constexpr, D: 
 @triton.jit
 def _softmax_chunk_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
-    m_ptr, l_ptr, o_ptr, done_ptr, out_ptr, lse_ptr,
+    m_ptr, l_ptr, o_ptr,
     s_qb, s_qh,
     s_kb, s_kh, s_kn,
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
-    s_ob, s_oh,
     n, k_max, chunk, n_chunks, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    FUSE: tl.constexpr, G_P2: tl.constexpr, MERGE_BLOCK_C: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -199,60 +173,6 @@ def _softmax_chunk_kernel(
         acc,
         mask=g_mask[:, None] & (offs_d[None, :] < D),
     )
-    if FUSE:
-        # The barrier orders every thread's partial stores before the counter's release; the
-        # counter's acquire orders them before the last program's reads (.cg in `_merge_heads`: past
-        # this SM's L1). That program resets the counter: zero again for the next launch.
-        tl.debug_barrier()
-        done = done_ptr + b * tl.num_programs(1) + kv
-        if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == n_chunks - 1:
-            _merge_heads(m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, b, kv * G, G * tl.num_programs(1),
-                         s_ob, s_oh, n_chunks, G, G_P2, D, D_PAD, MERGE_BLOCK_C)
-            tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_heads(
-    m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, b, h0, n_heads, s_ob, s_oh, n_chunks,
-    G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Log-sum-exp merge of the chunk partials of query heads ``h0 .. h0 + G - 1`` of row ``b``
-    (``n_heads`` per row) into ``out`` and ``lse``, ``BLOCK_C`` chunks per step."""
-    offs_g = tl.arange(0, G_P2)
-    offs_c = tl.arange(0, BLOCK_C)
-    offs_d = tl.arange(0, D_PAD)
-    g_mask = offs_g < G
-    head = b * n_heads + h0 + offs_g
-
-    m_run = tl.full([G_P2], -float("inf"), tl.float32)
-    l_run = tl.zeros([G_P2], tl.float32)
-    acc = tl.zeros([G_P2, D_PAD], tl.float32)
-    for c0 in range(0, n_chunks, BLOCK_C):
-        cs = c0 + offs_c
-        mask = g_mask[:, None] & (cs < n_chunks)[None, :]
-        part = head[:, None] * n_chunks + cs[None, :]
-        m = tl.load(m_ptr + part, mask=mask, other=-float("inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
-        o = tl.load(
-            o_ptr + part[:, :, None] * D + offs_d[None, None, :],
-            mask=mask[:, :, None] & (offs_d[None, None, :] < D),
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
-        alpha = tl.exp(m_run - m_safe)
-        w = tl.exp(m - m_safe[:, None])
-        l_run = l_run * alpha + tl.sum(w * l, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        m_run = m_new
-
-    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
-    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_run)[:, None])
-    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
-    tl.store(out_ptr + b * s_ob + (h0 + offs_g)[:, None] * s_oh + offs_d[None, :], out,
-             mask=g_mask[:, None] & (offs_d[None, :] < D))
-    tl.store(lse_ptr + head, lse, mask=g_mask)
 
 
 @triton.jit
@@ -261,9 +181,37 @@ def _merge_kernel(
     s_ob, s_oh, n_chunks,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """The merge as a launch of its own: one program per (query head, row)."""
-    _merge_heads(m_ptr, l_ptr, o_ptr, out_ptr, lse_ptr, tl.program_id(1), tl.program_id(0), tl.num_programs(0),
-                 s_ob, s_oh, n_chunks, 1, 1, D, D_PAD, BLOCK_C)
+    """Log-sum-exp merge of the chunk partials of one (query head, row) into ``out`` and ``lse``,
+    ``BLOCK_C`` chunks per step."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    head = b * tl.num_programs(0) + h
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, D_PAD)
+
+    m_run = -float("inf")
+    l_run = 0.0
+    acc = tl.zeros([D_PAD], tl.float32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        cs = c0 + offs_c
+        mask = cs < n_chunks
+        part = head * n_chunks + cs
+        m = tl.load(m_ptr + part, mask=mask, other=-float("inf"))
+        l = tl.load(l_ptr + part, mask=mask, other=0.0)
+        o = tl.load(o_ptr + part[:, None] * D + offs_d[None, :], mask=mask[:, None] & (offs_d[None, :] < D), other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # same -inf guard as the chunk kernel
+        alpha = tl.exp(m_run - m_safe)
+        w = tl.exp(m - m_safe)
+        l_run = l_run * alpha + tl.sum(w * l, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m_run = m_new
+
+    empty = l_run == 0.0  # no visible entry: out = 0, lse = -inf
+    out = tl.where(empty, 0.0, acc / tl.where(empty, 1.0, l_run))
+    lse = tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run)))
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out, mask=offs_d < D)
+    tl.store(lse_ptr + head, lse)
 
 
 @triton.jit
@@ -422,15 +370,27 @@ def _entmax_out_kernel(
     )
 
 
-def default_chunk(k_max: int, block: int, rows: int) -> int:
-    """Entries per chunk: enough programs to fill a GPU (`TARGET_PROGRAMS`), at least
-    `MIN_CHUNK_TOKENS` tokens per program.
+def attention_config(k_max: int, block: int, rows: int) -> AttentionConfig:
+    """The launch parameters of a call over ``k_max`` selection entries of ``block`` tokens for
+    ``rows`` (batch rows x KV heads): the config in force (`config.current`) with `chunk` and
+    `block_c` chosen where it leaves them 0. Chunks: enough programs to fill a GPU
+    (`target_programs`), `min_chunk_tokens` tokens per program at least. Merge steps: every chunk
+    partial in one step, up to `max_block_c`.
 
     Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
     """
-    tokens = k_max * block
-    splits = max(1, min(triton.cdiv(tokens, MIN_CHUNK_TOKENS), triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
-    return max(1, triton.cdiv(k_max, splits))
+    return _choose(current(AttentionConfig), k_max, block, rows)
+
+
+@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
+def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int) -> AttentionConfig:
+    chunk = cfg.chunk
+    if chunk == 0:
+        splits = min(triton.cdiv(k_max * block, cfg.min_chunk_tokens), triton.cdiv(cfg.target_programs, max(rows, 1)))
+        chunk = max(1, triton.cdiv(k_max, max(1, splits)))
+    n_chunks = max(1, triton.cdiv(k_max, chunk))
+    block_c = cfg.block_c or min(cfg.max_block_c, max(16, triton.next_power_of_2(n_chunks)))
+    return dataclasses.replace(cfg, chunk=chunk, block_c=block_c)
 
 
 def decode_attention(
@@ -445,12 +405,11 @@ def decode_attention(
     length: Tensor,
     scale: float,
     mode: str = "softmax",
-    chunk: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Launch the kernels; arguments as `reference.decode_attention` with the Selection unpacked.
 
-    ``mode`` is ``"softmax"`` (returns ``(out, lse)``) or ``"entmax15"`` (returns ``(out, tau)``);
-    ``chunk`` is the number of selection entries per program (0: `default_chunk`).
+    ``mode`` is ``"softmax"`` (returns ``(out, lse)``) or ``"entmax15"`` (returns ``(out, tau)``).
+    Launch parameters: `attention_config`.
     """
     if mode not in ("softmax", "entmax15"):
         raise ValueError(f"mode must be 'softmax' or 'entmax15', got {mode!r}")
@@ -462,7 +421,8 @@ def decode_attention(
     k_max = indices.shape[-1]
     # The kernels index the head dim with unit stride.
     q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
-    chunk = chunk if chunk > 0 else default_chunk(k_max, block, b * h_kv)
+    cfg = attention_config(k_max, block, b * h_kv)
+    chunk = cfg.chunk
     n_chunks = max(1, triton.cdiv(k_max, chunk))
     has_lw = log_weight is not None
     lw = log_weight if has_lw else indices  # dummy pointer, never read when HAS_LW is False
@@ -472,8 +432,8 @@ def decode_attention(
     common = dict(
         G=g, G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot wants M >= 16
         D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK=block, BLOCK_T=BLOCK_T, UPCAST=upcast, PRECISION=dtype_precision, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        BLOCK=block, BLOCK_T=cfg.block_t, UPCAST=upcast, PRECISION=dtype_precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     grid = (n_chunks, h_kv, b)
     out = _alloc(b, h, d, dtype=q.dtype, device=q.device)
@@ -485,28 +445,22 @@ def decode_attention(
     if mode == "softmax":
         m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
         l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
-        done = scratch.zeroed("attention_counters", b * h_kv, q.device) if FUSE_MERGE else None
-        fuse = done is not None
         _softmax_chunk_kernel[grid](
             q, keys, values, indices, count, lw, start, length,
-            m_part, l_part, o_part, done if fuse else count, out, second,  # count: a dummy, never read unfused
+            m_part, l_part, o_part,
             q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
             indices.stride(0), indices.stride(1), indices.stride(2),
             count.stride(0), count.stride(1),
             lw.stride(0), lw.stride(1), lw.stride(2),
-            out.stride(0), out.stride(1),
             n, k_max, chunk, n_chunks, float(scale),
-            HAS_LW=has_lw, FUSE=fuse, G_P2=triton.next_power_of_2(g), MERGE_BLOCK_C=FUSED_BLOCK_C, **common,
+            HAS_LW=has_lw, **common,
         )
-        if fuse:
-            return out, second
         _merge_kernel[(h, b)](
             m_part, l_part, o_part, out, second,
             out.stride(0), out.stride(1), n_chunks,
-            D=d, D_PAD=common["D_PAD"], num_warps=MERGE_WARPS,
-            BLOCK_C=BLOCK_C or min(MAX_BLOCK_C, max(16, triton.next_power_of_2(n_chunks))),
+            D=d, D_PAD=common["D_PAD"], BLOCK_C=cfg.block_c, num_warps=cfg.merge_warps,
         )
         return out, second
 
@@ -523,7 +477,7 @@ def decode_attention(
     )
     _entmax_tau_kernel[(h, b)](
         x, count, second, count.stride(0), count.stride(1), k_max,
-        G=g, BLOCK=block, BLOCK_M=BLOCK_M, N_BISECT=N_BISECT, num_warps=TAU_WARPS,
+        G=g, BLOCK=block, BLOCK_M=cfg.block_m, N_BISECT=cfg.n_bisect, num_warps=cfg.tau_warps,
     )
     _entmax_out_kernel[grid](
         values, indices, count, start, length, x, second, o_part,
@@ -537,4 +491,4 @@ def decode_attention(
     return out, second
 
 
-__all__ = ["decode_attention", "default_chunk", "INTERPRET"]
+__all__ = ["decode_attention", "attention_config", "INTERPRET"]

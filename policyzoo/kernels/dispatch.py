@@ -4,6 +4,8 @@ Each kernel is registered with `torch.library.custom_op` in the ``policyzoo`` na
 (``torch.ops.policyzoo.*``) together with a fake (meta) implementation, so `torch.compile` traces
 through a decode step as one opaque node per kernel and CUDA graphs capture the launches. A
 `Selection` is not an op argument type, so it travels unpacked (indices, count, log_weight, block).
+Launch parameters are no op arguments: each kernel reads the config in force as it launches
+(`kernels.config`).
 
 Importing this module never fails: without triton (or if importing it fails) `HAS_TRITON` is False,
 `use_triton` always answers False and the ops raise if called. The kernel modules are imported here,
@@ -75,16 +77,13 @@ def _decode_attention_op(
     length: Tensor,
     scale: float,
     mode: str = "softmax",
-    chunk: int = 0,
 ) -> tuple[Tensor, Tensor]:
     _need_triton()
-    return _attn.decode_attention(
-        q, keys, values, indices, count, log_weight, block, start, length, scale, mode=mode, chunk=chunk
-    )
+    return _attn.decode_attention(q, keys, values, indices, count, log_weight, block, start, length, scale, mode=mode)
 
 
 @_decode_attention_op.register_fake
-def _(q, keys, values, indices, count, log_weight, block, start, length, scale, mode="softmax", chunk=0):
+def _(q, keys, values, indices, count, log_weight, block, start, length, scale, mode="softmax"):
     b, h, d = q.shape
     return q.new_empty(b, h, d), q.new_empty(b, h, dtype=torch.float32)
 
@@ -98,14 +97,11 @@ def decode_attention(
     length: Tensor,
     scale: float,
     mode: str = "softmax",
-    chunk: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """`reference.decode_attention` (``mode="softmax"``, returns ``(out, lse)``) or
-    `reference.decode_attention_entmax15` (``mode="entmax15"``, returns ``(out, tau)``) on Triton.
-
-    ``chunk``: selection entries per split-K program (0 picks from the shapes)."""
+    `reference.decode_attention_entmax15` (``mode="entmax15"``, returns ``(out, tau)``) on Triton."""
     return torch.ops.policyzoo.decode_attention(
-        q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, float(scale), mode, chunk
+        q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, float(scale), mode
     )
 
 
@@ -234,56 +230,52 @@ def _gemv_fake(x: Tensor, w_t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_index", mutates_args=())
-def _sparse_gemv_index_op(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
+def _sparse_gemv_index_op(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_index(x, idx, w_t, bias, split=split)
+    return _gemv.sparse_gemv_index(x, idx, w_t, bias)
 
 
 @_sparse_gemv_index_op.register_fake
-def _(x, idx, w_t, bias, split=0):
+def _(x, idx, w_t, bias):
     return _gemv_fake(x, w_t)
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_threshold", mutates_args=())
-def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
+def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_threshold(x, t, w_t, bias, split=split)
+    return _gemv.sparse_gemv_threshold(x, t, w_t, bias)
 
 
 @_sparse_gemv_threshold_op.register_fake
-def _(x, t, w_t, bias, split=0):
+def _(x, t, w_t, bias):
     return _gemv_fake(x, w_t)
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_mask", mutates_args=())
-def _sparse_gemv_mask_op(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None, split: int = 0) -> Tensor:
+def _sparse_gemv_mask_op(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_mask(x, keep, w_t, bias, split=split)
+    return _gemv.sparse_gemv_mask(x, keep, w_t, bias)
 
 
 @_sparse_gemv_mask_op.register_fake
-def _(x, keep, w_t, bias, split=0):
+def _(x, keep, w_t, bias):
     return _gemv_fake(x, w_t)
 
 
-def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0) -> Tensor:
-    """`reference.sparse_gemv_index` on Triton (``x [B, d_in]``, ``w_t [d_in, d_out]``).
-
-    ``split``: slices of the kept features per output block (split-K; 0 picks from the shapes)."""
-    return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias, split)
+def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`reference.sparse_gemv_index` on Triton (``x [B, d_in]``, ``w_t [d_in, d_out]``)."""
+    return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias)
 
 
-def sparse_gemv_threshold(
-    x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None, split: int = 0
-) -> Tensor:
+def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """`reference.sparse_gemv_threshold` on Triton; a 0-dim tensor ``t`` on x's device avoids a copy."""
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
-    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias, split)
+    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias)
 
 
-def sparse_gemv_mask(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0) -> Tensor:
+def sparse_gemv_mask(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """`reference.sparse_linear` with ``weight = w_t.t()`` on Triton (``keep [B, d_in]`` bool)."""
-    return torch.ops.policyzoo.sparse_gemv_mask(x, keep, w_t, bias, split)
+    return torch.ops.policyzoo.sparse_gemv_mask(x, keep, w_t, bias)
 
 
 def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) -> Tensor:

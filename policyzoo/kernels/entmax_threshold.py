@@ -8,8 +8,9 @@ it into one persistent reduction over all pages, which Triton 3.6 fails to compi
 128K context; ``PassManager::run failed`` in make_ttgir). This kernel is the same algorithm as one
 opaque custom op (`dispatch.gaussian_entmax_threshold`), so Inductor never generates that reduction.
 
-One program per row (the leading dims flattened); the row is walked in ``BLOCK_P`` page blocks per
-pass, so any number of pages works:
+One program per row (the leading dims flattened); the row is walked in blocks of pages per pass
+(`config.EntmaxThresholdConfig`, chosen per call by `entmax_threshold_config`), so any number of
+pages works:
 
 1. one pass for the bracket and the start: ``lo = max_p (m_p − 8·s_p) − 1``,
    ``hi = max(max_p min(m_p + 8·s_p, cap_p), lo)``, ``τ₀ = clamp(max_p m_p, lo, hi)`` over the live
@@ -29,6 +30,8 @@ for bit.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import torch
@@ -36,8 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_P = 1024  # pages per block of a pass (per-thread registers: BLOCK_P / (32·num_warps) pages)
-NUM_WARPS = 8  # for a full block; smaller rows get one block of next_pow2(P) pages and fewer warps
+from .config import EntmaxThresholdConfig, current
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -148,6 +150,19 @@ def _entmax_threshold_kernel(
     tl.store(out_ptr + row, tl.where(empty, float("-inf"), tau))
 
 
+def entmax_threshold_config(p: int) -> EntmaxThresholdConfig:
+    """The launch parameters of a call on rows of ``p`` pages: the config in force
+    (`config.current`), its block cut to next_pow2(p) pages (32 at least) and its warps to one per
+    128 pages of the block (1 at least)."""
+    return _choose(current(EntmaxThresholdConfig), p)
+
+
+@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
+def _choose(cfg: EntmaxThresholdConfig, p: int) -> EntmaxThresholdConfig:
+    block = min(cfg.block_p, max(triton.next_power_of_2(p), 32))
+    return dataclasses.replace(cfg, block_p=block, num_warps=max(1, min(cfg.num_warps, block // 128)))
+
+
 def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12) -> Tensor:
     """``float64[..., 1]``: `reference.gaussian_entmax_threshold` of ``m, s, n, cap [..., P]`` (broadcast
     together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page."""
@@ -169,13 +184,12 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     # Rows of P contiguous pages (an expanded n, e.g. page counts shared by the heads, is copied).
     m, s, n = (t.expand(shape).contiguous().view(r, p) for t in (m, s, n))
     c = m if cap is None else cap.expand(shape).contiguous().view(r, p)  # c: a dummy without caps
-    block = min(BLOCK_P, max(triton.next_power_of_2(p), 32))
-    num_warps = max(1, min(NUM_WARPS, block // 128))
+    cfg = entmax_threshold_config(p)
     _entmax_threshold_kernel[(r,)](
         m, s, n, c, out, p, int(iters),
-        HAS_CAP=cap is not None, BLOCK_P=block, num_warps=num_warps,
+        HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps,
     )
     return out
 
 
-__all__ = ["gaussian_entmax_threshold", "BLOCK_P"]
+__all__ = ["gaussian_entmax_threshold", "entmax_threshold_config"]

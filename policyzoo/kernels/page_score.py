@@ -10,34 +10,34 @@ where ``q_d < 0`` (the same float products, so nothing is rounded differently):
 
     Σ_d max(q_d·min_d, q_d·max_d) = q⁺·max + q⁻·min,   q⁺ = max(q, 0), q⁻ = min(q, 0)
 
-two dot products per page instead of a channel-wise max. ``METHOD`` picks how they are computed:
-``"loop"`` walks the G query heads of the group over a ``[BLOCK_P, D]`` tile held in registers;
-``"dot"`` does both with ``tl.dot`` (tensor cores; the G heads padded to 16 rows; bf16 q⁺ and q⁻ are
-exact since q is bf16, fp32 summaries use full-precision dots). An earlier version broadcast a
-``[G, BLOCK_P, BLOCK_D]`` product and reduced its max, which held 8K floats per program.
+two dot products per page instead of a channel-wise max, computed one of two ways
+(`PageScoreConfig.method`): ``"dot"`` does both with ``tl.dot`` (tensor cores; the G heads padded to
+16 rows; bf16 q⁺ and q⁻ are exact since q is bf16, fp32 summaries use full-precision dots);
+``"loop"`` walks the G query heads of the group over a ``[block_p, D]`` tile held in registers, and
+serves the head dims under 16 that tl.dot cannot take. An earlier version broadcast a
+``[G, block_p, D]`` product and reduced its max: it held 8K floats per program and took 25 µs at
+best on an H200 where the dot takes 9.7 µs (8,192 pages).
 
-Grid ``(cdiv(P, BLOCK_P), H_kv, B)``: a program scores ``BLOCK_P`` pages of one KV head for all G
-query heads of its group, so the summaries (the bytes that matter) are read once per group.
+Grid ``(cdiv(P, block_p), H_kv, B)``: a program scores ``block_p`` pages of one KV head for all G
+query heads of its group, so the summaries (the bytes that matter) are read once per group. Launch
+parameters: `config.PageScoreConfig`, chosen per call by `page_score_config`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from .config import PageScoreConfig, current
+
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
-# Launch parameters, from the sweep's `variants` probe on an H200 (8,192 pages, 8 KV heads, GQA 4,
-# D=128, bf16 summaries; `benchmarks/results/2026-11-29-h200-run4`): tl.dot over 64 pages with 2 warps
-# takes 9.7 µs, the per-head loop 10.2 µs at best (32 pages, 2 warps), the former broadcast-and-max
-# 25 µs at best.
-METHOD = "dot"  # "loop" or "dot"
-BLOCK_P = 64  # pages per program
-NUM_WARPS = 2
 AGG_CODES = {"none": 0, "max": 1, "sum": 2}
-METHODS = ("loop", "dot")
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -114,6 +114,20 @@ def _quest_bound_kernel(
             tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
 
 
+def page_score_config(d: int) -> PageScoreConfig:
+    """The launch parameters of a call with head dim ``d``: the config in force (`config.current`),
+    with the loop where tl.dot cannot serve (it needs 16 rows, columns and inner size: head dims
+    under 16) and tiles of 16 pages at least for the dot."""
+    return _choose(current(PageScoreConfig), d)
+
+
+@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
+def _choose(cfg: PageScoreConfig, d: int) -> PageScoreConfig:
+    if cfg.method == "dot" and triton.next_power_of_2(d) >= 16:
+        return dataclasses.replace(cfg, block_p=max(16, cfg.block_p))
+    return dataclasses.replace(cfg, method="loop")
+
+
 def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "none") -> Tensor:
     """Launch the kernel. ``agg="none"`` → ``float32[B, H, P]``; ``"max"``/``"sum"`` → ``[B, H_kv, P]``."""
     if agg not in AGG_CODES:
@@ -128,13 +142,8 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
     out = _alloc(b, h if agg == "none" else h_kv, n_pages, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    if METHOD not in METHODS:
-        raise ValueError(f"page_score.METHOD must be one of {METHODS}, got {METHOD!r}")
-    # Read at launch: a probe may retune them. tl.dot needs 16 rows, columns and inner size at least
-    # (a head dim under 16 takes the loop).
-    dot = METHOD == "dot" and triton.next_power_of_2(d) >= 16
-    block_p = max(16, BLOCK_P) if dot else BLOCK_P
-    grid = (triton.cdiv(n_pages, block_p), h_kv, b)
+    cfg = page_score_config(d)
+    grid = (triton.cdiv(n_pages, cfg.block_p), h_kv, b)
     _quest_bound_kernel[grid](
         q, page_min, page_max, out,
         q.stride(0), q.stride(1),
@@ -143,12 +152,12 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
         out.stride(0), out.stride(1),
         n_pages, float(scale),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
-        BLOCK_P=block_p, AGG=AGG_CODES[agg], DOT=dot,
+        BLOCK_P=cfg.block_p, AGG=AGG_CODES[agg], DOT=cfg.method == "dot",
         # fp32 dots where a dtype is fp32 or differs, and under the interpreter, whose tl.dot multiplies
         # bf16 operands as raw bits (see decode_attention.INTERPRET); bf16 products are exact in fp32.
-        IEEE=INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32, num_warps=NUM_WARPS,
+        IEEE=INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32, num_warps=cfg.num_warps,
     )
     return out
 
 
-__all__ = ["quest_page_bound", "INTERPRET"]
+__all__ = ["quest_page_bound", "page_score_config", "INTERPRET"]

@@ -1,10 +1,10 @@
 """Scratch buffers that kernels keep per device, zero between launches (the launch that used them
-leaves them zero), so a call needs no memset: the arrival counters of the sparse GEMV and of the
-decode-attention merge, `select_top`'s histograms.
+leaves them zero), so a call needs no memset: the arrival counters of the sparse GEMV and
+`select_top`'s histograms.
 
 They are made eagerly by `reserve`, never inside a decode step: made during torch.compile's
 CUDA-graph warm-up, a buffer would sit untracked in the graph's memory pool, which cudagraph trees
-refuse ("tensor(s) in the cudagraph pool not tracked as outputs", H200 run 6, call 3).
+refuse ("tensor(s) in the cudagraph pool not tracked as outputs").
 A `Decoder` on CUDA reserves them when it wraps a model, and so does `ProjectionSparsifier.install`.
 A kernel that finds none (or too few) takes its path without them. On CPU (the interpreter, no
 graphs) they are made on first use.
@@ -20,9 +20,8 @@ import torch
 from torch import Tensor
 
 # int32 entries reserved per device: output blocks x batch rows of the GEMV (gate|up has 448 blocks
-# of 64, so up to batch 146), 512 bins x rows of `select_top` (up to 512 rows), and rows x KV heads
-# of the decode-attention merge.
-SIZES = {"gemv_counters": 65536, "select_histograms": 512 * 512, "attention_counters": 4096}
+# of 64, so up to batch 146), and 512 bins x rows of `select_top` (up to 512 rows).
+SIZES = {"gemv_counters": 65536, "select_histograms": 512 * 512}
 
 _BUFFERS: dict[tuple[str, torch.device], Tensor] = {}
 _OUTGROWN: list[Tensor] = []  # buffers a larger one replaced: a recorded CUDA graph may still use them

@@ -6,40 +6,42 @@ projection or a page selection. Here one program per row does it in one launch, 
 in registers:
 
 1. Map each score to an ``int32`` key with the same order (a float's bits, negatives flipped), so
-   ties are exact. A bf16 score's key comes from its own 16 bits, sign-extended (`BF16_BITS`): the
-   same keys as its fp32 bits shifted right by 16, without the round trip through fp32 (the kernel
-   is issue-bound: 14,336 entries took 18.5 µs with 8 or 16 warps alike, run 5). fp32 and fp16
+   ties are exact. A bf16 score's key comes from its own 16 bits, sign-extended: the same keys as
+   its fp32 bits shifted right by 16, without the round trip through fp32 (the kernel is
+   issue-bound: on an H200, 14,336 entries took 18.5 µs with 8 or 16 warps alike). fp32 and fp16
    scores go through fp32 (fp16 does not order like a truncated fp32).
 2. Search a bracket ``[lo, hi)`` of keys with ``#{key >= lo} >= count > #{key >= hi}`` (`_search`),
    starting from the row's smallest and largest keys. Each step counts the keys at or above a probe
    and snaps the moved end to the nearest key, in one three-value reduction; the probe interpolates
    on the counts. It stops when one distinct key is left in the bracket or all of it is wanted.
    In simulation that took 6–9 steps on average (13 at most) on activations and page bounds,
-   against the 15–32 halvings of a plain bisection over the key range. The kernel bisected until
-   run 5 (on an H200 with 8 warps:
-   8.25 → 7.5 µs for 4,096 bf16 entries, 18.8 → 18.5 µs for 14,336, 18.2 → 13.6–14.5 µs for 8 rows
-   of 8,192 fp32; `benchmarks/results/2026-11-30-h200-run5`).
+   against the 15–32 halvings of a plain bisection over the key range, and on an H200 it measured
+   faster than bisection (8.25 → 7.5 µs for 4,096 bf16 entries, 18.8 → 18.5 µs for 14,336,
+   18.2 → 13.6–14.5 µs for 8 rows of 8,192 fp32).
    Snapping keeps forced ``+inf`` pages and rows with few distinct keys from slowing the
-   interpolation; after `INTERP_STEPS` steps it halves instead, which bounds the search.
-   Searches measured slower before (run 3): 8 bits per 256-bin ``tl.histogram`` pass, and 3 bits
+   interpolation; after `SelectTopConfig.interp_steps` steps it halves instead, which bounds the
+   search. Other searches measured slower: 8 bits per 256-bin ``tl.histogram`` pass, and 3 bits
    per step from 7 packed counts.
 3. Keep every key ``>= hi`` and the first ``count − #{key >= hi}`` keys of the bracket by position,
    and write their positions in ascending order, zeros after ``count``: one prefix sum of two packed
    flags gives each kept key its output slot (`_emit`).
 
-Long bf16 rows (`HIST_MIN_N` entries and more: the down projection's 14,336 inputs) are instead
-spread over several programs (`METHOD`): two 256-bin histograms of their 16-bit keys give the exact
+Long bf16 rows (`SelectTopConfig.hist_min_n` entries and more: the down projection's 14,336 inputs)
+are instead spread over several programs: two 256-bin histograms of their 16-bit keys give the exact
 threshold, in four launches (`_select_by_histograms`). One SM holding the whole row was the
-bottleneck there: 17.9 µs in one program, 10.8 by histograms (H200, run 7).
+bottleneck there: on an H200, 17.9 µs in one program, 10.8 by histograms. `select_top_config`
+chooses the method and the warps per call.
 
 Rows of up to 16384 entries (`MAX_BLOCK_N`: every activation vector and the pages of a 256K context)
 are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a power of
 two would otherwise double the tile (8,203 pages in one 16,384-entry tile measured 39–46 µs against
-18 µs for 8,192, run 4). Longer rows are refused; `kernels.select_top` sends them to the torch
-reference.
+18 µs for 8,192). Longer rows are refused; `kernels.select_top` sends them to the torch reference.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import torch
 import triton
@@ -47,26 +49,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import scratch
+from .config import SelectTopConfig, current
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers (and counts fit 16 bits in `_emit`)
-# Warps per program: 0 picks by the entries held (4 below 4096, 8 from there). On an H200 (sweep
-# `variants`, benchmarks/results/2026-11-30-h200-run5), 8 warps beat 4 on 4,096 bf16 entries (7.5-7.6
-# against 7.8-8.7 µs) and 16 on 8 rows of 8,192 fp32 (13.7 against 15.0 µs); 1 and 2 warps took 35.5
-# and 14.2 µs on 4,096 entries.
-NUM_WARPS = 0
-# Steps of the search that interpolate before it falls back to halving the bracket (0: halve only).
-INTERP_STEPS = 16
-# bf16 keys from the scores' 16 bits (False: through fp32 and a shift, as fp32 and fp16 scores go).
-BF16_BITS = True
-# "program": one program per row (above). "histogram" (bf16 rows only): `_select_by_histograms`,
-# the row spread over programs of HIST_CHUNK entries in four launches. "auto": histograms for bf16
-# rows of HIST_MIN_N entries or more, one program otherwise. On an H200 (run 7, call 1, graph replay,
-# keep 0.5): 14,336 entries took 10.8 µs by histograms in chunks of 512 (11.4 in 1,024, 12.3 in 2,048)
-# against 17.9 µs in one program; 4,096 entries 9.6 against 6.85. The two lines cross near 7K
-# entries (interpolated, not measured), hence 8,192.
-METHOD = "auto"
-HIST_CHUNK = 512
-HIST_MIN_N = 8192
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -75,7 +60,7 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
-def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr):
+def _keys(s_row, offs, n, ABS: tl.constexpr, BITS: tl.constexpr):
     """Order-preserving int32 keys of the scores at ``offs`` (``-2^31`` off the end). With ``BITS``
     the row holds bf16 bits as int16: the keys are those of their fp32 values shifted right by 16."""
     if BITS:
@@ -92,7 +77,6 @@ def _keys(s_row, offs, n, ABS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.const
         x = tl.where(x == 0.0, 0.0, x)  # -0.0 == 0.0 as floats, but not as bits
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives: larger magnitude, smaller key
-        key = key >> SHIFT
     return tl.where(offs < n, key, -2147483647 - 1)
 
 
@@ -196,8 +180,7 @@ def _wanted(cnt_ptr, row, n, k_max):
 def _select_top_kernel(
     s_ptr, cnt_ptr, idx_ptr,
     n, k_max, s_row_stride, i_row_stride,
-    ABS: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, INTERP_STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
-    TAIL: tl.constexpr,
+    ABS: tl.constexpr, BITS: tl.constexpr, INTERP_STEPS: tl.constexpr, BLOCK_N: tl.constexpr, TAIL: tl.constexpr,
 ):
     row = tl.program_id(0)
     s_row = s_ptr + row * s_row_stride
@@ -212,8 +195,8 @@ def _select_top_kernel(
     # The row in registers: a power-of-two tile, and a smaller one for what is left (unused when
     # TAIL is 0: then its lanes are all past the end, and the compiler drops them).
     offs_tail = BLOCK_N + tl.arange(0, TAIL if TAIL > 0 else 16)
-    key = _keys(s_row, offs, n, ABS, SHIFT, BITS)
-    key_tail = _keys(s_row, offs_tail, n, ABS, SHIFT, BITS)
+    key = _keys(s_row, offs, n, ABS, BITS)
+    key_tail = _keys(s_row, offs_tail, n, ABS, BITS)
     valid, valid_tail = offs < n, offs_tail < n
     lo, hi, n_hi = _search(key, key_tail, valid, valid_tail, want, INTERP_STEPS, TAIL)
 
@@ -226,9 +209,9 @@ def _select_top_kernel(
 
 # ------------------------------------------------------------------------------ by histograms
 # A bf16 key has 16 bits: two 256-bin histograms find the count-th largest exactly. Each launch
-# spreads the row over programs of HIST_CHUNK entries, so a long row is not one SM's work (14,336
-# entries took 19 µs in one program on an H200, run 6), at the price of four launches. The
-# histograms live in a reserved buffer, `[R, 512]` (high byte, then low byte), zero between calls.
+# spreads the row over programs of `hist_chunk` entries, so a long row is not one SM's work, at the
+# price of four launches. The histograms live in a reserved buffer, `[R, 512]` (high byte, then low
+# byte), zero between calls.
 
 
 @triton.jit
@@ -236,7 +219,7 @@ def _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS: tl.constexpr, CHUNK: tl
     """A chunk's bf16 keys (`_keys`, from the 16 bits), their unsigned form ``key + 2^15`` in
     ``[0, 2^16)``, the positions and which are in the row."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    key = _keys(s_ptr + row * s_row_stride, offs, n, ABS, 0, True)
+    key = _keys(s_ptr + row * s_row_stride, offs, n, ABS, True)
     return key, key + 32768, offs, offs < n
 
 
@@ -315,15 +298,17 @@ def _hist_emit_kernel(s_ptr, cnt_ptr, hist_ptr, part_ptr, idx_ptr, n, k_max, s_r
         tl.store(hist_ptr + row * 512 + tl.arange(0, 512), tl.zeros((512,), tl.int32))
 
 
-def _select_by_histograms(scores: Tensor, count: Tensor, k_max: int, absolute: bool, hist: Tensor, idx: Tensor) -> None:
-    """The histogram method on bf16 ``scores [R, N]`` into ``idx``; ``hist`` the zeroed ``[R * 512]``
-    buffer (zero again afterwards)."""
+def _select_by_histograms(
+    scores: Tensor, count: Tensor, k_max: int, absolute: bool, hist: Tensor, idx: Tensor, chunk: int
+) -> None:
+    """The histogram method on bf16 ``scores [R, N]`` into ``idx``, ``chunk`` entries per program;
+    ``hist`` the zeroed ``[R * 512]`` buffer (zero again afterwards)."""
     r, n = scores.shape
-    chunks = triton.cdiv(n, HIST_CHUNK)
+    chunks = triton.cdiv(n, chunk)
     bits, stride = scores.view(torch.int16), scores.stride(0)
     # Per chunk: keys above, keys equal; then per row: threshold, keys above it.
     part = _alloc(r * chunks + r, 2, dtype=torch.int32, device=scores.device)
-    grid, meta = (chunks, r), dict(ABS=absolute, CHUNK=HIST_CHUNK, num_warps=4)
+    grid, meta = (chunks, r), dict(ABS=absolute, CHUNK=chunk, num_warps=4)
     _hist_high_kernel[grid](bits, hist, n, stride, **meta)
     _hist_low_kernel[grid](bits, count, hist, n, k_max, stride, **meta)
     _chunk_counts_kernel[grid](bits, count, hist, part, n, k_max, stride, **meta)
@@ -342,10 +327,30 @@ def tiles(n: int) -> tuple[int, int]:
     return (2 * block, 0) if tail == block else (block, tail)
 
 
+def select_top_config(n: int, dtype: torch.dtype) -> SelectTopConfig:
+    """The launch parameters of a call on rows of ``n`` entries of ``dtype``: the config in force
+    (`config.current`) with its method settled (``"auto"``: histograms for bf16 rows of `hist_min_n`
+    entries or more; histograms only for bf16 rows, whose keys have 16 bits) and its warps chosen by
+    the entries held where it leaves them 0."""
+    return _choose(current(SelectTopConfig), n, dtype)
+
+
+@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
+def _choose(cfg: SelectTopConfig, n: int, dtype: torch.dtype) -> SelectTopConfig:
+    bf16 = dtype == torch.bfloat16
+    method = cfg.method
+    if method == "auto":
+        method = "histogram" if bf16 and n >= cfg.hist_min_n else "program"
+    elif method == "histogram" and not bf16:
+        method = "program"
+    block, tail = tiles(n)
+    return dataclasses.replace(cfg, method=method, num_warps=cfg.num_warps or (4 if block + tail < 4096 else 8))
+
+
 def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
     """``int32[R, k_max]``: per row of ``scores [R, N]`` (``N <= MAX_BLOCK_N``), the positions of its
     ``count[r]`` largest entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros
-    (`reference.select_top`)."""
+    (`reference.select_top`). Launch parameters: `select_top_config`."""
     from .decode_attention import INTERPRET
 
     if scores.device.type == "cpu" and not INTERPRET:
@@ -361,18 +366,16 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
         return idx
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
-    bf16 = scores.dtype == torch.bfloat16
-    if bf16 and (METHOD == "histogram" or (METHOD == "auto" and n >= HIST_MIN_N)):
+    cfg = select_top_config(n, scores.dtype)
+    if cfg.method == "histogram":
         hist = scratch.zeroed("select_histograms", r * 512, scores.device)
         if hist is not None:  # else (none reserved, or too many rows): one program per row
-            _select_by_histograms(scores, count, k_max, absolute, hist, idx)
+            _select_by_histograms(scores, count, k_max, absolute, hist, idx, cfg.hist_chunk)
             return idx
     block, tail = tiles(n)
-    bits = bf16 and BF16_BITS
+    bf16 = scores.dtype == torch.bfloat16
     _select_top_kernel[(r,)](
-        scores.view(torch.int16) if bits else scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
-        # bf16 carries 16 significant bits: the low half of its fp32 keys is zero, shifted out.
-        ABS=absolute, SHIFT=16 if bf16 and not bits else 0, BITS=bits, INTERP_STEPS=INTERP_STEPS,
-        BLOCK_N=block, TAIL=tail, num_warps=NUM_WARPS or (4 if block + tail < 4096 else 8),
+        scores.view(torch.int16) if bf16 else scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),
+        ABS=absolute, BITS=bf16, INTERP_STEPS=cfg.interp_steps, BLOCK_N=block, TAIL=tail, num_warps=cfg.num_warps,
     )
     return idx

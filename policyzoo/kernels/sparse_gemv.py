@@ -10,15 +10,16 @@ and the result is cast to x's dtype. Three ways to say which features are kept, 
   scalar, compared in fp32), specification `reference.sparse_gemv_threshold`;
 - `sparse_gemv_mask`: a bool mask ``keep [B, d_in]``, specification `reference.sparse_linear`.
 
-Grid ``(cdiv(d_out, BLOCK_N), split, B)``: a program computes ``BLOCK_N`` outputs of one row over
-one slice of the kept features (split-K), walking it in tiles of ``BLOCK_K``. With more than one
-slice each program writes its fp32 partial, and the last program of an output block to finish (an
-arrival counter tells it) sums the block's partials, adds the bias, casts and stores: no epilogue
-launch (`FUSE_EPILOGUE`, from `MIN_FUSED_SPLIT` slices). That sum is ``split x BLOCK_N`` floats,
-so, unlike the attention merge tried that way in run 5, nothing long runs serially. With
-`FUSE_EPILOGUE` off, or no counters reserved (`scratch.reserve`), the epilogue is a launch of its own (`_sum_slices_kernel`; the
-torch sum and cast before it were two launches, 4.4 µs per GEMV on an H200).
-The index kernel gathers ``BLOCK_K`` weight rows per tile; the threshold and mask kernels walk all
+Grid ``(cdiv(d_out, block_n), split, B)``: a program computes ``block_n`` outputs of one row over
+one slice of the kept features (split-K), walking it in tiles of ``block_k`` (launch parameters:
+`config.GemvConfig`, chosen per call by `gemv_config`). With more than one slice each program
+writes its fp32 partial, and the last program of an output block to finish (an arrival counter
+tells it) sums the block's partials, adds the bias, casts and stores: no epilogue launch
+(`GemvConfig.fuse_epilogue`, from `GemvConfig.min_fused_split` slices). That sum is
+``split x block_n`` floats, so nothing long runs serially. Below that many slices, or with no
+counters reserved (`scratch.reserve`), the epilogue is a launch of its own (`_sum_slices_kernel`;
+the torch sum and cast before it were two launches, 4.4 µs per GEMV on an H200).
+The index kernel gathers ``block_k`` weight rows per tile; the threshold and mask kernels walk all
 of ``d_in`` but predicate the weight loads on the keep decision, so rows of dropped features are
 never fetched (a masked-off load issues no memory transaction). ``w_t`` may be any strided view (``weight.t()`` of an
 ``nn.Linear`` works, though reading it is only coalesced when ``w_t`` is contiguous).
@@ -26,33 +27,18 @@ never fetched (a masked-off load issues no memory transaction). ``w_t`` may be a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from . import scratch
+from .config import GemvConfig, current
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
-
-# Launch parameters, from a sweep on an H200 (bf16, B=1, half the inputs kept, 4096x14336,
-# 14336x4096, 4096x4096): ~2.3-2.6 TB/s on the kept rows, 1.2-1.3x faster than the dense cuBLAS GEMV.
-BLOCK_N = 64
-BLOCK_K = 128
-NUM_WARPS = 4
-NUM_STAGES = 3
-# Split-K until about this many programs: one wave on an H200 (132 SMs x 4 programs of 122
-# registers per thread). 1024 (two waves) measured 24.2 against 20.9 us on the down projection at
-# keep 0.5, the other Llama-8B shapes within 0.5 us (`gemvtune`, benchmarks/results/2026-11-30-h200-run5).
-TARGET_PROGRAMS = 512
-MIN_TILES_PER_SPLIT = 4
-SUM_BLOCK = 1024  # outputs per program of the split-K epilogue launch
-# The last program of each output block sums the split-K partials (no epilogue launch), from
-# `MIN_FUSED_SPLIT` slices up. On an H200 at keep 0.5 (run 6, call 1) that saved 0.3-0.65 µs where
-# the inputs split 4-8 ways (q|k|v, o, down) and cost 1.9 µs on gate|up, which splits 2 ways over
-# 896 programs (every program pays its atomic; only one launch is saved).
-FUSE_EPILOGUE = True
-MIN_FUSED_SPLIT = 3
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -179,83 +165,94 @@ def _check(x: Tensor, w_t: Tensor) -> tuple[Tensor, int, int]:
     return (x if x.stride(-1) == 1 else x.contiguous()), x.shape[0], w_t.shape[1]
 
 
-def default_split(k: int, d_out: int, rows: int, block_n: int = BLOCK_N) -> int:
-    """Slices of the kept features (split-K): one program per output block and row is too few
-    programs for a GPU's memory system when d_out is small; each slice keeps >= 4 tiles of work."""
-    programs = triton.cdiv(d_out, block_n) * max(rows, 1)
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k // (MIN_TILES_PER_SPLIT * BLOCK_K)))
+def _slice_len(k: int, split: int, block_k: int) -> int:
+    """Kept features per slice when ``k`` split ``split`` ways: whole tiles of ``block_k``."""
+    return triton.cdiv(triton.cdiv(max(k, 1), split), block_k) * block_k
 
 
-def _launch(kernel, x, w_t, bias, k, split, block_n, args_before, strides_mid, **meta):
+def gemv_config(k: int, d_out: int, rows: int) -> GemvConfig:
+    """The launch parameters of a call over ``k`` kept features (all ``d_in`` for the scanning
+    kernels), ``d_out`` outputs and ``rows`` batch rows: the config in force (`config.current`) with
+    `split` settled and `fuse_epilogue` true only where the epilogue is fused for it.
+
+    ``split`` 0 splits the features until about `target_programs` programs (one program per output
+    block and row is too few for a GPU's memory system when d_out is small), each slice keeping
+    `min_tiles_per_split` tiles at least; a split is then rounded to whole tiles per slice, which
+    can leave fewer slices. The epilogue is fused from `min_fused_split` slices.
+    """
+    return _choose(current(GemvConfig), k, d_out, rows)
+
+
+@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
+def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int) -> GemvConfig:
+    split = cfg.split
+    if split == 0:
+        programs = triton.cdiv(d_out, cfg.block_n) * max(rows, 1)
+        split = max(1, min(triton.cdiv(cfg.target_programs, programs), k // (cfg.min_tiles_per_split * cfg.block_k)))
+    split = triton.cdiv(max(k, 1), _slice_len(k, split, cfg.block_k))
+    fuse = cfg.fuse_epilogue and split > 1 and split >= cfg.min_fused_split
+    return dataclasses.replace(cfg, split=split, fuse_epilogue=fuse)
+
+
+def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, **meta):
     b, d_out = x.shape[0], w_t.shape[1]
-    split = split if split > 0 else default_split(k, d_out, b, block_n)
-    k_per = triton.cdiv(triton.cdiv(max(k, 1), split), BLOCK_K) * BLOCK_K  # whole tiles per slice
-    split = triton.cdiv(max(k, 1), k_per)
-    n_blocks = triton.cdiv(d_out, block_n)
+    cfg = gemv_config(k, d_out, b)
+    split, n_blocks = cfg.split, triton.cdiv(d_out, cfg.block_n)
     y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
     part = done = None
     if split > 1:
         part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
-        fuse = FUSE_EPILOGUE and split >= MIN_FUSED_SPLIT
-        done = scratch.zeroed("gemv_counters", n_blocks * b, x.device) if fuse else None
+        done = scratch.zeroed("gemv_counters", n_blocks * b, x.device) if cfg.fuse_epilogue else None
     kernel[(n_blocks, split, b)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,
-        k, d_out, k_per,
+        k, d_out, _slice_len(k, split, cfg.block_k),
         x.stride(0), strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=split > 1, FUSE=done is not None, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **meta,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, FUSE=done is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta,
     )
     if part is None or done is not None:
         return y
-    _sum_slices_kernel[(triton.cdiv(d_out, SUM_BLOCK), b)](
+    _sum_slices_kernel[(triton.cdiv(d_out, cfg.sum_block), b)](
         part, bias if bias is not None else part, y, split, d_out, y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK,
+        HAS_BIAS=bias is not None, BLOCK=cfg.sum_block,
     )
     return y
 
 
-def sparse_gemv_index(
-    x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0, block_n: int = BLOCK_N
-) -> Tensor:
-    """``[B, d_out]`` from the kept features ``idx int[B, k]`` of ``x [B, d_in]``.
-
-    ``split``: slices of the kept features (0: `default_split`); ``block_n``: outputs per program."""
+def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``[B, d_out]`` from the kept features ``idx int[B, k]`` of ``x [B, d_in]``."""
     x, b, d_out = _check(x, w_t)
     if b * d_out == 0:
         return _alloc(b, d_out, dtype=x.dtype, device=x.device)
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
-    return _launch(_gemv_index_kernel, x, w_t, bias, idx.shape[1], split, block_n, (x, idx), idx.stride(0))
+    return _launch(_gemv_index_kernel, x, w_t, bias, idx.shape[1], (x, idx), idx.stride(0))
 
 
-def _scan(x, keep, t, w_t, bias, split, block_n):
+def _scan(x, keep, t, w_t, bias):
     x, b, d_out = _check(x, w_t)
     if b * d_out == 0:
         return _alloc(b, d_out, dtype=x.dtype, device=x.device)
     if keep is not None:
         keep = keep.contiguous().view(torch.uint8) if keep.dtype == torch.bool else keep.contiguous()
     return _launch(
-        _gemv_scan_kernel, x, w_t, bias, x.shape[1], split, block_n,
+        _gemv_scan_kernel, x, w_t, bias, x.shape[1],
         (x, keep if keep is not None else x, t if t is not None else x),
         keep.stride(0) if keep is not None else 0,
         FROM_MASK=keep is not None,
     )
 
 
-def sparse_gemv_threshold(
-    x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None, split: int = 0, block_n: int = BLOCK_N
-) -> Tensor:
+def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """``[B, d_out]`` over the features with ``|x| >= t``; ``t`` a float or a 0-dim tensor (a tensor
     on x's device avoids a host-to-device copy per call)."""
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
-    return _scan(x, None, t, w_t, bias, split, block_n)
+    return _scan(x, None, t, w_t, bias)
 
 
-def sparse_gemv_mask(
-    x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None, split: int = 0, block_n: int = BLOCK_N
-) -> Tensor:
+def sparse_gemv_mask(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """``[B, d_out]`` over the features where ``keep [B, d_in]`` (bool) is set."""
-    return _scan(x, keep, None, w_t, bias, split, block_n)
+    return _scan(x, keep, None, w_t, bias)
 
 
-__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "default_split", "INTERPRET"]
+__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "gemv_config", "INTERPRET"]

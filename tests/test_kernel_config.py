@@ -1,0 +1,321 @@
+"""`policyzoo.kernels.config`: launch configurations as frozen values, chosen by shape, overridden
+for a scope.
+
+The kernels run on CPU tensors in the Triton interpreter (conftest sets ``TRITON_INTERPRET=1``
+before triton is first imported on machines without a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from policyzoo.kernels import config, dispatch, reference, scratch
+from policyzoo.kernels.config import (
+    AttentionConfig,
+    EntmaxThresholdConfig,
+    GemvConfig,
+    PageScoreConfig,
+    SelectTopConfig,
+    override,
+)
+from policyzoo.selection import Selection
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CONFIGS = (AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reserved_scratch():
+    """The histograms and arrival counters, reserved as a Decoder on CUDA reserves them (on CUDA a
+    kernel never makes them: the histogram method and the fused epilogue would not run)."""
+    scratch.reserve(DEVICE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Values
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_configs_are_frozen_values(kind):
+    cfg = kind()
+    field = dataclasses.fields(cfg)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, field, getattr(cfg, field))
+    assert cfg == kind() and hash(cfg) == hash(kind())
+    with pytest.raises(TypeError):
+        kind(64)  # fields are keyword-only
+
+
+@pytest.mark.parametrize(
+    "kind, fields, message",
+    [
+        (AttentionConfig, dict(block_t=48), "block_t must be a power of two"),
+        (AttentionConfig, dict(block_t=8), "block_t must be 16 at least"),
+        (AttentionConfig, dict(num_warps=0), "num_warps must be a power of two"),
+        (AttentionConfig, dict(block_c=24), "block_c must be a power of two or 0"),
+        (AttentionConfig, dict(chunk=-1), "chunk must be an int >= 0"),
+        (AttentionConfig, dict(n_bisect=0), "n_bisect must be a positive int"),
+        (AttentionConfig, dict(num_stages=True), "num_stages must be a positive int"),
+        (SelectTopConfig, dict(method="radix"), "method must be one of"),
+        (SelectTopConfig, dict(hist_chunk=500), "hist_chunk must be a power of two"),
+        (SelectTopConfig, dict(num_warps=3), "num_warps must be a power of two or 0"),
+        (SelectTopConfig, dict(interp_steps=-1), "interp_steps must be an int >= 0"),
+        (GemvConfig, dict(block_k=100), "block_k must be a power of two"),
+        (GemvConfig, dict(split=-2), "split must be an int >= 0"),
+        (GemvConfig, dict(min_fused_split=0), "min_fused_split must be a positive int"),
+        (GemvConfig, dict(fuse_epilogue=1), "fuse_epilogue must be a bool"),
+        (PageScoreConfig, dict(method="broadcast"), "method must be one of"),
+        (PageScoreConfig, dict(block_p=2.0), "block_p must be a power of two"),
+        (EntmaxThresholdConfig, dict(block_p=1000), "block_p must be a power of two"),
+    ],
+)
+def test_invalid_fields_raise(kind, fields, message):
+    with pytest.raises(ValueError, match=f"{kind.__name__}.{message}"):
+        kind(**fields)
+
+
+def test_replace_validates_too():
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        dataclasses.replace(AttentionConfig(), block_m=3000)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chosen by shape: what the module constants chose
+
+
+def test_attention_config_by_shape():
+    rule = dispatch._attn.attention_config
+    # 2K tokens, 8 KV heads x 1 row: 16 chunks of 128 tokens (the token floor), merged in one step.
+    assert (rule(2048, 1, 8).chunk, rule(2048, 1, 8).block_c) == (128, 16)
+    # 8,192 pages of 16 (128K): 512 programs over 8 heads, 64 chunks of 128 pages.
+    assert (rule(8192, 16, 8).chunk, rule(8192, 16, 8).block_c) == (128, 64)
+    # 512 chunks (one row, 128K tokens): merged in steps of 128 (`max_block_c`); no entry: one chunk.
+    assert rule(1024, 128, 1).block_c == 128 and rule(0, 16, 8).chunk == 1
+    assert dataclasses.replace(rule(2048, 1, 8), chunk=0, block_c=0) == AttentionConfig()
+
+
+def test_select_top_config_by_shape():
+    rule = dispatch._select.select_top_config
+    assert rule(8192, torch.bfloat16).method == "histogram" and rule(14336, torch.bfloat16).method == "histogram"
+    assert rule(8191, torch.bfloat16).method == "program"
+    assert rule(16384, torch.float32).method == "program" and rule(16384, torch.float16).method == "program"
+    # warps by the entries held: 3,000 entries are a tile of 2,048 and a tail of 1,024
+    assert rule(3000, torch.float32).num_warps == 4 and rule(4096, torch.float32).num_warps == 8
+    assert rule(8203, torch.float32).num_warps == 8
+
+
+def test_gemv_config_by_shape():
+    rule = dispatch._gemv.gemv_config
+    down = rule(7168, 4096, 1)  # down projection at keep 0.5: 64 blocks, 8 slices, epilogue fused
+    assert (down.split, down.fuse_epilogue) == (8, True)
+    gate_up = rule(2048, 28672, 1)  # 448 blocks, 2 slices: the epilogue launch
+    assert (gate_up.split, gate_up.fuse_epilogue) == (2, False)
+    assert rule(100, 64, 1).split == 1 and not rule(100, 64, 1).fuse_epilogue  # one tile: no split
+    # A split that leaves part of a tile per slice is rounded to whole tiles: 300 features in 3
+    # slices of 128.
+    with override(gemv=GemvConfig(split=5)):
+        assert rule(300, 64, 1).split == 3
+
+
+def test_page_score_and_entmax_threshold_configs_by_shape():
+    assert dispatch._page.page_score_config(128) == PageScoreConfig()
+    assert dispatch._page.page_score_config(8).method == "loop"  # tl.dot needs 16
+    with override(page_score=PageScoreConfig(block_p=8)):
+        assert dispatch._page.page_score_config(64).block_p == 16
+        assert dispatch._page.page_score_config(8).block_p == 8
+    rule = dispatch._entmax.entmax_threshold_config
+    assert (rule(8192).block_p, rule(8192).num_warps) == (1024, 8)
+    assert (rule(300).block_p, rule(300).num_warps) == (512, 4)
+    assert (rule(37).block_p, rule(37).num_warps) == (64, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Overridden in a scope
+
+
+def test_override_applies_inside_the_scope_only():
+    wide = AttentionConfig(block_t=128)
+    assert config.current(AttentionConfig) == AttentionConfig() and config.active() == {}
+    with override(attention=wide, select_top=SelectTopConfig(method="program")):
+        assert config.current(AttentionConfig) is wide
+        assert dispatch._attn.attention_config(2048, 1, 8).block_t == 128
+        assert dispatch._select.select_top_config(14336, torch.bfloat16).method == "program"
+        assert set(config.active()) == {"attention", "select_top"}
+    assert config.current(AttentionConfig) == AttentionConfig() and config.active() == {}
+    assert dispatch._select.select_top_config(14336, torch.bfloat16).method == "histogram"
+
+
+def test_override_is_restored_after_an_exception():
+    with pytest.raises(RuntimeError, match="inside"):
+        with override(gemv=GemvConfig(fuse_epilogue=False)):
+            raise RuntimeError("inside")
+    assert config.current(GemvConfig) == GemvConfig() and config.active() == {}
+
+
+def test_overrides_nest():
+    outer, inner = AttentionConfig(block_t=32), AttentionConfig(block_t=128)
+    pages = PageScoreConfig(method="loop")
+    with override(attention=outer, page_score=pages):
+        with override(attention=inner):
+            assert config.current(AttentionConfig) is inner
+            assert config.current(PageScoreConfig) is pages  # the outer override of another kernel stays
+        assert config.current(AttentionConfig) is outer
+    assert config.active() == {}
+
+
+def test_override_is_per_thread():
+    """Another thread neither sees this thread's override nor leaks its own into it."""
+    entered, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        seen["outer"] = config.current(AttentionConfig)
+        with override(attention=AttentionConfig(block_t=32)):
+            entered.set()
+            checked.wait(10)
+            seen["inner"] = config.current(AttentionConfig)
+
+    with override(attention=AttentionConfig(block_t=128)):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        assert entered.wait(10)
+        assert config.current(AttentionConfig).block_t == 128
+        checked.set()
+        thread.join()
+    assert seen == {"outer": AttentionConfig(), "inner": AttentionConfig(block_t=32)}
+
+
+def test_override_refuses_unknown_kernels_and_wrong_types():
+    with pytest.raises(TypeError, match="unknown kernel 'merge'"):
+        with override(merge=AttentionConfig()):
+            pass
+    with pytest.raises(TypeError, match="takes a SelectTopConfig, got AttentionConfig"):
+        with override(select_top=AttentionConfig()):
+            pass
+    assert config.active() == {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels under an override still match the references
+
+
+def _attention_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, h_kv, group, n, d, block = 2, 2, 2, 64, 32, 4
+    q = torch.randn(b, h_kv * group, d, generator=g)
+    keys, values = torch.randn(b, h_kv, n, d, generator=g), torch.randn(b, h_kv, n, d, generator=g)
+    k_max = 10
+    indices = torch.stack([torch.randperm(n // block, generator=g)[:k_max] for _ in range(b * h_kv)])
+    indices = indices.view(b, h_kv, k_max)
+    sel = Selection(indices.int().to(DEVICE), torch.tensor([[10, 7], [3, 0]], dtype=torch.int32, device=DEVICE),
+                    torch.randn(b, h_kv, k_max, generator=g).to(DEVICE), block)
+    start, length = torch.tensor([0, 5], device=DEVICE), torch.tensor(n - 3, device=DEVICE)
+    return q.to(DEVICE), keys.to(DEVICE), values.to(DEVICE), sel, start, length, d**-0.5
+
+
+@pytest.mark.parametrize("mode", ["softmax", "entmax15"])
+def test_attention_under_an_override_matches_the_reference(mode):
+    """Tiles of 16 tokens, 2 warps, chunks of 3 entries merged 16 at a time; threshold steps of 32."""
+    args = _attention_inputs()
+    cfg = AttentionConfig(block_t=16, num_warps=2, num_stages=2, chunk=3, block_c=16, merge_warps=1,
+                          block_m=32, tau_warps=1, n_bisect=20)
+    with override(attention=cfg):
+        assert dispatch._attn.attention_config(10, 4, 4) == cfg
+        out, second = dispatch.decode_attention(*args, mode=mode)
+    want = reference.decode_attention if mode == "softmax" else reference.decode_attention_entmax15
+    torch.testing.assert_close((out, second), want(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_select_top_under_an_override_matches_the_reference():
+    """bf16 rows of 300 entries by histograms in chunks of 64, then by one program with 2 warps."""
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(3, 300, generator=g).to(torch.bfloat16).to(DEVICE)
+    count = torch.tensor([1, 150, 299], device=DEVICE)
+    want = reference.select_top(s, count, 299, absolute=True)
+    for cfg in (SelectTopConfig(method="auto", hist_min_n=300, hist_chunk=64), SelectTopConfig(num_warps=2)):
+        with override(select_top=cfg):
+            assert torch.equal(dispatch.select_top(s, count, 299, absolute=True), want), cfg
+    assert all(int(b.abs().sum()) == 0 for b in scratch.buffers().values())  # histograms zero again
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_sparse_gemv_under_an_override_matches_the_reference(fuse):
+    """Blocks of 16 outputs, tiles of 16 features, 3 slices (48 kept features, or all 90 scanned):
+    the epilogue in the last program or launched (in blocks of 32)."""
+    g = torch.Generator().manual_seed(2)
+    x, w_t, bias = torch.randn(2, 90, generator=g), torch.randn(90, 40, generator=g), torch.randn(40, generator=g)
+    idx = torch.stack([torch.randperm(90, generator=g)[:48] for _ in range(2)]).int()
+    x, w_t, bias, idx = (t.to(DEVICE) for t in (x, w_t, bias, idx))
+    cfg = GemvConfig(block_n=16, block_k=16, num_warps=2, split=3, sum_block=32, fuse_epilogue=fuse, min_fused_split=2)
+    with override(gemv=cfg):
+        assert dispatch._gemv.gemv_config(48, 40, 2) == cfg and dispatch._gemv.gemv_config(90, 40, 2).split == 3
+        got = dispatch.sparse_gemv_index(x, idx, w_t, bias)
+        got_t = dispatch.sparse_gemv_threshold(x, 0.5, w_t, bias)
+    torch.testing.assert_close(got, reference.sparse_gemv_index(x, idx, w_t, bias), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_t, reference.sparse_gemv_threshold(x, 0.5, w_t, bias), rtol=1e-4, atol=1e-4)
+    assert all(int(b.abs().sum()) == 0 for b in scratch.buffers().values())  # arrival counters zero again
+
+
+def test_page_bound_and_entmax_threshold_under_overrides_match_the_references():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 32, generator=g).to(DEVICE)
+    mn = torch.randn(1, 2, 37, 32, generator=g).to(DEVICE)
+    mx = mn + 1
+    with override(page_score=PageScoreConfig(method="loop", block_p=16, num_warps=1)):
+        got = dispatch.quest_page_bound_grouped(q, mn, mx, 0.25, "max")
+    torch.testing.assert_close(got, reference.quest_page_bound_grouped(q, mn, mx, 0.25, "max"), rtol=1e-5, atol=1e-5)
+    m, s = torch.randn(3, 100, generator=g, dtype=torch.float64), torch.rand(3, 100, generator=g, dtype=torch.float64)
+    n = torch.randint(0, 5, (3, 100), generator=g)
+    with override(entmax_threshold=EntmaxThresholdConfig(block_p=32, num_warps=1)):
+        assert dispatch._entmax.entmax_threshold_config(100).block_p == 32  # four blocks per pass
+        tau = dispatch.gaussian_entmax_threshold(m.to(DEVICE), s.to(DEVICE), n.to(DEVICE))
+    torch.testing.assert_close(tau.cpu(), reference.gaussian_entmax_threshold(m, s, n), rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# No module-level knobs
+
+OLD_KNOBS = {
+    "decode_attention": ("BLOCK_T", "NUM_WARPS", "NUM_STAGES", "TARGET_PROGRAMS", "MIN_CHUNK_TOKENS", "BLOCK_C",
+                         "MAX_BLOCK_C", "MERGE_WARPS", "FUSE_MERGE", "FUSED_BLOCK_C", "BLOCK_M", "TAU_WARPS",
+                         "N_BISECT"),
+    "select_top": ("NUM_WARPS", "INTERP_STEPS", "BF16_BITS", "METHOD", "HIST_CHUNK", "HIST_MIN_N"),
+    "sparse_gemv": ("BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_STAGES", "TARGET_PROGRAMS", "MIN_TILES_PER_SPLIT",
+                    "SUM_BLOCK", "FUSE_EPILOGUE", "MIN_FUSED_SPLIT"),
+    "page_score": ("METHOD", "METHODS", "BLOCK_P", "NUM_WARPS"),
+    "entmax_threshold": ("BLOCK_P", "NUM_WARPS"),
+}
+MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (dispatch._attn, dispatch._select, dispatch._gemv, dispatch._page,
+                                                    dispatch._entmax, dispatch._append, scratch, config)}
+
+
+def test_the_old_knobs_are_gone():
+    left = {name: [a for a in attrs if hasattr(MODULES[name], a)] for name, attrs in OLD_KNOBS.items()}
+    assert left == {name: [] for name in OLD_KNOBS}
+    assert set(scratch.SIZES) == {"gemv_counters", "select_histograms"}  # the fused merge's counters went with it
+
+
+def _constants() -> dict:
+    """Every public UPPER_CASE module attribute of the kernel modules, by identity and value."""
+    return {(mod, name): (id(value), repr(value)) for mod, m in MODULES.items()
+            for name, value in vars(m).items() if name.isupper() and not name.startswith("_")}
+
+
+def test_running_the_kernels_assigns_no_module_constant():
+    before = _constants()
+    for mode in ("softmax", "entmax15"):
+        dispatch.decode_attention(*_attention_inputs(), mode=mode)
+    s = torch.randn(2, 200).to(torch.bfloat16).to(DEVICE)
+    with override(select_top=SelectTopConfig(method="histogram", hist_chunk=64)):
+        dispatch.select_top(s, torch.tensor([3, 50], device=DEVICE), 50)
+    dispatch.select_top(s.float(), torch.tensor([3, 50], device=DEVICE), 50)
+    x, w_t = torch.randn(1, 300).to(DEVICE), torch.randn(300, 70).to(DEVICE)
+    dispatch.sparse_gemv_threshold(x, 0.5, w_t)
+    pages = torch.randn(1, 2, 20, 16).to(DEVICE)
+    dispatch.quest_page_bound(torch.randn(1, 4, 16).to(DEVICE), pages, pages + 1, 1.0)
+    dispatch.gaussian_entmax_threshold(x, x.abs(), torch.ones_like(x))
+    assert _constants() == before
