@@ -4,7 +4,7 @@
     pytest benchmarks/bench_decode.py --benchmark-disable   # CI smoke test: each runs once
 
 On CPU the model is tiny and the operators are the torch references, so the timings only show that
-each setting runs; the device sweep (`benchmarks/sweep.py`) is where speed is measured. Each
+each setting runs; the device sweep (`benchmarks.sweep`) is where speed is measured. Each
 benchmark checks the step's logits against dense decoding at a full budget, so the smoke run checks
 something too.
 """
@@ -16,8 +16,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from policyzoo import AttentionTopK, Decoder, Quest, TopK
-from policyzoo._compat import attn_implementation
-from policyzoo.attention import ATTN_IMPLEMENTATION
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONTEXT = 4096 if DEVICE == "cuda" else 256
@@ -49,20 +47,16 @@ def model():
 
 
 def _step_runner(model, kv, proj):
-    dec = Decoder(model, kv=kv, proj=proj)
+    """One decode step of the same token at the same slot every round, through the session."""
+    session = Decoder(model, kv=kv, proj=proj).session
     ids = torch.randint(1, 1000, (1, CONTEXT), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     token = ids[:, -1:]
-    with attn_implementation(model, ATTN_IMPLEMENTATION):
-        dec._prepare_cache(1, CONTEXT + 64, torch.zeros(1, dtype=torch.long, device=DEVICE), CONTEXT - 1)
-        dec._prefill(ids[:, :-1], torch.zeros(1, dtype=torch.long, device=DEVICE))
-    length = dec.runtime.cache.length.clone()
+    session.prefill(ids[:, :-1], capacity=CONTEXT + 64)
+    length = CONTEXT - 1
 
     def step():
-        dec.runtime.cache.length.copy_(length)  # every round decodes the same token at the same slot
-        dec.runtime.phase = "decode"
-        with attn_implementation(model, ATTN_IMPLEMENTATION):
-            logits = dec._decode_step(token)
-        dec.runtime.phase = "idle"
+        session.rewind(length)
+        logits = session.step(token)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         return logits

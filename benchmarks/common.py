@@ -1,42 +1,81 @@
-"""What the device benchmarks share: the Llama-3.1-8B-shaped model with random weights, and a cache
-filled with random keys and values (speed does not depend on the values at fixed budgets)."""
+"""What the device benchmarks share: the device, random-weight models of a named shape, the setting
+registry, a session started from random keys and values, and the timers (`policyzoo.timing.time_ms`
+for steps, `graph_time_ms` for single kernels)."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
-import math
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from policyzoo import Decoder
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK
+from policyzoo.bytes import BUILTIN
+from policyzoo.timing import time_ms
 
 ROOT = Path(__file__).resolve().parents[1]
+# CUDA where there is one; elsewhere the sections run as CPU smoke tests of their logic (kernels in
+# the Triton interpreter, wall-clock timings that mean nothing).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 16
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024)
+
+
+class Deadline(Exception):
+    """A section reached the run's deadline: later rows are not started."""
+
+
+def settings() -> dict[str, tuple]:
+    """Benchmark setting name -> (KV policy factory, projection factory, r_p, r_kv)."""
+    return {
+        "dense": (None, None, 1.0, 1.0),
+        "topk0.5": (None, lambda: TopK(0.5), 0.5, 1.0),
+        "attn-topk0.1": (lambda: AttentionTopK(0.1, window=64), None, 1.0, 0.1),
+        "attn-topk0.3": (lambda: AttentionTopK(0.3, window=64), None, 1.0, 0.3),
+        "quest0.1": (lambda: Quest(0.1, page=PAGE, window=64), None, 1.0, 0.1),
+        "quest0.3": (lambda: Quest(0.3, page=PAGE, window=64), None, 1.0, 0.3),
+        # Pages of 64: a quarter of the pages to bound and rank, at coarser granularity.
+        "quest0.1p64": (lambda: Quest(0.1, page=64, window=64), None, 1.0, 0.1),
+        "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
+        "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
+        "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
+        "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
+        "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
+        "entmax-kv0.1": (lambda: EntmaxKV(0.1, page=PAGE, window=64), None, 1.0, 0.1),
+    }
+
+
+def decoder(model, name: str) -> Decoder:
+    """A Decoder of setting ``name`` (`settings`) on ``model``."""
+    kv_f, proj_f, _, _ = settings()[name]
+    return Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
 
 
 def source_digest(root: Path = ROOT) -> str:
     """A short hash of the code a benchmark ran (every ``.py`` under ``policyzoo/`` and
-    ``benchmarks/``, by path and content). The device machine's copy of ``.git`` can be stale (run 7
-    logged an older commit than the tree it ran), so the sweep records this (``meta.source``): a
-    checkout of the commit that ran gives the same digest."""
+    ``benchmarks/``, by path and content). The device machine's copy of ``.git`` can be stale, so
+    the sweep records this (``meta.source``): a checkout of the commit that ran gives the same digest."""
     h = hashlib.sha256()
     for path in sorted(p for folder in ("policyzoo", "benchmarks") for p in (root / folder).rglob("*.py")):
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
 
-def llama8b(device: str, layers: int | None = None, tiny: bool = False):
-    """Llama-3.1-8B shape with random weights (bf16 on CUDA), or a toy model of the same structure
-    (``tiny``, for CPU smoke tests); ``layers`` defaults to 32 (2 when tiny)."""
+def random_model(shape: str = "llama-3.1-8b", layers: int | None = None, tiny: bool = False, device: str = DEVICE):
+    """A Llama-architecture model of a `policyzoo.bytes.BUILTIN` shape with random weights (bf16 on
+    CUDA; speed does not depend on the weight values), or a toy of the same structure (``tiny``, for
+    CPU smoke tests); ``layers`` defaults to the shape's (2 when tiny)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dims = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                head_dim=128, vocab_size=128256)  # fmt: skip
+    d, ff, n_layers, h, h_kv, hd, vocab, tied = BUILTIN[shape]
+    dims = dict(hidden_size=d, intermediate_size=ff, num_attention_heads=h, num_key_value_heads=h_kv, head_dim=hd, vocab_size=vocab)
     if tiny:
-        dims = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, vocab_size=1024)  # fmt: skip
-    cfg = LlamaConfig(**dims, num_hidden_layers=layers or (2 if tiny else 32), max_position_embeddings=262144,
-                      rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None,
+        dims, tied = TINY, False
+    cfg = LlamaConfig(**dims, num_hidden_layers=layers or (2 if tiny else n_layers), max_position_embeddings=262144,
+                      rope_theta=500000.0, tie_word_embeddings=tied, pad_token_id=0, eos_token_id=None,
                       bos_token_id=None)  # fmt: skip
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
@@ -50,23 +89,56 @@ def llama8b(device: str, layers: int | None = None, tiny: bool = False):
     return model.eval()
 
 
-def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch.Generator) -> None:
-    """Give the Decoder a cache of exactly ``capacity`` tokens (rounded up to whole pages; reused only
-    when it already has that size) and fill its first ``n`` slots with random keys and values,
-    summaries included (no prefill).
+def llama8b(device: str = DEVICE, layers: int | None = None, tiny: bool = False):
+    """The Llama-3.1-8B shape with random weights (`random_model`)."""
+    return random_model("llama-3.1-8b", layers, tiny, device)
 
-    A larger cache would not do: the kernels' grids follow the capacity (empty pages still cost
-    programs), so a short context timed on a cache left by a longer one reads slow (run 6, call 1:
-    `TopK(0.5)` at 2K-16K on a 32K cache, about 0.5 ms per step)."""
-    old = dec.runtime.cache
-    if old is not None and old.capacity != math.ceil(capacity / old.page_size) * old.page_size:
-        dec.runtime.cache, dec.runtime.states = None, []  # `_prepare_cache` would keep a larger one
-    dec._prepare_cache(batch, capacity, torch.zeros(batch, dtype=torch.long, device=dec.device), n)
-    cache = dec.runtime.cache
-    for layer in range(cache.num_layers):
-        cache.keys[layer][:, :, :n].normal_(generator=generator)
-        cache.values[layer][:, :, :n].normal_(generator=generator)
-        cache._summarise(layer, slice(0, math.ceil(n / cache.page_size)))
+
+def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch.Generator | None = None) -> None:
+    """Start ``dec``'s session from ``n`` random keys and values per row in a cache of exactly
+    ``capacity`` tokens (`DecodeSession.fill_random`). Exactly: the kernels' grids follow the
+    capacity (empty pages still cost programs), so a short context timed on a cache left by a longer
+    one would read slow."""
+    dec.session.fill_random(n, batch=batch, capacity=capacity, generator=generator)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Release the last row's Decoder, cache and graphs (they reference each other: only the cycle
+    collector frees them)."""
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cuda_time_ms(fn: Callable[[], object], steps: int = 10, reps: int = 15, warmup: int = 3) -> float:
+    """`policyzoo.timing.time_ms` on the benchmark device; on CPU (a smoke test, kernels in the
+    Triton interpreter) one call is timed: the figure means nothing there."""
+    if DEVICE == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return time_ms(fn, calls=steps, reps=reps, warmup=warmup, device=DEVICE)
+
+
+def graph_time_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Per-call time of ``fn`` captured ``calls`` times in one CUDA graph (no launch overhead)."""
+    if DEVICE == "cpu":
+        return cuda_time_ms(fn, steps=calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # Triton JIT and allocator warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(graph.replay, steps=1, reps=15, warmup=2) / calls
 
 
 def plot_speedups(rows: list[dict], path: Path, title: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -78,7 +79,8 @@ def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_c
     dec.generate(ids, new_tokens, eos_token_id=eos)  # compile, warm up, capture
     setup_s = time.perf_counter() - t0
     gen = time_generate(dec, ids, new_tokens, eos)
-    step_ms = dec.session.time_step(calls=step_calls, reps=step_reps)
+    dec.session.rewind(context)  # the step alone from the prompt's end, in the room generate had
+    step_ms = dec.session.time_step(calls=min(step_calls, new_tokens - 1), reps=step_reps)
     return {
         "generate_ms": gen.mean_ms,
         "generate_median_ms": gen.median_ms,
@@ -87,4 +89,41 @@ def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_c
         "tokens": gen.tokens,
         "generate_wall_s": gen.wall_s,
         "setup_s": setup_s,
+    }
+
+
+def check_generate(make: Callable[[], Decoder], batch: int = 3, context: int = 200, new_tokens: int = 24) -> dict:
+    """Correctness of the fast `generate` on the device: a compiled Decoder (CUDA-graph replays, the
+    token outbox) against an eager one on a left-padded batch whose rows stop at an EOS id at
+    different steps, greedy and sampled with a seeded generator. ``make()`` builds a Decoder.
+
+    Tokens are compared exactly, but a compiled step's fused kernels round differently from the eager
+    ones, so on bf16 weights a near-tie can flip a token: ``logit_err`` (the largest difference of
+    first decode step's logits, relative to their spread) says whether a mismatch is rounding. Each
+    call of ``make`` must wrap a model of its own (a Decoder takes over the model it wraps)."""
+    eager, compiled = make(), make().compile()
+    device = eager.device
+    ids = random_prompt(batch, context, eager.session.vocab_size, device, seed=1)
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, : row * 37] = 0  # left padding, not a multiple of the page size
+    free = eager.generate(ids, new_tokens, attention_mask=mask)
+    eos = [int(free[row, context + 3 + 4 * row]) for row in range(batch)]  # rows end at different steps
+    kwargs = dict(attention_mask=mask, eos_token_id=eos, pad_token_id=0, output_logits=True)
+    want, want_logits = eager.generate(ids, new_tokens, **kwargs)
+    first, first_logits = compiled.generate(ids, new_tokens, **kwargs)  # compiles, warms up, captures
+    again, _ = compiled.generate(ids, new_tokens, **kwargs)  # replays
+    sample = dict(attention_mask=mask, do_sample=True, temperature=0.8, top_p=0.9)
+    s_eager = eager.generate(ids, new_tokens, generator=torch.Generator(device=device).manual_seed(3), **sample)
+    s1 = compiled.generate(ids, new_tokens, generator=torch.Generator(device=device).manual_seed(3), **sample)
+    s2 = compiled.generate(ids, new_tokens, generator=torch.Generator(device=device).manual_seed(3), **sample)
+    spread = want_logits[:, 1].float().std().item()  # index 0: the prefill's, eager in both
+    err = (first_logits[:, 1].float() - want_logits[:, 1].float()).abs().max().item() / spread
+    return {
+        "same_tokens_as_eager": bool(torch.equal(first, want)),
+        "same_on_replay": bool(torch.equal(first, again)),
+        "sampling_reproducible": bool(torch.equal(s1, s2)),
+        "sampled_same_as_eager": bool(torch.equal(s1, s_eager)),
+        "stopped_early": first.shape[1] < context + new_tokens,
+        "logit_err": err,
     }

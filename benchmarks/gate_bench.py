@@ -3,8 +3,8 @@
 Run on a CUDA machine (Llama-3.1-8B shape, random bf16 weights: speed does not depend on weight
 values at fixed budgets):
 
-    python benchmarks/gate_bench.py --out benchmarks/results/gate
-    python benchmarks/gate_bench.py --device cpu --tiny --out /tmp/gate   # CPU smoke test of the logic
+    python -m benchmarks.gate_bench --out benchmarks/results/gate
+    python -m benchmarks.gate_bench --tiny --out /tmp/gate   # on a CPU: a smoke test of the logic
 
 What it does:
   1. builds one Decoder with the KV policy (``--kv``, default Quest at keep 0.2, pages of 16, window 64)
@@ -15,7 +15,7 @@ What it does:
   3. builds a mixed request set: ``--repeat`` requests at each context of ``--request-contexts``
      (default 1K to 64K), shuffled with ``--seed``; each request decodes ``--new-tokens`` steps;
   4. for each request, in order, fills the cache with random keys and values at its context (as in
-     `benchmarks/sweep.py`: no prefill, whose cost is the same for every policy and which the gate
+     `benchmarks.sweep`: no prefill, whose cost is the same for every policy and which the gate
      does not choose), then decodes ``--new-tokens - 1`` steps from that context under each dispatch
      policy (``gate``; ``always-both``, ``always-proj``, ``always-kv``, ``always-dense``; their order
      rotates from request to request, so no policy always runs first) on the same Decoder, timed with
@@ -45,41 +45,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policyzoo import Decoder, Quest, TopK
+from policyzoo.bytes import SETTINGS, ByteAccount, format_context, parse_tokens
+from policyzoo.gate import Gate, device_name
+from policyzoo.timing import time_ms
 
-from common import fill_cache, llama8b  # noqa: E402  (benchmarks/, the script's folder)
-from policyzoo import Decoder, Quest, TopK  # noqa: E402
-from policyzoo._compat import attn_implementation  # noqa: E402
-from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
-from policyzoo.bytes import SETTINGS, ByteAccount, format_context, parse_tokens  # noqa: E402
-from policyzoo.gate import Gate, device_name  # noqa: E402
+from .common import DEVICE, fill_cache, llama8b
 
 POLICIES = ("gate", "always-both", "always-proj", "always-kv", "always-dense")
 
 
-@torch.no_grad()  # as in generate: the compiled step's entries are shared with it (grad mode is guarded)
-def decode_ms(dec: Decoder, steps: int, token: torch.Tensor) -> float:
-    """Milliseconds of ``steps`` decode steps from the current cache length (the context grows)."""
-    dec.runtime.phase = "decode"
-    try:
-        if dec.device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(steps):
-                dec._step(token)
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            dec._step(token)
-        return (time.perf_counter() - t0) * 1e3
-    finally:
-        dec.runtime.phase = "idle"
+def decode_ms(dec: Decoder, steps: int) -> float:
+    """Milliseconds of ``steps`` decode steps from the current cache length (the context grows), by
+    the shared timer (CUDA events on CUDA)."""
+    return steps * time_ms(dec.session.step, calls=steps, reps=1, warmup=0, device=dec.device)
 
 
 def run(args: argparse.Namespace) -> dict:
-    device = args.device
+    device = DEVICE
     model = llama8b(device, args.layers, args.tiny)
     kv = Quest(args.kv_keep, page=16, window=args.window)
     proj = TopK(args.proj_keep)
@@ -92,8 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     capacity = max(max(requests) + new, max(calib)) + 64
 
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    with attn_implementation(model, ATTN_IMPLEMENTATION):
-        fill_cache(dec, 1, min(calib), capacity, gen)  # the cache at its final size: calibration reuses it (no recompile later)
+    fill_cache(dec, 1, min(calib), capacity, gen)  # the cache at its final size: calibration reuses it (no recompile later)
     t0 = time.perf_counter()
     quality = json.loads(Path(args.quality).read_text()) if args.quality else None
     gate = Gate.calibrate(dec, contexts=calib, steps=args.calib_steps, reps=args.calib_reps, warmup=3 if args.compile else 1,
@@ -106,25 +88,22 @@ def run(args: argparse.Namespace) -> dict:
     for n in contexts:
         print(gate.explain(n + new // 2))
 
-    token = torch.randint(1, int(model.config.vocab_size), (1, 1), generator=gen, device=device)
     available = dec.available_settings()
     rows: list[dict] = []
-    with attn_implementation(model, ATTN_IMPLEMENTATION):
-        for s in available:  # warm-up: compile each setting's step once, outside the timed runs
-            dec.use(s)
-            fill_cache(dec, 1, min(requests), capacity, gen)
-            decode_ms(dec, 3, token)
-        for i, n in enumerate(requests):
-            context = n + new // 2
-            fill_cache(dec, 1, n, capacity, gen)
-            for k in range(len(POLICIES)):  # every policy on this request, in an order that rotates
-                policy = POLICIES[(i + k) % len(POLICIES)]
-                setting = gate.choose(context, available) if policy == "gate" else policy.removeprefix("always-")
-                dec.use(setting)
-                dec.runtime.cache.length.fill_(n)  # each policy decodes from the same context
-                ms = decode_ms(dec, new - 1, token)  # the first new token comes from the prefill
-                rows.append({"policy": policy, "request": i, "context": n, "setting": setting, "ms": ms,
-                             "ms_per_step": ms / (new - 1), "predicted_ms_per_step": gate.predict(setting, context)})  # fmt: skip
+    for s in available:  # warm-up: compile each setting's step once, outside the timed runs
+        dec.use(s)
+        fill_cache(dec, 1, min(requests), capacity, gen)
+        decode_ms(dec, 3)
+    for i, n in enumerate(requests):
+        context = n + new // 2
+        for k in range(len(POLICIES)):  # every policy on this request, in an order that rotates
+            policy = POLICIES[(i + k) % len(POLICIES)]
+            setting = gate.choose(context, available) if policy == "gate" else policy.removeprefix("always-")
+            dec.use(setting)
+            fill_cache(dec, 1, n, capacity, gen)  # each policy decodes from the same context, its own state
+            ms = decode_ms(dec, new - 1)  # the first new token comes from the prefill
+            rows.append({"policy": policy, "request": i, "context": n, "setting": setting, "ms": ms,
+                         "ms_per_step": ms / (new - 1), "predicted_ms_per_step": gate.predict(setting, context)})  # fmt: skip
     for policy in POLICIES:
         total = sum(r["ms"] for r in rows if r["policy"] == policy)
         print(f"{policy:<13} {total:10.1f} ms over {len(requests)} requests", flush=True)
@@ -215,7 +194,6 @@ def markdown(record: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gate"))
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure, small contexts (smoke test)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--kv-keep", type=float, default=0.2, help="Quest keep ratio (default 0.2)")
@@ -235,11 +213,11 @@ def main(argv=None) -> dict:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.compile is None:
-        args.compile = args.device == "cuda"
+        args.compile = DEVICE == "cuda"
     if args.tiny:
         args.calib_contexts = args.calib_contexts or "64,128,256,512"
         args.request_contexts = args.request_contexts or "32,64,128,256,512"
-        args.new_tokens = args.new_tokens if "--new-tokens" in (argv or sys.argv) else 8
+        args.new_tokens = args.new_tokens if "--new-tokens" in (sys.argv[1:] if argv is None else argv) else 8
         args.check_generate = args.check_generate or 512
     args.calib_contexts = args.calib_contexts or "1k,4k,16k,64k"
     args.request_contexts = args.request_contexts or "1k,2k,4k,8k,16k,32k,64k"

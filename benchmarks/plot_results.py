@@ -1,6 +1,6 @@
 """Plot the compiled decode steps of one results folder: speedup over dense against context.
 
-    python benchmarks/plot_results.py benchmarks/results/2026-11-29-h200-run4
+    python -m benchmarks.plot_results benchmarks/results/2026-11-29-h200-run4
 
 Reads every ``*.json`` the sweep wrote there (one per device call) and takes the ``compiled`` rows.
 Each speedup divides by the dense row of the same context, batch and mode (``compiled`` or
@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from . import common
 
 
 def compiled_points(folder: Path) -> list[dict]:

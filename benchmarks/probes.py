@@ -1,11 +1,11 @@
 """Device probes behind the sweep's targets: why a step costs what it costs.
 
-Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile``):
+Sections (``python -m benchmarks.sweep --only variants,tune,gemv,select,profile``):
   variants each kernel's alternatives (select_top's method and warps, the attention merge's width
            and warps, the page bound's method and tiles, the sparse GEMV's split-K epilogue), each a
            `kernels.config` override, checked against the reference and timed; the merge's and the
            page bound's fastest correct ones, and select_top's rule by row length, stay in force for
-           the rest of the run (`keep_for_run`); and the cache-append kernel, checked and timed next
+           the rest of the run (the sweep's run-long overrides); and the cache-append kernel, checked and timed next
            to its torch reference
   tune     launch parameters of the split-K decode-attention kernel against torch SDPA, one layer
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
@@ -17,7 +17,7 @@ Sections (``python benchmarks/sweep.py --only variants,tune,gemv,select,profile`
   profile  per-kernel GPU time of a compiled decode step (few layers, no CUDA graphs so the profiler
            sees every kernel), grouped by kernel name; written as a table per setting
 
-Every figure is a median of CUDA-event timings after warm-up (`sweep.cuda_time_ms`, `graph_time_ms`).
+Every figure is a median of CUDA-event timings after warm-up (`common.cuda_time_ms`, `graph_time_ms`).
 """
 
 from __future__ import annotations
@@ -31,28 +31,16 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-import sweep
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, kernels
-from policyzoo._compat import attn_implementation
-from policyzoo.attention import ATTN_IMPLEMENTATION
+from policyzoo import SSA, AttentionTopK, EntmaxKV, Quest, kernels
 from policyzoo.cache import SUMMARIES, PagedKVCache
 from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
 
+from . import common
+
 H, H_KV, D, PAGE = 32, 8, 128, 16
-
-# The overrides the variants section keeps for the rest of the run. They stay open until the process
-# ends: sweep.main runs the later sections after it, in this thread, so those launch the kernels
-# under them (and `sweep.kernel_knobs` records them).
-RUN_CONFIGS = ExitStack()
-
-
-def keep_for_run(**configs) -> None:
-    """Launch these kernels with ``configs`` (`kernels.config.override` keywords) from now on."""
-    RUN_CONFIGS.enter_context(override(**configs))
-
 
 def _dense_selection(b: int, pages: int, device) -> Selection:
     idx = torch.arange(pages, device=device, dtype=torch.int32).expand(b, H_KV, -1).contiguous()
@@ -62,7 +50,7 @@ def _dense_selection(b: int, pages: int, device) -> Selection:
 def _dense_layer(n: int):
     """One layer's random bf16 decode inputs at context ``n`` with every page selected:
     ``(q, keys, values, start, length, selection)``."""
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
     keys = torch.randn(1, H_KV, n, D, device=dev, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
@@ -73,7 +61,7 @@ def _dense_layer(n: int):
 # ------------------------------------------------------------------------------------------ tune
 def section_tune(contexts, rows, grid=None):
     """Time the dense split-K kernel over launch-parameter variants; SDPA on the same cache."""
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     grid = grid or [(bt, w, st, tp) for bt in (64, 128) for w in (4, 8) for st in (2, 3, 4) for tp in (512, 1056)]
     if dev == "cpu":  # smoke test under the interpreter: one variant
         grid = grid[:1]
@@ -81,7 +69,7 @@ def section_tune(contexts, rows, grid=None):
         q, keys, values, start, length, sel = _dense_layer(n)
         scale = D**-0.5
         ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
-        t_sdpa = sweep.graph_time_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True))
+        t_sdpa = common.graph_time_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True))
         kv_bytes = 2 * H_KV * n * D * 2
         rows.append({"section": "tune", "setting": "torch SDPA", "context": n, "us": t_sdpa * 1e3,
                      "TB/s": kv_bytes / (t_sdpa * 1e-3) / 1e12})
@@ -92,7 +80,7 @@ def section_tune(contexts, rows, grid=None):
                 with override(attention=cfg):
                     out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    t = sweep.graph_time_ms(lambda: attn_module.decode_attention(
+                    t = common.graph_time_ms(lambda: attn_module.decode_attention(
                         q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale))
                 row.update({"us": t * 1e3, "TB/s": kv_bytes / (t * 1e-3) / 1e12, "vs_sdpa": t_sdpa / t, "rel_err": err})
                 print(f"tune n={n} {row['setting']:<42} {t*1e3:7.1f} us  x{t_sdpa/t:4.2f} of SDPA  err {err:.1e}", flush=True)
@@ -107,7 +95,7 @@ GEMV_SHAPES = {"q|k|v 4096->6144": (4096, 6144), "o 4096->4096": (4096, 4096),
 
 
 def section_gemv(rows, keep: float = 0.5):
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     for label, (d_in, d_out) in GEMV_SHAPES.items():
         if dev == "cpu":  # smoke test: the same code at toy sizes
             d_in, d_out = d_in // 64, d_out // 64
@@ -131,7 +119,7 @@ def section_gemv(rows, keep: float = 0.5):
         }
         dense_us = None
         for name, (fn, frac) in variants.items():
-            us = sweep.graph_time_ms(fn) * 1e3
+            us = common.graph_time_ms(fn) * 1e3
             dense_us = dense_us or us
             row = {"section": "gemv", "shape": label, "setting": name, "us": us,
                    "TB/s": wbytes * frac / (us * 1e-6) / 1e12 if frac else float("nan"), "vs_cublas": dense_us / us}
@@ -145,7 +133,7 @@ def section_gemv_tune(rows, keep: float = 0.5):
     accumulator would take over 128 registers per thread are skipped."""
     from policyzoo.kernels.dispatch import _gemv as gemv_module
 
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     grid = [(bn, bk, w, tp) for bn in (64, 256, 1024) for bk in (8, 16, 32, 128) for w in (4, 8) for tp in (512, 1024)
             if bn * bk <= 128 * 32 * w and bn * bk >= 32 * w * 8]
     if dev == "cpu":
@@ -165,7 +153,7 @@ def section_gemv_tune(rows, keep: float = 0.5):
                 with override(gemv=replace(current(GemvConfig), block_n=bn, block_k=bk, num_warps=w, target_programs=tp)):
                     y = gemv_module.sparse_gemv_index(x, idx, w_t)
                     err = ((y.float() - ref).norm() / ref.norm()).item()
-                    us = sweep.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t)) * 1e3
+                    us = common.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t)) * 1e3
                 row.update({"us": us, "TB/s": wbytes / (us * 1e-6) / 1e12, "rel_err": err})
                 print(f"gemvtune {label:<22} {row['setting']:<50} {us:7.1f} us {row['TB/s']:5.2f} TB/s err {err:.1e}", flush=True)
             except Exception as e:
@@ -177,7 +165,7 @@ def section_gemv_tune(rows, keep: float = 0.5):
 def _pick(rows, section, label, fn, check, candidates: dict[str, dict]) -> tuple[str, dict]:
     """Run ``check`` (an error string, "" when correct) and time ``fn`` under each candidate
     (name -> `kernels.config.override` keywords), record every row and the fastest correct one, and
-    return that one's ``(name, keywords)``: the caller keeps it for the run (`keep_for_run`) or not.
+    return that one's ``(name, keywords)``: the caller keeps it for the run or not.
     """
     best = None
     for name, configs in candidates.items():
@@ -185,7 +173,7 @@ def _pick(rows, section, label, fn, check, candidates: dict[str, dict]) -> tuple
         try:
             with override(**configs):
                 problem = check()
-                us = sweep.graph_time_ms(fn) * 1e3
+                us = common.graph_time_ms(fn) * 1e3
             row.update({"us": us, "correct": not problem})
             if problem:
                 row["error"] = problem[:200]
@@ -221,16 +209,20 @@ def _attention_case(q, keys, values, start, length, sel):
 VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages", "epilogue", "append")
 
 
-def section_variants(rows, groups=VARIANT_GROUPS):
+def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
     """The alternatives a kernel's config offers, timed against each other and checked against the
     torch reference, and printed, so the defaults in `kernels.config` can follow the measurement;
-    some are kept for the rest of the run (`keep_for_run`). The kernels' scratch buffers
-    (histograms, arrival counters) are reserved once by `sweep.main`, as a Decoder on CUDA reserves
-    them."""
+    some are kept for the rest of the run: their overrides enter ``run``, which the sweep holds open
+    until it ends. The kernels' scratch buffers (histograms, arrival counters) are reserved once by
+    `sweep.main`, as a Decoder on CUDA reserves them."""
+
+    def keep_for_run(**configs) -> None:
+        run.enter_context(override(**configs))
+
     from policyzoo.kernels.dispatch import _page as page_module
     from policyzoo.kernels.dispatch import _select as select_module
 
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     small = dev == "cpu"  # smoke test: toy sizes
     # select_top's search and warps on rows of activations (bf16 |x|, keep 0.5) and of pages (fp32,
     # keep 0.1, 8 KV heads), one just over a power of two (tile and tail), one with forced pages.
@@ -382,7 +374,7 @@ def section_variants(rows, groups=VARIANT_GROUPS):
                 label = f"cache append page {page}, {len(kept)} summaries"
                 for name, fn in (("kernel", lambda: kernels.dispatch.cache_append(*args(cache))),
                                  ("torch reference (eager)", lambda: kernels.reference.cache_append(*args(twin)))):
-                    us = sweep.graph_time_ms(fn) * 1e3
+                    us = common.graph_time_ms(fn) * 1e3
                     rows.append({"section": "variants", "shape": label, "setting": name, "us": us, "correct": not problem})
                     print(f"variants {label:<34} {name:<28} {us:8.2f} us {'ok' if not problem else 'WRONG: ' + problem}",
                           flush=True)
@@ -399,7 +391,7 @@ def select_policies(keep: float = 0.1) -> dict:
 
 
 def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     cache = PagedKVCache(1, 1, H_KV, D, n + margin, page_size=PAGE, dtype=torch.bfloat16, device=dev)
     cache.reset(torch.zeros(1, dtype=torch.long, device=dev), n)
     g = torch.Generator(device=dev).manual_seed(1)
@@ -411,10 +403,10 @@ def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
 
 def section_select(contexts, rows, deadline: float, keep: float = 0.1):
     """Per layer: selection time, attention time over it, and dense attention, for each policy."""
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     for n in contexts:
         if time.perf_counter() > deadline:
-            raise sweep.Deadline
+            raise common.Deadline
         cache = filled_cache(n)
         state = KVState(cache, 0, D**-0.5)
         q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
@@ -424,7 +416,7 @@ def section_select(contexts, rows, deadline: float, keep: float = 0.1):
         def attend(sel):
             return kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, state.scale)
 
-        dense_us = sweep.graph_time_ms(lambda: attend(dense)) * 1e3
+        dense_us = common.graph_time_ms(lambda: attend(dense)) * 1e3
         rows.append({"section": "select", "setting": "dense", "context": n, "attention_us": dense_us, "total_us": dense_us})
         for name, make in select_policies(keep).items():
             row = {"section": "select", "setting": name, "context": n}
@@ -445,8 +437,8 @@ def section_select(contexts, rows, deadline: float, keep: float = 0.1):
                     sel = select()
                 compile_s = time.perf_counter() - t0
                 kept = float((sel.count.float() * sel.block).mean()) / n
-                sel_us = sweep.graph_time_ms(select) * 1e3
-                attn_us = sweep.graph_time_ms(lambda: attend(sel)) * 1e3
+                sel_us = common.graph_time_ms(select) * 1e3
+                attn_us = common.graph_time_ms(lambda: attend(sel)) * 1e3
                 total = sel_us + attn_us
                 row.update({"kv_keep": kept, "select_us": sel_us, "attention_us": attn_us, "total_us": total,
                             "attention_speedup": dense_us / attn_us, "speedup": dense_us / total,
@@ -466,7 +458,7 @@ def section_profile(model, items, rows, out, deadline: float, steps: int = 5):
     """Per-kernel GPU time of compiled decode steps; ``items`` are ``(setting, context)`` pairs."""
     for name, n in items:
         if time.perf_counter() > deadline:
-            raise sweep.Deadline
+            raise common.Deadline
         try:
             _profile_one(model, name, n, rows, out, steps)
         except Exception as e:
@@ -478,29 +470,24 @@ def section_profile(model, items, rows, out, deadline: float, steps: int = 5):
 def _profile_one(model, name, n, rows, out, steps):
     from torch.profiler import ProfilerActivity, profile
 
-    dev = sweep.DEVICE
+    dev = common.DEVICE
     layers = len(model.model.layers)
     out.mkdir(parents=True, exist_ok=True)
     activity = ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU  # cpu: smoke test
-    kv_f, proj_f, _, _ = sweep.settings()[name]
     torch._dynamo.reset()
-    dec = Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
-    token = torch.randint(1, 1000, (1, 1), device=dev)
-    try:
-        with attn_implementation(model, ATTN_IMPLEMENTATION):
-            sweep.fill_cache(dec, 1, n, margin=64)
-            dec.runtime.phase = "decode"
-            dec.compile(mode="default")  # no CUDA graphs: the profiler then sees each kernel
-            for _ in range(3):
-                dec._step(token)
-            dec.runtime.cache.length.fill_(n)
-            sweep.sync()
-            with profile(activities=[activity]) as prof:
-                for _ in range(steps):
-                    dec._step(token)
-                sweep.sync()
-    finally:
-        dec.runtime.phase = "idle"
+    dec = common.decoder(model, name)
+    # No CUDA graphs: the profiler then sees each kernel.
+    dec.compile(cuda_graphs=False)
+    session = dec.session
+    common.fill_cache(dec, 1, n, n + 64)
+    for _ in range(3):
+        session.step()
+    session.rewind(n)
+    common.sync()
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            session.step()
+        common.sync()
     events = [e for e in prof.key_averages() if e.device_type.name == dev.upper() and e.device_time_total > 0]
     total_us = sum(e.device_time_total for e in events) / steps
     launches = sum(e.count for e in events) / steps

@@ -1,138 +1,63 @@
-"""Device sweep: decode speed of policyzoo settings on the Llama-3.1-8B shape, against the byte account.
+"""Device sweep: decode speed of policyzoo settings, against the byte account.
 
 Run on a CUDA machine (random bf16 weights: speed does not depend on weight values at fixed budgets):
 
-    python benchmarks/sweep.py --out benchmarks/results            # everything
-    python benchmarks/sweep.py --only kernel --contexts 32768,131072  # one section
-    python benchmarks/sweep.py --deadline 500     # start nothing new after 500 s (results so far are kept)
+    python -m benchmarks.sweep --out benchmarks/results/RUN              # the default sections
+    python -m benchmarks.sweep --only kernel --contexts 32768,131072     # one section
+    python -m benchmarks.sweep --only generate --model smollm2-135m --generate dense@2048
+    python -m benchmarks.sweep --deadline 500     # start nothing new after 500 s (results so far are kept)
 
 Sections (each writes its rows into one JSON and one markdown table, plus PNG plots):
   bandwidth  device-to-device copy bandwidth: the byte floor's denominator
+  check      the fast `generate` (compiled, CUDA-graph replays) against eager decoding on a toy model
+             of the same structure, fp32 and bf16, per --settings item: same tokens, same on replay,
+             reproducible sampling, rows stopping at EOS ids at different steps
+  generate   `Decoder.generate` end to end as a user calls it (an EOS id set, a streamer attached;
+             per-token time from the streamer's timestamps, prefill excluded), the compiled step
+             alone beside it, at the --generate setting@context[xB] items (`benchmarks.e2e`)
   kernel     one layer's decode attention (32 q / 8 KV heads, head dim 128, pages of 16): policyzoo's
              split-K kernel in dense mode, with 1/16 of the pages selected, and torch SDPA on the same cache
-  step       the whole decode step per setting and context, captured in a CUDA graph (`graph`: the
-             eager step, policyzoo's kernels, no torch.compile), next to its byte floor and ideal
-             bound, and its speedup over dense decoding through the same kernel
-  compiled   the same step under torch.compile (reduce-overhead: fused and CUDA-graphed) at the
+  step       the whole decode step per setting and context, its eager kernels captured in a CUDA graph
+             (`graph`: no Inductor fusion), next to its byte floor and ideal bound, and its speedup over
+             dense decoding through the same kernel
+  compiled   the same step compiled (Inductor) and replayed as a CUDA graph by the session, at the
              --compiled setting@context pairs (setting@contextxB: batch B); with --dynamic-capacity
-             each (setting, batch) compiles once for all its contexts (`Decoder.compile(dynamic_capacity=True)`)
-  batch      dense and KV keep 0.2 at 32K for batch 1/4/16 (batch 32 at 32K needs 137 GB of KV
-             beside 16 GB of weights: it does not fit one H200)
-  hf         Hugging Face decoding of the same model: eager (dynamic cache) and static cache compiled
-  tune, gemv, select, profile   the probes of `benchmarks/probes.py` (kernel launch parameters, the
-             projection branch's pieces, per-policy selection cost, per-kernel profile of a step)
+             each (setting, batch) compiles once for all its contexts
+  batch      dense and KV keep 0.2 at 32K for batch 1/4/16
+  hf         Hugging Face `generate` of the same model: eager (dynamic cache) and static cache compiled
+  variants, tune, gemv, gemvtune, select, profile   the probes of `benchmarks.probes` (kernel launch
+             configs, the projection branch's pieces, per-policy selection cost, per-kernel profile)
 
-The cache is filled with random keys and values (no prefill: timing does not depend on the values for
-fixed budgets, and a 128K prefill would cost more device time than the sweep itself).
+Step rows start from random keys and values (`DecodeSession.fill_random`: no prefill; timing does not
+depend on the values at fixed budgets); generate rows prefill a random prompt, as users do.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
-import gc
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policyzoo import kernels
+from policyzoo.bytes import BUILTIN, ByteAccount
+from policyzoo.proj.base import uninstall as uninstall_projections
+from policyzoo.selection import Selection
 
-import common  # noqa: E402  (benchmarks/, the script's folder)
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK, kernels  # noqa: E402
-from policyzoo._compat import attn_implementation  # noqa: E402
-from policyzoo.attention import ATTN_IMPLEMENTATION  # noqa: E402
-from policyzoo.bytes import ByteAccount  # noqa: E402
-from policyzoo.proj.base import uninstall as uninstall_projections  # noqa: E402
-from policyzoo.selection import Selection  # noqa: E402
+from . import common, e2e, probes
+from .common import DEVICE, PAGE, Deadline, cuda_time_ms, free_memory, graph_time_ms, settings
 
-MODEL = "llama-3.1-8b"
 CONTEXTS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
-PAGE = 16
-DEVICE = "cuda"  # --device cpu runs a smoke test of the sweep's logic (eager steps, wall-clock timing)
-
-
-def settings() -> dict[str, tuple]:
-    """name -> (kv policy factory, proj factory, r_p, r_kv)."""
-    return {
-        "dense": (None, None, 1.0, 1.0),
-        "topk0.5": (None, lambda: TopK(0.5), 0.5, 1.0),
-        "attn-topk0.1": (lambda: AttentionTopK(0.1, window=64), None, 1.0, 0.1),
-        "attn-topk0.3": (lambda: AttentionTopK(0.3, window=64), None, 1.0, 0.3),
-        "quest0.1": (lambda: Quest(0.1, page=PAGE, window=64), None, 1.0, 0.1),
-        "quest0.3": (lambda: Quest(0.3, page=PAGE, window=64), None, 1.0, 0.3),
-        # Pages of 64: a quarter of the pages to bound and rank, at coarser granularity.
-        "quest0.1p64": (lambda: Quest(0.1, page=64, window=64), None, 1.0, 0.1),
-        "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
-        "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
-        "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
-        "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
-        "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
-        "entmax-kv0.1": (lambda: EntmaxKV(0.1, page=PAGE, window=64), None, 1.0, 0.1),
-    }
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def free_memory() -> None:
-    """Release the last row's Decoder and graphs. It, its runtime and the model's wrappers reference
-    each other, so only the cycle collector frees them (the Decoder frees a replaced cache itself;
-    before it did, the fourth session's first call ran out of memory on the H200)."""
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ------------------------------------------------------------------------------------- timing
-def cuda_time_ms(fn, steps: int = 10, reps: int = 15, warmup: int = 3) -> float:
-    """Median over ``reps`` of the mean time of ``steps`` back-to-back calls, by CUDA events.
-
-    On CPU (a smoke test of the sweep's logic, kernels in the Triton interpreter) one call is timed:
-    the figure means nothing there, and the interpreter is slow.
-    """
-    if DEVICE == "cpu":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / steps)
-    return statistics.median(times)
-
-
-def graph_time_ms(fn, calls: int = 20) -> float:
-    """Per-call time of ``fn`` captured ``calls`` times in one CUDA graph (no launch overhead)."""
-    if DEVICE == "cpu":
-        return cuda_time_ms(fn, steps=calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # Triton JIT and allocator warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(graph.replay, steps=1, reps=15, warmup=2) / calls
 
 
 def copy_bandwidth() -> float:
@@ -145,61 +70,30 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-# ------------------------------------------------------------------------------------- model
-def llama8b(layers: int | None = None, tiny: bool = False):
-    return common.llama8b(DEVICE, layers, tiny)
+# ------------------------------------------------------------------------------------- steps
+def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str) -> tuple[float, float]:
+    """(ms per decode step, seconds spent compiling and capturing) at context ``n``, as
+    `DecodeSession.time_step` times it (CUDA events).
 
-
-def fill_cache(dec: Decoder, batch: int, n: int, margin: int) -> None:
-    """Allocate the Decoder's cache for ``n + margin`` tokens and fill ``n`` with random K/V."""
-    common.fill_cache(dec, batch, n, n + margin, torch.Generator(device=DEVICE).manual_seed(1))
-
-
-def time_step(dec: Decoder, batch: int, n: int, steps: int, reps: int, mode: str) -> tuple[float, float]:
-    """(ms per decode step, seconds spent compiling or capturing) at context ``n``.
-
-    ``graph``: the eager step captured once in a CUDA graph and replayed (launch overhead gone, no
-    fusion); ``compiled``: the Decoder's torch.compile step (reduce-overhead); ``compiled-dynamic``:
-    the same, compiled once with a dynamic cache capacity and reused across contexts. Each step appends a
-    token, so ``length`` is reset to ``n`` before timing and the cache has room for every step.
+    ``graph``: the eager step's kernels captured in a CUDA graph (torch.compile's ``eager``
+    backend: no fusion); ``compiled``: the Inductor-compiled step replayed as a CUDA graph;
+    ``compiled-dynamic``: the same, compiled once with a dynamic cache capacity for every context.
+    On CPU every mode is a smoke test of the logic.
     """
-    cache = dec.runtime.cache
-    token = torch.randint(1, 1000, (batch, 1), device=DEVICE)
-    dec.runtime.phase = "decode"
+    session = dec.session
+    if mode == "graph":
+        dec.compile(backend="eager", cuda_graphs=DEVICE == "cuda")
+    elif mode == "compiled":
+        dec.compile()
     t0 = time.perf_counter()
-    if mode == "graph" and DEVICE == "cpu":  # smoke test: no graphs on CPU
-
-        def run():
-            dec._decode_step(token)
-
-    elif mode == "graph":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton JIT, cuBLAS handles
-            for _ in range(2):
-                dec._decode_step(token)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            dec._decode_step(token)
-        run = graph.replay
-    else:
-        if mode == "compiled":
-            dec.compile()
-        # "compiled-dynamic": the Decoder was compiled once for every context (`section_step`)
-        for _ in range(3):  # compile (or not), record the CUDA graph, replay once
-            dec._step(token)
-
-        def run():
-            dec._step(token)
-
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+    for _ in range(3):  # compile, warm up, capture
+        session.step()
+    common.sync()
     setup_s = time.perf_counter() - t0
-    cache.length.fill_(n)
-    ms = cuda_time_ms(run, steps=steps, reps=reps, warmup=2)
-    dec.runtime.phase = "idle"
-    return ms, setup_s
+    session.rewind(n)
+    if DEVICE == "cpu":
+        return cuda_time_ms(session.step), setup_s
+    return session.time_step(calls=steps, reps=reps, warmup=1), setup_s
 
 
 # ------------------------------------------------------------------------------------- sections
@@ -241,16 +135,12 @@ def section_kernel(contexts, rows, check=True):
             print(f"kernel n={n:>7} {name:<20} {t*1e3:8.1f} us  {kv_bytes*frac/(t*1e-3)/1e12:5.2f} TB/s  x{t_dense/t:5.2f}", flush=True)
 
 
-class Deadline(Exception):
-    pass
-
-
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
                  section="step", mode="graph", dense_ms=None):
     """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense."""
     dense_ms = {} if dense_ms is None else dense_ms
     for name in names:
-        kv_f, proj_f, r_p, r_kv = settings()[name]
+        _, _, r_p, r_kv = settings()[name]
         shared = None  # compiled-dynamic: one Decoder, compiled once, for every context of the setting
         for n in contexts:
             if time.perf_counter() > deadline:
@@ -259,15 +149,14 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             try:
                 if shared is None:
                     torch._dynamo.reset()
-                    dec = Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
+                    dec = common.decoder(model, name)
                     if mode == "compiled-dynamic":
                         shared = dec.compile(dynamic_capacity=True)
                 else:
                     dec = shared
-                with attn_implementation(model, ATTN_IMPLEMENTATION):
-                    fill_cache(dec, batch, n, margin=steps * (reps + 3) + 64)
-                    graphs = counters["stats"]["unique_graphs"]
-                    ms, setup_s = time_step(dec, batch, n, steps, reps, mode)
+                common.fill_cache(dec, batch, n, n + steps * (reps + 3) + 64)
+                graphs = counters["stats"]["unique_graphs"]
+                ms, setup_s = time_step(dec, batch, n, steps, reps, mode)
                 if mode != "graph":  # graphs Dynamo compiled for this row (0: it reused a compiled step)
                     row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
                 if name == "dense":
@@ -278,7 +167,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 speedup = dense_ms.get(n, float("nan")) / ms
                 row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
                             "bound": bound, "speedup": speedup, "speedup/bound": speedup / bound, "setup_s": setup_s})
-                row["capacity"] = dec.runtime.cache.capacity  # the kernels' grids follow it, not the context
+                row["capacity"] = dec.session.cache.capacity  # the kernels' grids follow it, not the context
                 if DEVICE == "cuda":
                     row["gpu_GB"] = torch.cuda.memory_allocated() / 1e9  # weights + this row's cache and graph
                 print(f"{section}/{mode} b={batch} n={n:>7} {name:<22} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f}) "
@@ -293,7 +182,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             free_memory()
 
 
-def compiled_items(spec: str, known: set[str]) -> list[tuple[str, int, int]]:
+def compiled_items(spec: str, known: set[str], flag: str = "--compiled") -> list[tuple[str, int, int]]:
     """``(setting, context, batch)`` from ``"dense@32768,quest0.2@32768x16"`` (batch 1 unless
     ``xB`` follows the context)."""
     items = []
@@ -302,7 +191,7 @@ def compiled_items(spec: str, known: set[str]) -> list[tuple[str, int, int]]:
         context, times, batch = where.partition("x")
         batch = batch if times else "1"
         if name not in known or not context.isdigit() or not batch.isdigit() or int(batch) < 1:
-            raise ValueError(f"--compiled: {item!r} is not setting@context or setting@contextxB "
+            raise ValueError(f"{flag}: {item!r} is not setting@context or setting@contextxB "
                              f"with a known setting ({', '.join(sorted(known))})")
         items.append((name, int(context), int(batch)))
     return items
@@ -350,17 +239,77 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
             free_memory()
 
 
+def section_check(rows, names, dtypes=("float32", "bfloat16")) -> None:
+    """The fast `generate` (compiled, CUDA-graph replays, no per-step sync) against eager decoding
+    on a toy model of the same structure, per setting and weight dtype (`e2e.check_generate`)."""
+    for dtype in dtypes:
+        model = common.random_model("llama-3.1-8b", tiny=True).to(getattr(torch, dtype))
+        for name in names:
+            row = {"section": "check", "setting": name, "dtype": dtype}
+            try:
+                torch._dynamo.reset()
+                row.update(e2e.check_generate(lambda: common.decoder(copy.deepcopy(model), name)))
+                print(f"check {dtype:<8} {name:<18} " + " ".join(f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}"
+                                                             for k, v in row.items() if k not in ("section", "setting", "dtype")), flush=True)
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {err}"[:300]
+                print(f"check {dtype} {name}: FAILED {row['error']}", flush=True)
+                traceback.print_exc()
+            rows.append(row)
+        free_memory()
+
+
+def generate_items(spec: str, known: set[str]) -> list[tuple[str, int, int]]:
+    """`compiled_items` for --generate."""
+    return compiled_items(spec, known, flag="--generate")
+
+
+def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64):
+    """`Decoder.generate` per-token time as users see it, beside the compiled step alone, per
+    ``(setting, context, batch)``: one compile per (setting, batch), with a dynamic cache capacity."""
+    decoders: dict[tuple[str, int], object] = {}
+    for name, n, b in items:
+        if time.perf_counter() > deadline:
+            raise Deadline
+        _, _, r_p, r_kv = settings()[name]
+        row = {"section": "generate", "mode": "compiled", "setting": name, "context": n, "batch": b, "new_tokens": new_tokens}
+        try:
+            key = (name, b)
+            if key not in decoders:
+                decoders.clear()  # one Decoder (and cache) at a time
+                free_memory()
+                decoders[key] = common.decoder(model, name).compile(dynamic_capacity=True)
+            dec = decoders[key]
+            graphs = counters["stats"]["unique_graphs"]
+            row.update(e2e.measure(dec, b, n, new_tokens))
+            row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            union = None if b == 1 or r_p == 1 else 1.0
+            floor = acct.floor_ms(n, bw, r_p, r_kv, batch=b, union_keep=union)
+            row.update({"floor_ms": floor, "ms/floor": row["generate_ms"] / floor, "tok/s": b * 1e3 / row["generate_ms"]})
+            print(f"generate b={b} n={n:>7} {name:<16} generate {row['generate_ms']:7.3f} ms/token (median {row['generate_median_ms']:.3f}), "
+                  f"step {row['step_ms']:7.3f} ms, x{row['generate/step']:.3f}; floor {floor:.3f} ms; {row['tokens']} tokens; "
+                  f"setup {row['setup_s']:.1f}s", flush=True)
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+            print(f"generate b={b} n={n} {name}: FAILED {row['error']}", flush=True)
+            traceback.print_exc()
+        rows.append(row)
+        save()
+    decoders.clear()
+    free_memory()
+
+
 # ------------------------------------------------------------------------------------- output
 def kernel_knobs() -> dict:
-    """The kernel modules' launch choices that the variants section can change (none on CPU without
-    the interpreter: no kernel modules)."""
-    from policyzoo.kernels import dispatch
+    """The kernels' launch configs in force (`kernels.config`: the defaults, or the overrides the
+    variants section keeps for the run), by kernel, as dicts; ``"overridden"`` names the kernels
+    not at their defaults."""
+    import dataclasses
 
-    picks = {"_attn": ("FUSE_MERGE", "FUSED_BLOCK_C", "BLOCK_C", "MERGE_WARPS"),
-             "_select": ("METHOD", "HIST_MIN_N", "HIST_CHUNK", "NUM_WARPS", "BF16_BITS"),
-             "_gemv": ("FUSE_EPILOGUE", "MIN_FUSED_SPLIT"), "_page": ("METHOD", "BLOCK_P", "NUM_WARPS")}
-    return {f"{mod[1:]}.{a}": getattr(getattr(dispatch, mod), a)
-            for mod, names in picks.items() if getattr(dispatch, mod, None) is not None for a in names}
+    from policyzoo.kernels import config
+
+    knobs = {name: dataclasses.asdict(config.current(kind)) for name, kind in config.KERNELS.items()}
+    return {**knobs, "overridden": sorted(config.active())}
 
 
 def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -368,9 +317,9 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# policyzoo device sweep — {meta['gpu']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
-             f"model shape {MODEL} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
+             f"model shape {meta['model']} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
              "byte floor = step bytes (policyzoo.bytes) / copy bandwidth; bound = ideal speedup from bytes.", ""]
-    for section in ("variants", "kernel", "tune", "gemv", "gemvtune", "select", "profile", "step", "compiled", "batch", "hf"):
+    for section in ("check", "variants", "kernel", "tune", "gemv", "gemvtune", "select", "profile", "generate", "step", "compiled", "batch", "hf"):
         sec = [r for r in rows if r["section"] == section]
         if not sec:
             continue
@@ -384,7 +333,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
     step = [r for r in rows if r["section"] == "step" and r["setting"] != "dense" and "speedup" in r]
     if step:
         common.plot_speedups(step, out / "sweep.png",
-                             f"{MODEL} shape, batch 1, {meta['gpu']}: measured (solid) vs byte bound (dashed)")
+                             f"{meta['model']} shape, batch 1, {meta['gpu']}: measured (solid) vs byte bound (dashed)")
 
 
 def main(argv=None) -> None:
@@ -392,9 +341,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--only", default="kernel,step,batch,compiled,hf", help="sections, run in this order")
     p.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(BUILTIN), help="model shape (random weights)")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
-    p.add_argument("--hf-contexts", default="32768")
+    p.add_argument("--hf-contexts", default="4096")
+    p.add_argument("--generate", default="dense@4096,dense@32768,dense@131072,dense@32768x16",
+                   help="setting@context[xB] items of the generate section")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per generate call (generate section)")
     p.add_argument("--compiled", default="dense@32768,topk0.5@32768,quest0.2@32768,topk0.5+quest0.2@32768,"
                    "dense@131072,quest0.1@131072,dense@4096,topk0.5@4096",
                    help="setting@context pairs for the compiled section, setting@contextxB for batch B "
@@ -407,19 +360,16 @@ def main(argv=None) -> None:
     p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
     p.add_argument("--variants", default="select_top,merge,page_bound,attention_pages", help="groups of the variants section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
-    p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use 32)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use the shape's)")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (smoke tests)")
     args = p.parse_args(argv)
-    global DEVICE
-    DEVICE = args.device
     contexts = [int(c) for c in args.contexts.split(",")]
     import transformers
     import triton
 
     meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)", "date": dt.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "model": MODEL, "layers": args.layers or 32, "source": common.source_digest()}
+            "model": args.model, "layers": args.layers or BUILTIN[args.model][2], "source": common.source_digest()}
     rows: list[dict] = []
     out = Path(args.out)
     deadline = time.perf_counter() + args.deadline
@@ -433,14 +383,12 @@ def main(argv=None) -> None:
     bw = copy_bandwidth()
     meta["bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
-    acct = ByteAccount.from_config(MODEL)
+    acct = ByteAccount.from_config(args.model)
     if args.tiny:
-        acct = ByteAccount.from_config(llama8b(args.layers or 2, tiny=True).config, dtype=torch.float32)
+        acct = ByteAccount.from_config(common.random_model(args.model, args.layers, tiny=True).config, dtype=torch.float32)
     elif args.layers:
         acct = ByteAccount(**{**acct.__dict__, "layers": args.layers})
     names = args.settings.split(",")
-    sys.modules.setdefault("sweep", sys.modules[__name__])  # the probes read this module's DEVICE
-    import probes
 
     compiled_dense: dict[int, dict[int, float]] = {}  # dense ms per batch and context, for the compiled rows
     dynamic_dense: dict[int, dict[int, float]] = {}  # the same for --dynamic-capacity
@@ -448,11 +396,11 @@ def main(argv=None) -> None:
 
     def full_model():
         nonlocal model
-        model = model if model is not None else llama8b(args.layers, args.tiny)
+        model = model if model is not None else common.random_model(args.model, args.layers, args.tiny)
         return model
 
     def run_profile():
-        small = llama8b(args.profile_layers, args.tiny)
+        small = common.random_model(args.model, args.profile_layers, args.tiny)
         items = [(i.split("@")[0], int(i.split("@")[1])) for i in args.profile.split(",")]
         probes.section_profile(small, items, rows, out, deadline)
 
@@ -475,9 +423,13 @@ def main(argv=None) -> None:
             section_step(full_model(), [n], [name], rows, bw, acct, save, deadline, batch=b, section="compiled",
                          mode="compiled", dense_ms=compiled_dense.setdefault(b, {}))
 
+    run = ExitStack()  # the kernel configs the variants section keeps for the rest of the run
     sections = {
+        "check": lambda: section_check(rows, names),
+        "generate": lambda: section_generate(full_model(), generate_items(args.generate, set(settings())), rows, bw, acct, save,
+                                             deadline, new_tokens=args.new_tokens),
         "kernel": lambda: section_kernel(contexts, rows),
-        "variants": lambda: probes.section_variants(rows, args.variants.split(",")),
+        "variants": lambda: probes.section_variants(rows, run, args.variants.split(",")),
         "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
@@ -491,27 +443,30 @@ def main(argv=None) -> None:
     unknown = [name for name in args.only.split(",") if name not in sections]
     if unknown:
         p.error(f"--only: unknown sections {unknown}; known: {', '.join(sections)}")
-    if "compiled" in args.only.split(","):
-        try:  # a typo in --compiled should stop the run now, not after the sections before it
-            compiled_items(args.compiled, set(settings()))
-        except ValueError as err:
-            p.error(str(err))
-    try:
-        for name in args.only.split(","):  # in the order given: the first ones matter most under a deadline
-            try:
-                sections[name]()
-            except Deadline:
-                raise
-            except Exception as err:  # one broken section must not cost the device call's later ones
-                rows.append({"section": name, "error": f"{type(err).__name__}: {err}"[:300]})
-                print(f"section {name}: FAILED", flush=True)
-                traceback.print_exc()
+    for section, spec, flag in (("compiled", args.compiled, "--compiled"), ("generate", args.generate, "--generate")):
+        if section in args.only.split(","):
+            try:  # a typo should stop the run now, not after the sections before it
+                compiled_items(spec, set(settings()), flag)
+            except ValueError as err:
+                p.error(str(err))
+    with run:
+        try:
+            for name in args.only.split(","):  # in the order given: the first ones matter most under a deadline
+                try:
+                    sections[name]()
+                except Deadline:
+                    raise
+                except Exception as err:  # one broken section must not cost the device call's later ones
+                    rows.append({"section": name, "error": f"{type(err).__name__}: {err}"[:300]})
+                    print(f"section {name}: FAILED", flush=True)
+                    traceback.print_exc()
+                save()
+        except Deadline:
+            print("deadline reached: later rows not run", flush=True)
+            meta["stopped_at_deadline"] = True
+        finally:
             save()
-    except Deadline:
-        print("deadline reached: later rows not run", flush=True)
-        meta["stopped_at_deadline"] = True
-    finally:
-        save()
+
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from plot_results import compiled_points, main
+from benchmarks.plot_results import compiled_points, main
 
 
 def _call(path, rows):

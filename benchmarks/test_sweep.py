@@ -1,4 +1,4 @@
-"""Smoke test of the device sweep's logic on CPU (`benchmarks/sweep.py --device cpu --tiny`).
+"""Smoke test of the device sweep's logic on CPU (`python -m benchmarks.sweep --tiny`).
 
 The sweep only runs for real on a GPU, where a Python error costs device time; here every section
 that needs no compile of the whole model runs at toy sizes with the kernels in the Triton
@@ -16,14 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import common  # noqa: E402
+from benchmarks import common
 
 
 def test_sweep_sections_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
-    cmd = [sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
+    cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path),
            "--only", "variants,kernel,select,step", "--variants", "select_top,merge,page_bound,attention_pages,epilogue,append", "--contexts", "256",
            "--select-contexts", "512", "--settings", "dense,quest0.1,topk0.5"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -57,11 +55,13 @@ def test_sweep_sections_run_on_cpu(tmp_path):
 
 
 def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path):
-    """``--dynamic-capacity``: each setting's second context reuses its compiled step (CPU Inductor)."""
+    """``--dynamic-capacity``: each setting's second context reuses its compiled step (CPU Inductor).
+    The generate rows time `Decoder.generate` beside the compiled step."""
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
-    cmd = [sys.executable, "benchmarks/sweep.py", "--device", "cpu", "--tiny", "--out", str(tmp_path),
-           "--only", "compiled", "--dynamic-capacity", "--compiled",
-           "dense@256,dense@512,quest0.1@512,quest0.1@256,dense@256x2"]
+    cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path),
+           "--only", "compiled,generate", "--dynamic-capacity", "--compiled",
+           "dense@256,dense@512,quest0.1@512,quest0.1@256,dense@256x2",
+           "--generate", "dense@64,dense@128,quest0.1@128x2", "--new-tokens", "12"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
@@ -76,10 +76,16 @@ def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path
     assert got["quest0.1", 256]["speedup"] > 0  # over the dense row of the same mode and context
     # Each row on a cache sized for its own context, also after a longer one (grids follow capacity).
     assert all(r["context"] < r["capacity"] <= r["context"] + 256 for r in got.values())
+    gen = {(r["setting"], r["context"], r["batch"]): r for r in rows if r["section"] == "generate"}
+    assert set(gen) == {("dense", 64, 1), ("dense", 128, 1), ("quest0.1", 128, 2)}
+    for r in gen.values():
+        assert r["tokens"] == 12 and r["generate_ms"] > 0 and r["step_ms"] > 0 and r["floor_ms"] > 0
+        assert r["generate/step"] == r["generate_ms"] / r["step_ms"]
+    assert gen["dense", 128, 1]["new_graphs"] == 0  # the dynamic capacity: its compile served 64 too
 
 
 def test_compiled_items_parse_batches_and_refuse_typos():
-    from sweep import compiled_items, settings
+    from benchmarks.sweep import compiled_items, settings
 
     known = set(settings())
     assert compiled_items("dense@32768,quest0.2@32768x16", known) == [("dense", 32768, 1), ("quest0.2", 32768, 16)]

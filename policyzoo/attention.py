@@ -38,11 +38,15 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: flo
     """Causal SDPA over a left-padded prompt (`prefill_mask`); ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``.
 
     A batch without padding attends with SDPA's own causal mask instead: no ``[B, T, T]`` mask is
-    made (17 GB for a 128K prompt), and the flash kernel can run. (One host read of ``start``: the
-    prefill runs eagerly.)"""
+    made (17 GB for a 128K prompt), and the flash kernel can run; the keys and values are repeated
+    for each query head of their group, since not every SDPA kernel takes grouped heads. (One host
+    read of ``start``: the prefill runs eagerly.)"""
     gqa = q.shape[1] != k.shape[1]
     if not bool(start.any()):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if gqa:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     allowed = prefill_mask(start, q.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
 

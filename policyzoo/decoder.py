@@ -159,13 +159,16 @@ class Decoder:
         dec.tokenizer = tokenizer
         return dec
 
-    def compile(self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None) -> "Decoder":
+    def compile(
+        self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None, backend: str = "inductor"
+    ) -> "Decoder":
         """Compile the decode step with ``torch.compile``; returns the Decoder.
 
         On CUDA the session captures the compiled step in a CUDA graph per cache and setting and
         replays it (``cuda_graphs``, default on for CUDA): a replay costs the host tens of
-        microseconds. ``mode`` is torch.compile's (default Inductor; ``"reduce-overhead"`` records
-        CUDA graphs itself and needs ``cuda_graphs=False``).
+        microseconds. ``mode`` and ``backend`` are torch.compile's (``backend="eager"`` keeps the
+        eager kernels, unfused, under the CUDA graph; ``mode="reduce-overhead"`` records CUDA graphs
+        itself and needs ``cuda_graphs=False``).
 
         The step never recompiles from one token to the next. A request that needs a larger cache
         (a longer prompt or more new tokens) gets a new cache, whose shapes compile a new step (a
@@ -174,7 +177,7 @@ class Decoder:
         is still captured per cache); a policy whose code depends on the capacity's value costs a
         recompile.
         """
-        self.session.compile(mode, dynamic_capacity=dynamic_capacity, cuda_graphs=cuda_graphs)
+        self.session.compile(mode, dynamic_capacity=dynamic_capacity, cuda_graphs=cuda_graphs, backend=backend)
         return self
 
     @property

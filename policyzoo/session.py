@@ -98,7 +98,9 @@ class DecodeSession:
         return self
 
     # ------------------------------------------------------------------------------ compile
-    def compile(self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None) -> None:
+    def compile(
+        self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None, backend: str = "inductor"
+    ) -> None:
         """Compile the step with ``torch.compile`` (see `Decoder.compile`)."""
         self._dynamic_capacity = dynamic_capacity
         self._cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
@@ -113,12 +115,12 @@ class DecodeSession:
             # wrong selection with symbolic sizes (a sampled page lost on caches of up to 8 pages;
             # aot_eager and this build match eager). `options` replaces `mode`: same settings.
             modal = torch._inductor.list_mode_options(mode) if mode else {}
-            options = {**modal, "optimize_scatter_upon_const_tensor": False}
-            self._compiled = torch.compile(self._decode_step, options=options, dynamic=None)
+            options = {**modal, "optimize_scatter_upon_const_tensor": False} if backend == "inductor" else None
+            self._compiled = torch.compile(self._decode_step, backend=backend, options=options, dynamic=None)
             if self.runtime.cache is not None:
                 _mark_capacity_dynamic(self.runtime.cache)
         else:
-            self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
+            self._compiled = torch.compile(self._decode_step, backend=backend, mode=mode, dynamic=False)
 
     @property
     def compiled(self) -> bool:

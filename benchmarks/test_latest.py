@@ -1,0 +1,45 @@
+"""`benchmarks.latest`: the newest row per setting, each linked to its run, and the README block."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import latest
+
+
+def _run(folder, name, date, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps({"meta": {"gpu": "GPU X", "date": date, "model": "m"}, "rows": rows}))
+
+
+def _row(setting, context, ms, section="compiled", **extra):
+    return {"section": section, "mode": "compiled", "setting": setting, "context": context, "batch": 1, "ms": ms, **extra}
+
+
+def test_the_newest_run_wins_per_setting_and_rows_link_to_their_run(tmp_path):
+    _run(tmp_path / "2026-01-01-run1", "call1.json", "2026-01-01", [_row("dense", 4096, 5.0), _row("quest", 4096, 4.0)])
+    _run(tmp_path / "2026-01-02-run2", "call1.json", "2026-01-02", [_row("dense", 4096, 4.8), _row("dense", 8192, 6.0, error="OOM")])
+    _run(tmp_path / "2026-01-02-run2", "call2.json", "2026-01-02", [_row("dense", 4096, 4.7)])
+    _run(tmp_path / "2026-01-02-run2", "call10.json", "2026-01-02", [_row("dense", 4096, 4.6, excluded="timed on a larger cache")])
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "results.json").write_text(json.dumps({"rows": [{"setting": "dense"}]}))  # not a sweep
+    rows = latest.newest(latest.load_rows(tmp_path))
+    got = {(r.data["setting"], r.data["context"]): (r.data["ms"], r.path.parent.name + "/" + r.path.name) for r in rows}
+    assert got == {("dense", 4096): (4.7, "2026-01-02-run2/call2.json"), ("quest", 4096): (4.0, "2026-01-01-run1/call1.json")}
+    text = latest.render(rows, tmp_path)
+    assert "[2026-01-02-run2/call2](2026-01-02-run2/call2.json)" in text and "OOM" not in text
+
+
+def test_generate_rows_make_the_readme_block_between_its_markers():
+    row = latest.Row({"section": "generate", "setting": "dense", "context": 4096, "batch": 1, "generate_ms": 5.0, "step_ms": 4.9,
+                      "generate/step": 1.02, "floor_ms": 3.6}, {"gpu": "GPU X", "date": "2026-01-01", "model": "llama-3.1-8b"},
+                     latest.RESULTS / "run" / "call1.json")
+    block = latest.readme_block([row])
+    assert block.startswith(latest.BEGIN) and block.endswith(latest.END)
+    assert "| llama-3.1-8b | dense | 4096 | 1 | 5 | 4.9 | 1.02 | 3.6 |" in block
+    text = f"intro\n{latest.BEGIN}\nold\n{latest.END}\noutro\n"
+    assert latest.update_readme(text, block) == f"intro\n{block}\noutro\n"
+
+
+def test_the_committed_latest_and_readme_are_current():
+    assert latest.main(["--check"]) == 0, "run: python -m benchmarks.latest"
