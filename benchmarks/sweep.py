@@ -197,8 +197,17 @@ def compiled_items(spec: str, known: set[str], flag: str = "--compiled") -> list
     return items
 
 
-def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
-    """HF generate: per-step wall time from a logits processor's timestamps (HF syncs every step)."""
+def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=64):
+    """HF generate on the same model, two ways:
+
+    - ``streamer``: as users run it, an EOS id set and a streamer attached (HF then copies each
+      token to the host, a sync per step); per-token time from the streamer's timestamps, the
+      first `e2e.SKIP` left out, as for `Decoder.generate` in the generate section;
+    - ``processor``: per-step wall time from a logits processor that syncs the device (the figure
+      earlier sweeps reported).
+
+    Each runs twice (the first compiles the static cache's step); the second is timed.
+    """
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class Stamp(LogitsProcessor):
@@ -206,37 +215,46 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=24):
             self.t = []
 
         def __call__(self, input_ids, scores):
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
+            common.sync()
             self.t.append(time.perf_counter())
             return scores
 
     uninstall_projections(model)  # the plain HF model: no wrappers a previous setting left on it
+    vocab = int(model.config.vocab_size)
     for n in contexts:
-        ids = torch.randint(1, 1000, (1, n), device=DEVICE)
+        ids = e2e.random_prompt(1, n, vocab, DEVICE)
         for label, kwargs in (("HF eager (dynamic cache)", {}), ("HF static cache compiled", {"cache_implementation": "static"})):
-            if time.perf_counter() > deadline:
-                raise Deadline
-            row = {"section": "hf", "mode": "hf", "setting": label, "context": n, "batch": 1}
-            try:
-                t0 = time.perf_counter()
-                for _ in range(2):  # the first run compiles
-                    stamp = Stamp()
-                    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   logits_processor=LogitsProcessorList([stamp]), pad_token_id=0, **kwargs)
-                per_step = [b - a for a, b in zip(stamp.t[1:], stamp.t[2:])]
-                ms = statistics.median(per_step) * 1e3
-                floor = acct.floor_ms(n, bw)
-                row.update({"ms": ms, "tok/s": 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
-                            "setup_s": time.perf_counter() - t0})
-                print(f"hf n={n:>7} {label:<26} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f})", flush=True)
-            except Exception as err:
-                row["error"] = f"{type(err).__name__}: {err}"[:300]
-                print(f"hf n={n} {label}: FAILED {row['error']}", flush=True)
-                traceback.print_exc()
-            rows.append(row)
-            save()
-            free_memory()
+            for how in ("streamer", "processor"):
+                if time.perf_counter() > deadline:
+                    raise Deadline
+                row = {"section": "hf", "mode": how, "setting": label, "context": n, "batch": 1}
+                try:
+                    t0 = time.perf_counter()
+                    for _ in range(2):  # the first run compiles
+                        if how == "streamer":
+                            streamer = e2e.StampStreamer()
+                            model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=streamer,
+                                           eos_token_id=vocab - 1, pad_token_id=0, **kwargs)
+                            stamps = streamer.times[1 + e2e.SKIP :]
+                        else:
+                            stamp = Stamp()
+                            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                           logits_processor=LogitsProcessorList([stamp]), pad_token_id=0, **kwargs)
+                            stamps = stamp.t[1:]
+                    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+                    # streamer: the mean over the steady deliveries, as `e2e.time_generate` reports ours
+                    ms = (sum(gaps) / len(gaps) if how == "streamer" else statistics.median(gaps)) * 1e3
+                    floor = acct.floor_ms(n, bw)
+                    row.update({"ms": ms, "tok/s": 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
+                                "setup_s": time.perf_counter() - t0})
+                    print(f"hf n={n:>7} {label:<26} {how:<9} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f})", flush=True)
+                except Exception as err:
+                    row["error"] = f"{type(err).__name__}: {err}"[:300]
+                    print(f"hf n={n} {label} {how}: FAILED {row['error']}", flush=True)
+                    traceback.print_exc()
+                rows.append(row)
+                save()
+                free_memory()
 
 
 def section_check(rows, names, dtypes=("float32", "bfloat16")) -> None:

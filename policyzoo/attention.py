@@ -51,6 +51,19 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: flo
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
 
 
+def prefill_attention_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal SDPA of the last ``q.shape[2]`` positions of an unpadded prompt over all its keys so
+    far (``k, v [B, H_kv, end, D]``): query ``i`` sees keys up to ``end - T + i`` (the causal mask
+    aligned to the bottom right, which SDPA's flash and memory-efficient kernels take without a
+    materialised mask)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    if q.shape[1] != k.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
+
+
 def entmax15(z: Tensor) -> Tensor:
     """1.5-entmax along the last dim of logits ``z`` (``-inf`` = masked): ``p = max(0, z/2 − τ)²``.
 
@@ -108,11 +121,16 @@ def policyzoo_attention(
     cache, state = runtime.cache, runtime.states[layer]
     entmax = runtime.attention == "entmax"
     if runtime.phase == "prefill":
-        cache.write_prefill(layer, key, value)
-        prefill = prefill_attention_entmax15 if entmax else prefill_attention
-        out = prefill(query, key, value, cache.start, scale)
+        offset = runtime.prefill_offset
+        cache.write_prefill(layer, key, value, offset)
+        if offset:  # a later chunk of an unpadded prompt: it attends to the chunks before it too
+            end = offset + query.shape[2]
+            out = prefill_attention_chunk(query, state.keys[:, :, :end], state.values[:, :, :end], scale)
+        else:
+            prefill = prefill_attention_entmax15 if entmax else prefill_attention
+            out = prefill(query, key, value, cache.start, scale)
         runtime.policy.prefill(state, query, key, value)
-        if runtime.contexts.keep_previous:  # the selection for the prompt's last token: step 0's "previous"
+        if runtime.prefill_last and runtime.contexts.keep_previous:  # step 0's "previous": the prompt's last token's
             runtime.contexts.seed_previous(layer, runtime.policy.select(state, query[:, :, -1]))
         return out.transpose(1, 2), None
     if query.shape[2] != 1:

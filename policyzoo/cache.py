@@ -134,12 +134,13 @@ class PagedKVCache:
         self.start.copy_(start)
         self.length.fill_(length)
 
-    def write_prefill(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Write a whole prompt ``k, v [B, H_kv, T, D]`` at slots ``0..T-1`` and summarise it."""
+    def write_prefill(self, layer: int, k: Tensor, v: Tensor, offset: int = 0) -> None:
+        """Write a prompt's ``k, v [B, H_kv, T, D]`` at slots ``offset .. offset+T-1`` (a whole
+        prompt, or one chunk of it) and summarise the pages they touch."""
         t = k.shape[2]
-        self.keys[layer][:, :, :t].copy_(k)
-        self.values[layer][:, :, :t].copy_(v)
-        self.summarise(layer, slice(0, math.ceil(t / self.page_size)))
+        self.keys[layer][:, :, offset : offset + t].copy_(k)
+        self.values[layer][:, :, offset : offset + t].copy_(v)
+        self.summarise(layer, slice(offset // self.page_size, math.ceil((offset + t) / self.page_size)))
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Write one token ``k, v [B, H_kv, 1, D]`` at slot ``length - 1``; refresh its page.

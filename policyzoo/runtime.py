@@ -61,6 +61,10 @@ class Runtime:
 
     policy: KVSelector
     phase: Phase = "idle"
+    # A prompt prefilled in chunks: the slot of this forward's first token, and whether it is the
+    # last chunk (the prompt's last token is in it).
+    prefill_offset: int = 0
+    prefill_last: bool = True
     cache: PagedKVCache | None = None
     states: list[KVState] = field(default_factory=list)
     contexts: ContextStore | None = None

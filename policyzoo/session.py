@@ -41,6 +41,10 @@ from .timing import time_ms
 
 SETTINGS = ("dense", "proj", "kv", "both")
 WARMUP_STEPS = 2  # compiled runs of a new shape before its CUDA graph is captured
+# Prompt tokens (rows x positions) one prefill forward takes at most: a longer unpadded prompt is
+# prefilled in chunks, so its activations stay a few GB (one forward over 16 rows of 32K tokens
+# would hold 60 GB of MLP activations on an 8B model).
+PREFILL_TOKENS = 65536
 
 
 class DecodeSession:
@@ -222,11 +226,35 @@ class DecodeSession:
         input_ids, mask = self.check_inputs(input_ids, attention_mask)
         b, t = input_ids.shape
         start = (mask == 0).sum(1)
-        self._begin(b, max(capacity or t, t), start, t)
+        cache = self._begin(b, max(capacity or t, t), start, t)
         positions = (torch.arange(t, device=input_ids.device)[None, :] - start[:, None]).clamp(min=0)
-        with self._phase("prefill"):
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep_logits)
+        chunk = self._prefill_chunk(b, t, keep_logits, padded=bool(start.any()))
+        runtime = self.runtime
+        try:
+            with self._phase("prefill"):
+                for first in range(0, t, chunk):
+                    last = min(t, first + chunk)
+                    cache.length.fill_(last)  # what the chunk's summaries and the policy see
+                    runtime.prefill_offset, runtime.prefill_last = first, last == t
+                    out = self.model(
+                        input_ids=input_ids[:, first:last], position_ids=positions[:, first:last], use_cache=False,
+                        logits_to_keep=keep_logits if last == t else 1,
+                    )  # fmt: skip
+        finally:
+            runtime.prefill_offset, runtime.prefill_last = 0, True
         return out.logits
+
+    def _prefill_chunk(self, batch: int, t: int, keep_logits: int, padded: bool) -> int:
+        """Prompt positions per prefill forward: all of them, unless the prompt is longer than
+        `PREFILL_TOKENS` allows and chunks can serve it (no padding, softmax attention, a policy
+        without a prefill of its own, whose hook would see one chunk only)."""
+        chunk = max(self.page_size, PREFILL_TOKENS // batch // self.page_size * self.page_size)
+        policy = self.runtime.policy
+        whole = (
+            t <= chunk or padded or keep_logits > t - (t - 1) // chunk * chunk
+            or self.runtime.attention != "softmax" or type(policy).prefill is not KVSelector.prefill
+        )  # fmt: skip
+        return t if whole else chunk
 
     def needs_own_prefill(self) -> bool:
         """Whether the policy in use builds state in a prefill of its own (`KVSelector.prefill`, or

@@ -169,3 +169,26 @@ def test_a_compiled_session_steps_like_an_eager_one_without_recompiling():
             torch.testing.assert_close(compiled.step(), eager.step(), atol=1e-5, rtol=1e-5)
             assert torch.equal(compiled.last_token, eager.last_token)
     assert compiled.compiled and counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("kv", [None, Quest(0.5, page=4, window=4)], ids=["dense", "quest"])
+def test_a_long_prompt_prefilled_in_chunks_leaves_what_one_forward_leaves(monkeypatch, kv):
+    from policyzoo import session as session_mod
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(1, 128, (2, 45), generator=torch.Generator().manual_seed(0))
+    whole = Decoder(copy.deepcopy(model), kv=copy.deepcopy(kv)).session
+    want = whole.prefill(ids, capacity=60, keep_logits=3)
+    monkeypatch.setattr(session_mod, "PREFILL_TOKENS", 2 * 16)  # chunks of 16 positions for 2 rows
+    chunked = Decoder(model, kv=kv).session
+    assert chunked._prefill_chunk(2, 45, 3, padded=False) == 16
+    assert chunked._prefill_chunk(2, 45, 3, padded=True) == 45  # padding: one forward
+    got = chunked.prefill(ids, capacity=60, keep_logits=3)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    names = ("keys", "values") + (("page_min", "page_max") if kv is not None else ())
+    for name in names:
+        for layer in range(2):
+            torch.testing.assert_close(getattr(chunked.cache, name)[layer], getattr(whole.cache, name)[layer], atol=1e-5, rtol=1e-5)
+    assert int(chunked.cache.length) == 45 and chunked.runtime.prefill_offset == 0
+    token = torch.tensor([3, 4])
+    torch.testing.assert_close(chunked.step(token), whole.step(token), atol=1e-4, rtol=1e-4)
