@@ -103,20 +103,26 @@ def check_generate(make: Callable[[], Decoder], batch: int = 3, context: int = 2
     call of ``make`` must wrap a model of its own (a Decoder takes over the model it wraps)."""
     eager, compiled = make(), make().compile()
     device = eager.device
+
+    def run(dec: Decoder, **kwargs) -> torch.Tensor:
+        if hasattr(dec.kv, "reseed"):  # a sampling policy (SSA): each request from the same stream
+            dec.kv.reseed(dec.kv.seed)
+        return dec.generate(ids, new_tokens, **kwargs)
+
     ids = random_prompt(batch, context, eager.session.vocab_size, device, seed=1)
     mask = torch.ones_like(ids)
     for row in range(batch):
         mask[row, : row * 37] = 0  # left padding, not a multiple of the page size
-    free = eager.generate(ids, new_tokens, attention_mask=mask)
+    free = run(eager, attention_mask=mask)
     eos = [int(free[row, context + 3 + 4 * row]) for row in range(batch)]  # rows end at different steps
     kwargs = dict(attention_mask=mask, eos_token_id=eos, pad_token_id=0, output_logits=True)
-    want, want_logits = eager.generate(ids, new_tokens, **kwargs)
-    first, first_logits = compiled.generate(ids, new_tokens, **kwargs)  # compiles, warms up, captures
-    again, _ = compiled.generate(ids, new_tokens, **kwargs)  # replays
+    want, want_logits = run(eager, **kwargs)
+    first, first_logits = run(compiled, **kwargs)  # compiles, warms up, captures
+    again, _ = run(compiled, **kwargs)  # replays
     sample = dict(attention_mask=mask, do_sample=True, temperature=0.8, top_p=0.9)
-    s_eager = eager.generate(ids, new_tokens, generator=torch.Generator(device=device).manual_seed(3), **sample)
-    s1 = compiled.generate(ids, new_tokens, generator=torch.Generator(device=device).manual_seed(3), **sample)
-    s2 = compiled.generate(ids, new_tokens, generator=torch.Generator(device=device).manual_seed(3), **sample)
+    s_eager = run(eager, generator=torch.Generator(device=device).manual_seed(3), **sample)
+    s1 = run(compiled, generator=torch.Generator(device=device).manual_seed(3), **sample)
+    s2 = run(compiled, generator=torch.Generator(device=device).manual_seed(3), **sample)
     spread = want_logits[:, 1].float().std().item()  # index 0: the prefill's, eager in both
     err = (first_logits[:, 1].float() - want_logits[:, 1].float()).abs().max().item() / spread
     return {
