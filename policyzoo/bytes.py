@@ -161,7 +161,7 @@ def _check_ratio(value: float, name: str) -> None:
 
 # ------------------------------------------------------------------------------------ reports
 K = 1024
-DEFAULT_BANDWIDTH = 4.27e12  # bytes/s: the copy bandwidth measured on the lent H200 (DESIGN.md)
+DEFAULT_BANDWIDTH = 4.27e12  # bytes/s: device-to-device copy bandwidth measured on an H200 (benchmarks/results)
 SETTINGS = ("dense", "proj", "kv", "both")  # the four settings a step can run (and the gate chooses from)
 
 

@@ -18,7 +18,7 @@ def test_llama_8b_by_hand():
     # Dense at 32K: 32 layers of (P + 2048·32768) elements plus LM head and norms, 2 bytes each.
     expected = (32 * (218_103_808 + 2048 * 32768) + 128256 * 4096 + 65 * 4096) * 2
     assert a.step_bytes(32768) == expected
-    assert a.floor_ms(32768, 4.27e12) == pytest.approx(4.52, abs=0.01)  # DESIGN.md's byte floor
+    assert a.floor_ms(32768, 4.27e12) == pytest.approx(4.52, abs=0.01)  # the Llama-3.1-8B byte floor at 32K on an H200 (4.52 ms)
 
 
 def test_smollm2_by_hand_and_from_hf_config():

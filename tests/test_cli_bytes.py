@@ -54,7 +54,7 @@ def test_text_rows_match_the_account():
     assert float(both_32k[-2]) == pytest.approx(acct.floor_ms(32768, 4.27e12, 0.5, 0.3), abs=1e-3)
     assert float(both_32k[-1].rstrip("x")) == pytest.approx(acct.bound(32768, 0.5, 0.3), abs=0.005)
     assert "32K" in lines[4] and "dense" in lines[4] and lines[4].endswith("1.00x")
-    assert "4.521" in lines[4]  # DESIGN.md's dense byte floor at 32K (4.5 ms)
+    assert "4.521" in lines[4]  # the dense byte floor at 32K on an H200 (4.5 ms)
 
 
 def test_json_matches_the_account():

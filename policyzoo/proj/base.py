@@ -24,7 +24,7 @@ from .. import kernels
 from .._compat import PROJECTIONS, SHARED_INPUT, decoder_layers
 
 if TYPE_CHECKING:
-    from ..attention import Runtime
+    from ..runtime import Runtime
 
 ALL_TARGETS = tuple(PROJECTIONS)
 
