@@ -93,7 +93,7 @@ def newest(rows: list[Row]) -> list[Row]:
 
 def _cell(value: object) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
     return "" if value is None else str(value)
 
 
@@ -130,7 +130,8 @@ def render(rows: list[Row], base: Path = RESULTS) -> str:
 
 
 def readme_block(rows: list[Row]) -> str:
-    """The README's GPU summary: the end-to-end rows and the compiled dense rows, newest per setting."""
+    """The README's GPU summary: the end-to-end rows, and Hugging Face's `generate` timed as they
+    are, newest per setting."""
     gen = [r for r in rows if r.data.get("section") == "generate"]
     lines = [BEGIN, "", "Drawn from [benchmarks/results/LATEST.md](benchmarks/results/LATEST.md) by `python -m benchmarks.latest`.", ""]
     if gen:
@@ -141,6 +142,14 @@ def readme_block(rows: list[Row]) -> str:
                 f"| {d.get('model', r.meta.get('model', ''))} | {d['setting']} | {d['context']} | {d.get('batch', 1)} | {_cell(d.get('generate_ms'))} | "
                 f"{_cell(d.get('step_ms'))} | {_cell(d.get('generate/step'))} | {_cell(d.get('floor_ms'))} | {_link(r, ROOT)} |"
             )
+        lines.append("")
+    hf = [r for r in rows if r.data.get("section") == "hf" and r.data.get("mode") == "streamer"]
+    if hf:
+        lines += ["Hugging Face `generate` on the same model shape, timed the same way (streamer, EOS id):", "",
+                  "| model | setting | context | ms/token | run |", "|---|---|---:|---:|---|"]
+        for r in hf:
+            d = r.data
+            lines.append(f"| {d.get('model', r.meta.get('model', ''))} | {d['setting']} | {d['context']} | {_cell(d.get('ms'))} | {_link(r, ROOT)} |")
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
