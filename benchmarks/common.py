@@ -7,8 +7,10 @@ from __future__ import annotations
 import gc
 import hashlib
 import time
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,6 +28,21 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_k
 
 class Deadline(Exception):
     """A section reached the run's deadline: later rows are not started."""
+
+
+@contextmanager
+def recorded(row: dict, label: str) -> Iterator[dict]:
+    """Measure one row: an exception (other than `Deadline`) becomes the row's ``error`` and is
+    printed, and the sweep goes on to the next row (a device call's later rows are worth more than
+    one broken row)."""
+    try:
+        yield row
+    except Deadline:
+        raise
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {err}"[:300]
+        print(f"{label}: FAILED {row['error']}", flush=True)
+        traceback.print_exc()
 
 
 def settings() -> dict[str, tuple]:

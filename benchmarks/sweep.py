@@ -146,7 +146,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             if time.perf_counter() > deadline:
                 raise Deadline
             row = {"section": section, "mode": mode, "setting": name, "context": n, "batch": batch}
-            try:
+            with common.recorded(row, f"{section}/{mode} b={batch} n={n} {name}"):
                 if shared is None:
                     torch._dynamo.reset()
                     dec = common.decoder(model, name)
@@ -172,10 +172,6 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                     row["gpu_GB"] = torch.cuda.memory_allocated() / 1e9  # weights + this row's cache and graph
                 print(f"{section}/{mode} b={batch} n={n:>7} {name:<22} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f}) "
                       f"speedup {speedup:5.2f} / bound {bound:5.2f}  setup {setup_s:5.1f}s", flush=True)
-            except Exception as err:  # keep the sweep going; the row says what failed
-                row["error"] = f"{type(err).__name__}: {err}"[:300]
-                print(f"{section}/{mode} b={batch} n={n} {name}: FAILED {row['error']}", flush=True)
-                traceback.print_exc()
             rows.append(row)
             save()
             dec = None
@@ -228,7 +224,7 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=64):
                 if time.perf_counter() > deadline:
                     raise Deadline
                 row = {"section": "hf", "mode": how, "setting": label, "context": n, "batch": 1}
-                try:
+                with common.recorded(row, f"hf n={n} {label} {how}"):
                     t0 = time.perf_counter()
                     for _ in range(2):  # the first run compiles
                         if how == "streamer":
@@ -248,10 +244,6 @@ def section_hf(model, contexts, rows, bw, acct, save, deadline, new_tokens=64):
                     row.update({"ms": ms, "tok/s": 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
                                 "setup_s": time.perf_counter() - t0})
                     print(f"hf n={n:>7} {label:<26} {how:<9} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f})", flush=True)
-                except Exception as err:
-                    row["error"] = f"{type(err).__name__}: {err}"[:300]
-                    print(f"hf n={n} {label} {how}: FAILED {row['error']}", flush=True)
-                    traceback.print_exc()
                 rows.append(row)
                 save()
                 free_memory()
@@ -264,15 +256,11 @@ def section_check(rows, names, dtypes=("float32", "bfloat16")) -> None:
         model = common.random_model("llama-3.1-8b", tiny=True).to(getattr(torch, dtype))
         for name in names:
             row = {"section": "check", "setting": name, "dtype": dtype}
-            try:
+            with common.recorded(row, f"check {dtype} {name}"):
                 torch._dynamo.reset()
                 row.update(e2e.check_generate(lambda: common.decoder(copy.deepcopy(model), name)))
                 print(f"check {dtype:<8} {name:<18} " + " ".join(f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}"
                                                              for k, v in row.items() if k not in ("section", "setting", "dtype")), flush=True)
-            except Exception as err:
-                row["error"] = f"{type(err).__name__}: {err}"[:300]
-                print(f"check {dtype} {name}: FAILED {row['error']}", flush=True)
-                traceback.print_exc()
             rows.append(row)
         free_memory()
 
@@ -291,7 +279,7 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             raise Deadline
         _, _, r_p, r_kv = settings()[name]
         row = {"section": "generate", "mode": "compiled", "setting": name, "context": n, "batch": b, "new_tokens": new_tokens}
-        try:
+        with common.recorded(row, f"generate b={b} n={n} {name}"):
             key = (name, b)
             if key not in decoders:
                 decoders.clear()  # one Decoder (and cache) at a time
@@ -307,10 +295,6 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             print(f"generate b={b} n={n:>7} {name:<16} generate {row['generate_ms']:7.3f} ms/token (median {row['generate_median_ms']:.3f}), "
                   f"step {row['step_ms']:7.3f} ms, x{row['generate/step']:.3f}; floor {floor:.3f} ms; {row['tokens']} tokens; "
                   f"setup {row['setup_s']:.1f}s", flush=True)
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"[:300]
-            print(f"generate b={b} n={n} {name}: FAILED {row['error']}", flush=True)
-            traceback.print_exc()
         rows.append(row)
         save()
     decoders.clear()

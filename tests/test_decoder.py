@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import FAMILIES, padded_batch, tiny_model
+from tiny_models import FAMILIES, RecordingStreamer, padded_batch, tiny_model
 
 from policyzoo import AttentionTopK, Decoder, Quest, TopK, Window
 
@@ -132,19 +132,9 @@ def test_eos_stops_and_pads_finished_rows():
 
 
 def test_streamer_receives_prompt_then_each_token():
-    class Recorder:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, x):
-            self.chunks.append(x.clone())
-
-        def end(self):
-            self.ended = True
-
     model = tiny_model("qwen2")
     ids, _ = padded_batch(1, 9)
-    rec = Recorder()
+    rec = RecordingStreamer()
     out = Decoder(model).generate(ids, 4, streamer=rec)
     assert rec.ended and torch.equal(rec.chunks[0], ids)
     assert torch.cat([c.reshape(-1) for c in rec.chunks[1:]]).tolist() == out[0, 9:].tolist()
@@ -169,24 +159,13 @@ def reference_loop(dec, ids, mask, new, eos, pad):
 def test_generate_stops_where_a_step_by_step_loop_stops_and_streams_nothing_after(family):
     """Rows end at different steps; generate stops once all have ended, pads the early ones, and
     its streamer gets exactly the returned tokens."""
-
-    class Recorder:
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, x):
-            self.chunks.append(x.clone())
-
-        def end(self):
-            pass
-
     model = tiny_model(family)
     ids, mask = padded_batch(3, 15)
     dec = Decoder(model, kv=Quest(0.5, page=4))
     free = dec.generate(ids, 12, attention_mask=mask)
     # row 0 ends by its third token, row 1 by its fourth, row 2 by its sixth: all before the 12th
     eos = [int(free[0, 15 + 2]), int(free[1, 15 + 3]), int(free[2, 15 + 5])]
-    rec = Recorder()
+    rec = RecordingStreamer()
     out, logits = dec.generate(ids, 12, attention_mask=mask, eos_token_id=eos, pad_token_id=0, streamer=rec, output_logits=True)
     want = reference_loop(dec, ids, mask, 12, eos, 0)
     assert torch.equal(out, want) and out.shape[1] <= 15 + 6

@@ -76,3 +76,18 @@ class LearnedQuest(Quest):
         bonus = self.head(hidden.to(self.head.weight.dtype)).float()[:, :, None] * pages  # [B, H_kv, P]
         scores = group_page_bounds(state, q) + bonus
         return choose_topk(scores, forced_pages(state, self.sinks, self.window), k_max, count, block=self.page)
+
+
+class RecordingStreamer:
+    """An HF-protocol streamer that keeps what it is given: ``chunks`` (the prompt first, then each
+    step's tokens) and whether ``end`` was called."""
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.chunks.append(value.clone())
+
+    def end(self) -> None:
+        self.ended = True
