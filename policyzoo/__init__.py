@@ -8,14 +8,17 @@
 from .cache import PagedKVCache
 from .decoder import Decoder
 from .kv import SSA, AttentionTopK, Certified, Dense, EntmaxKV, KVSelector, KVState, Quest, Window
+from .kv.context import StepContext
 from .proj import ProjectionSparsifier, Threshold, TopK
 from .selection import Selection
+from .session import DecodeSession
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionTopK",
     "Certified",
+    "DecodeSession",
     "Decoder",
     "Dense",
     "EntmaxKV",
@@ -26,6 +29,7 @@ __all__ = [
     "Quest",
     "SSA",
     "Selection",
+    "StepContext",
     "Threshold",
     "TopK",
     "Window",

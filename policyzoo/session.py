@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from . import _compat
 from .attention import ATTN_IMPLEMENTATION
+from .bytes import SETTINGS
 from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState
 from .kv.context import ContextStore
@@ -39,7 +40,6 @@ from .runtime import Recorder, Runtime
 from .sampling import Sampler
 from .timing import time_ms
 
-SETTINGS = ("dense", "proj", "kv", "both")
 WARMUP_STEPS = 2  # compiled runs of a new shape before its CUDA graph is captured
 # Prompt tokens (rows x positions) one prefill forward takes at most: a longer unpadded prompt is
 # prefilled in chunks, so its activations stay a few GB (one forward over 16 rows of 32K tokens
