@@ -117,6 +117,11 @@ def policyzoo_attention(
     if handle is None:
         raise RuntimeError("attention implementation 'policyzoo' is only usable through policyzoo.Decoder")
     runtime, layer = handle
+    if runtime.phase == "idle":
+        raise RuntimeError(
+            "attention implementation 'policyzoo' runs only inside a Decoder's generate or session steps; "
+            "the model's config still names it (set model.config._attn_implementation back, e.g. to 'sdpa')"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cache, state = runtime.cache, runtime.states[layer]
     entmax = runtime.attention == "entmax"

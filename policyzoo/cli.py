@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .argtypes import positive_int
 
 TIMING_NOTE = (
     "tok/s: 1 / median decode-step time (gap between successive generated tokens; prefill excluded)\n"
@@ -229,7 +232,7 @@ def _add_bytes_parser(sub: Any) -> None:
     p.add_argument("--rp", type=_keep_ratio, required=True, help="projection keep ratio r_P in (0, 1]")
     p.add_argument("--rkv", type=_keep_ratio, required=True, help="KV keep ratio r_KV in (0, 1]")
     p.add_argument("--contexts", type=_contexts, default=[4096, 32768, 131072], help="comma-separated contexts (default 4k,32k,128k)")
-    p.add_argument("--batch", type=_positive_int, default=1, help="rows per step (default 1)")
+    p.add_argument("--batch", type=positive_int, default=1, help="rows per step (default 1)")
     p.add_argument("--union-keep", type=_keep_ratio, default=None, help="with --batch > 1: fraction of weight columns the rows keep together")
     p.add_argument("--bandwidth", type=_positive_float, default=4.27, help="memory bandwidth in TB/s for the byte floor (default 4.27)")
     p.add_argument("--dtype", choices=list(_DTYPES), default="bf16", help="element type of weights and KV (default bf16)")
@@ -238,17 +241,13 @@ def _add_bytes_parser(sub: Any) -> None:
 
 
 # --------------------------------------------------------------------------------- argparse
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _depth(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
     return value
 
 
@@ -266,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode a passkey prompt under several KV / projection settings and print a table.",
     )
     run.add_argument("--model", default=DEFAULT_MODEL, help=f"model: {DEFAULT_MODEL!r} (embedded), a Hub name or a path")
-    run.add_argument("--tokens", type=_positive_int, default=2048, help="prompt length in tokens (default 2048)")
+    run.add_argument("--tokens", type=positive_int, default=2048, help="prompt length in tokens (default 2048)")
     run.add_argument("--depth", type=_depth, default=0.5, help="relative depth of the needle in [0, 1] (default 0.5)")
-    run.add_argument("--new-tokens", type=_positive_int, default=8, help="tokens to generate (default 8)")
+    run.add_argument("--new-tokens", type=positive_int, default=8, help="tokens to generate (default 8)")
     run.add_argument("--seed", type=int, default=0, help="picks the pass key and the haystack (default 0)")
     run.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -290,7 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+    except BrokenPipeError:  # the reader went away (`policyzoo bytes | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+    except (ValueError, ModuleNotFoundError, OSError) as e:  # OSError: an unwritable --out, a missing file
         parser.exit(2, f"policyzoo {args.command}: error: {e}\n")
     return 1  # unreachable
 

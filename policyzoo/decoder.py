@@ -123,8 +123,9 @@ class Decoder:
         model = self.model
         for layer, (block, attn) in enumerate(zip(_compat.decoder_layers(model), _compat.attention_modules(model))):
             previous = getattr(attn, "_policyzoo", None)
-            if previous is not None:
+            if previous is not None:  # its session now refuses to decode (`DecodeSession._need_active`)
                 previous[0].cache, previous[0].states, previous[0].contexts = None, [], None
+                previous[0].active = False
             attn._policyzoo = (runtime, layer)
             hook = getattr(block, "_policyzoo_hook", None)
             if hook is not None:
@@ -241,8 +242,8 @@ class Decoder:
         if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
             kernels.scratch.reserve(self.device)
         b, t = input_ids.shape
-        eos = _eos_ids(self.model, eos_token_id)
-        pad = pad_token_id if pad_token_id is not None else _pad_id(self.model, eos)
+        eos = _eos_ids(self.model, eos_token_id, session.vocab_size)
+        pad = _pad_id(self.model, pad_token_id, eos, session.vocab_size)
         window = _compat.sliding_window(self.model)
         if window is not None and t + max_new_tokens > window:
             raise ValueError(
@@ -321,7 +322,10 @@ def _check_generation_args(max_new_tokens: int, temperature: float, top_p: float
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def _eos_ids(model: nn.Module, eos_token_id: int | list[int] | None) -> list[int]:
+def _eos_ids(model: nn.Module, eos_token_id: int | list[int] | None, vocab: int) -> list[int]:
+    """The EOS ids to stop at: ``eos_token_id`` (an int or a list of ints), else the model's
+    generation config's, else its config's; each checked against the vocabulary."""
+    given = eos_token_id is not None
     if eos_token_id is None:
         cfg = getattr(model, "generation_config", None)
         eos_token_id = getattr(cfg, "eos_token_id", None) if cfg is not None else None
@@ -329,11 +333,29 @@ def _eos_ids(model: nn.Module, eos_token_id: int | list[int] | None) -> list[int
             eos_token_id = getattr(model.config, "eos_token_id", None)
     if eos_token_id is None:
         return []
-    return [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
+    where = "eos_token_id" if given else "the model's eos_token_id"
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not all(_is_token(i) for i in ids):
+        raise TypeError(f"{where} must be an int or a list of ints, got {eos_token_id!r}")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"{where}: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return list(ids)
 
 
-def _pad_id(model: nn.Module, eos: list[int]) -> int:
-    pad = getattr(model.config, "pad_token_id", None)
+def _pad_id(model: nn.Module, pad_token_id: int | None, eos: list[int], vocab: int) -> int:
+    """The id finished rows get: ``pad_token_id``, else the config's, else the first EOS id, else 0."""
+    given = pad_token_id is not None
+    pad = pad_token_id if given else getattr(model.config, "pad_token_id", None)
     if pad is None:
-        pad = eos[0] if eos else 0
+        return eos[0] if eos else 0
+    where = "pad_token_id" if given else "the model's pad_token_id"
+    if not _is_token(pad):
+        raise TypeError(f"{where} must be an int, got {pad!r}")
+    if not 0 <= pad < vocab:
+        raise ValueError(f"{where}: {pad} is outside the vocabulary (0..{vocab - 1})")
     return pad
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -71,6 +71,8 @@ class Runtime:
     audit: Recorder | None = None
     sparse_proj: bool = True
     attention: Attention | None = None
+    # False once a Decoder built later on the same model has taken the model's hooks over.
+    active: bool = True
 
     def __post_init__(self) -> None:
         if self.attention is None:

@@ -141,6 +141,7 @@ class DecodeSession:
         one when it fits (``exact``: only when it has exactly that capacity: the kernels' grids follow
         the capacity, so a benchmark must not time a larger cache), else a new one. A new cache frees
         the old one first and drops the CUDA graphs recorded on it."""
+        self._need_active()
         for name, value in (("batch", batch), ("capacity", capacity)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -202,6 +203,9 @@ class DecodeSession:
         if input_ids.device != self.device:
             raise ValueError(f"input_ids are on {input_ids.device} but the model is on {self.device}")
         input_ids = input_ids.long()
+        low, high = int(input_ids.min()), int(input_ids.max())  # one host read per request
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"input_ids must be token ids in 0..{self.vocab_size - 1}, got {low if low < 0 else high}")
         if attention_mask is None:
             return input_ids, torch.ones_like(input_ids)
         if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
@@ -398,8 +402,16 @@ class DecodeSession:
 
     # ------------------------------------------------------------------------------ internals
     def _need_cache(self) -> None:
+        self._need_active()
         if self.runtime.cache is None:
             raise RuntimeError("no sequence batch: call prefill(), load_prefix() or fill_random() first")
+
+    def _need_active(self) -> None:
+        if not self.runtime.active:
+            raise RuntimeError(
+                "this Decoder no longer drives its model: a Decoder built later on the same model took it over. "
+                "Use the newer Decoder, or wrap a copy of the model (copy.deepcopy) to decode with two side by side"
+            )
 
     @contextmanager
     def _phase(self, phase: str) -> Iterator[None]:

@@ -136,3 +136,17 @@ def test_parse_tokens_and_report_checks():
         report(acct, 0.5, 0.3, [])
     with pytest.raises(ValueError, match="bandwidth"):
         report(acct, 0.5, 0.3, [1024], bandwidth=0)
+
+
+def test_a_closed_pipe_ends_the_command_quietly(monkeypatch):
+    """`policyzoo bytes | head`: the reader closing the pipe is not an error worth a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "policyzoo", "bytes", "--model", "llama-3.1-8b", "--rp", "0.5", "--rkv", "0.5", "--contexts", ",".join(["4k"] * 3000)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err

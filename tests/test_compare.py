@@ -41,3 +41,10 @@ def test_compare_leaves_the_decoder_usable_and_dense_history_intact():
     a = dec.generate(ids, 4, attention_mask=mask)
     b = dec.generate(ids, 4, attention_mask=mask)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, 1, -3, 2.0, True])
+def test_compare_needs_at_least_one_decode_step(bad):
+    dec = Decoder(tiny_model("llama"))
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 2"):
+        compare(dec, torch.tensor([[1, 2, 3]]), bad)

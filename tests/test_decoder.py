@@ -267,6 +267,11 @@ def test_model_and_cache_placement_must_match():
         ({"top_p": 1.5}, ValueError, "top_p"),
         ({"attention_mask": torch.tensor([[1, 1, 0, 1]])}, ValueError, "left-padded"),
         ({"attention_mask": torch.ones(2, 4, dtype=torch.long)}, ValueError, "attention_mask shape"),
+        ({"eos_token_id": "x"}, TypeError, "eos_token_id must be an int or a list of ints"),
+        ({"eos_token_id": [1, 2.5]}, TypeError, "eos_token_id must be an int or a list of ints"),
+        ({"eos_token_id": 128}, ValueError, "eos_token_id: 128 is outside the vocabulary"),
+        ({"pad_token_id": -1}, ValueError, "pad_token_id: -1 is outside the vocabulary"),
+        ({"pad_token_id": "0"}, TypeError, "pad_token_id must be an int"),
     ],
 )
 def test_bad_generate_arguments(kwargs, error, match):
@@ -282,6 +287,31 @@ def test_bad_input_ids():
         dec.generate(torch.ones(1, 4), 2)
     with pytest.raises(ValueError, match="input_ids"):
         dec.generate(torch.ones(4, dtype=torch.long), 2)
+    for bad in (128, -1):  # the tiny model has 128 tokens
+        with pytest.raises(ValueError, match=f"input_ids must be token ids in 0..127, got {bad}"):
+            dec.generate(torch.tensor([[1, bad, 2]]), 2)
+
+
+def test_a_superseded_decoder_refuses_to_decode_and_says_why():
+    """A second Decoder on the same model takes its hooks over; the first must not go on decoding
+    with them (it would decode with the other's cache and wrappers, silently)."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 9)
+    first = Decoder(model, proj=TopK(0.5))
+    first.generate(ids, 3, attention_mask=mask)
+    second = Decoder(model, kv=Quest(0.5, page=4))
+    for call in (lambda: first.generate(ids, 3, attention_mask=mask), lambda: first.generate(ids[:, -1:], 2), first.session.step):
+        with pytest.raises(RuntimeError, match="a Decoder built later on the same model took it over"):
+            call()
+    assert second.generate(ids, 3, attention_mask=mask).shape == (2, 12)  # the newer one works
+
+
+def test_hf_generate_with_the_policyzoo_attention_left_set_fails_clearly():
+    model = tiny_model("llama")
+    Decoder(model)
+    model.config._attn_implementation = "policyzoo"
+    with pytest.raises(RuntimeError, match="runs only inside a Decoder"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 def test_page_size_conflicts_with_policy():

@@ -97,3 +97,12 @@ def test_cli_eval_runs_a_saved_dataset(tmp_path, monkeypatch):
     (row,) = res["rows"]
     assert (row["setting"], row["task"], row["length"], row["n"], row["steps"]) == ("attn-topk:16,sinks=2,window=4", "ppl", 48, 3, 6)
     assert not (out / "accuracy.png").exists()
+
+
+def test_cli_eval_to_an_unwritable_out_is_a_clear_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--out", str(blocker / "results"), "--tasks", "ppl", "--lengths", "256"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "policyzoo eval: error:" in err and "Traceback" not in err

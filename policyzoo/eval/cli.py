@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .. import assets
+from ..argtypes import positive_int
 from .data import load_dataset
 from .report import format_markdown, plot, versions
 from .runner import evaluate
@@ -57,13 +58,6 @@ def _spec_arg(parse):
     return convert
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand to the ``policyzoo`` command line."""
     from ..assets import DEFAULT_MODEL
@@ -83,16 +77,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--proj", nargs="+", default=["none"], type=_spec_arg(parse_proj), metavar="SPEC", help="projection specs (default: none)")
     p.add_argument("--tasks", type=_tasks_arg, default=["passkey", "multikey", "ppl"], help="comma-separated: passkey,multikey,ppl (default: all)")
     p.add_argument("--lengths", type=_lengths_arg, default=[1024, 2048], help="comma-separated lengths, K = 1024 (default: 1k,2k)")
-    p.add_argument("--placements", type=_positive, default=3, help="needle depths per length, (i + 0.5) / N (default 3)")
-    p.add_argument("--windows", type=_positive, default=None, help="perplexity windows per length (default: --placements)")
-    p.add_argument("--span", type=_positive, default=64, help="scored tokens per perplexity window (default 64)")
-    p.add_argument("--n-keys", type=_positive, default=4, help="needles per multi-key prompt (default 4)")
-    p.add_argument("--batch", type=_positive, default=8, help="records decoded together (default 8)")
+    p.add_argument("--placements", type=positive_int, default=3, help="needle depths per length, (i + 0.5) / N (default 3)")
+    p.add_argument("--windows", type=positive_int, default=None, help="perplexity windows per length (default: --placements)")
+    p.add_argument("--span", type=positive_int, default=64, help="scored tokens per perplexity window (default 64)")
+    p.add_argument("--n-keys", type=positive_int, default=4, help="needles per multi-key prompt (default 4)")
+    p.add_argument("--batch", type=positive_int, default=8, help="records decoded together (default 8)")
     p.add_argument("--dataset", default=None, help="evaluate a dataset with the task fields instead: a save_to_disk folder or a Hub name[:split]")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model: {DEFAULT_MODEL!r} (embedded), a Hub name or a path")
     p.add_argument("--seed", type=int, default=0, help="task seed (default 0)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)

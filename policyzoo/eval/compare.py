@@ -20,6 +20,8 @@ def compare(dec, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor 
     ones: both passes always see the dense history, so the per-step logits KL and top-1 agreement
     isolate the policy's own error. The next token is the dense greedy choice.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be an int >= 2 (the first token comes from the prefill), got {max_new_tokens!r}")
     session = dec.session
     audit = Audit()
     logits = session.prefill(input_ids, attention_mask, capacity=input_ids.shape[1] + max_new_tokens)[:, -1]
