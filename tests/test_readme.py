@@ -30,3 +30,29 @@ def test_readme_policy_runs_and_respects_its_budget():
     assert dec.session.cache.summaries == ()  # it reads keys only, and says so: no page summary kept
     full = Decoder(tiny_model("llama"), kv=KeyNormTopK(budget=1000, sinks=2, window=4))
     assert torch.equal(full.generate(ids, 4, attention_mask=mask), Decoder(tiny_model("llama")).generate(ids, 4, attention_mask=mask))
+
+
+def _block(after: str) -> str:
+    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    return re.search(re.escape(after) + r".*?```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_readme_session_loop_runs_as_written():
+    ids, attention_mask = padded_batch(2, 20)
+    dec = Decoder(tiny_model("llama"))
+    namespace = {"dec": dec, "ids": ids, "attention_mask": attention_mask}
+    exec(_block("## The decode session"), namespace)
+    assert int(dec.session.cache.length) == 20 + 32 and namespace["audit"].mean("dropped_mass") == 0.0
+
+
+def test_readme_step_context_example_runs_compiled_like_eager():
+    import copy
+
+    namespace: dict = {}
+    exec(_block("**Beyond one layer at one step.**"), namespace)
+    Sticky = namespace["Sticky"]
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 40)
+    eager = Decoder(copy.deepcopy(model), kv=Sticky(0.3, page=4, window=4)).generate(ids, 6, attention_mask=mask)
+    compiled = Decoder(model, kv=Sticky(0.3, page=4, window=4), compile=True).generate(ids, 6, attention_mask=mask)
+    assert torch.equal(eager, compiled)
