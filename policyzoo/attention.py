@@ -34,15 +34,15 @@ def prefill_mask(start: Tensor, t: int) -> Tensor:
     return allowed | torch.eye(t, dtype=torch.bool, device=start.device)
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float) -> Tensor:
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: Tensor, scale: float, padded: bool = True) -> Tensor:
     """Causal SDPA over a left-padded prompt (`prefill_mask`); ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``.
 
-    A batch without padding attends with SDPA's own causal mask instead: no ``[B, T, T]`` mask is
-    made (17 GB for a 128K prompt), and the flash kernel can run; the keys and values are repeated
-    for each query head of their group, since not every SDPA kernel takes grouped heads. (One host
-    read of ``start``: the prefill runs eagerly.)"""
+    A batch without padding (``padded=False``, which the caller knows from the attention mask)
+    attends with SDPA's own causal mask instead: no ``[B, T, T]`` mask is made (17 GB for a 128K
+    prompt), and the flash kernel can run; the keys and values are repeated for each query head of
+    their group, since not every SDPA kernel takes grouped heads."""
     gqa = q.shape[1] != k.shape[1]
-    if not bool(start.any()):
+    if not padded:
         if gqa:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -131,9 +131,10 @@ def policyzoo_attention(
         if offset:  # a later chunk of an unpadded prompt: it attends to the chunks before it too
             end = offset + query.shape[2]
             out = prefill_attention_chunk(query, state.keys[:, :, :end], state.values[:, :, :end], scale)
+        elif entmax:
+            out = prefill_attention_entmax15(query, key, value, cache.start, scale)
         else:
-            prefill = prefill_attention_entmax15 if entmax else prefill_attention
-            out = prefill(query, key, value, cache.start, scale)
+            out = prefill_attention(query, key, value, cache.start, scale, runtime.prefill_padded)
         runtime.policy.prefill(state, query, key, value)
         if runtime.prefill_last and runtime.contexts.keep_previous:  # step 0's "previous": the prompt's last token's
             runtime.contexts.seed_previous(layer, runtime.policy.select(state, query[:, :, -1]))

@@ -61,8 +61,9 @@ class Runtime:
 
     policy: KVSelector
     phase: Phase = "idle"
-    # A prompt prefilled in chunks: the slot of this forward's first token, and whether it is the
-    # last chunk (the prompt's last token is in it).
+    # The prompt being prefilled: whether any row has left padding; in chunks, the slot of this
+    # forward's first token and whether it is the last chunk (the prompt's last token is in it).
+    prefill_padded: bool = True
     prefill_offset: int = 0
     prefill_last: bool = True
     cache: PagedKVCache | None = None

@@ -232,8 +232,10 @@ class DecodeSession:
         start = (mask == 0).sum(1)
         cache = self._begin(b, max(capacity or t, t), start, t)
         positions = (torch.arange(t, device=input_ids.device)[None, :] - start[:, None]).clamp(min=0)
-        chunk = self._prefill_chunk(b, t, keep_logits, padded=bool(start.any()))
+        padded = bool(start.any())
+        chunk = self._prefill_chunk(b, t, keep_logits, padded)
         runtime = self.runtime
+        runtime.prefill_padded = padded
         try:
             with self._phase("prefill"):
                 for first in range(0, t, chunk):
@@ -245,7 +247,7 @@ class DecodeSession:
                         logits_to_keep=keep_logits if last == t else 1,
                     )  # fmt: skip
         finally:
-            runtime.prefill_offset, runtime.prefill_last = 0, True
+            runtime.prefill_padded, runtime.prefill_offset, runtime.prefill_last = True, 0, True
         return out.logits
 
     def _prefill_chunk(self, batch: int, t: int, keep_logits: int, padded: bool) -> int:
@@ -347,10 +349,8 @@ class DecodeSession:
         sequence batch's sampling rule; the next `step` feeds them."""
         self._need_cache()
         self.sampler.draw()
-        token = self.sampler.choose(logits)
-        self._tokens.copy_(token[:, None])
-        self.last_token = token
-        return token
+        self.last_token = self._choose_and_feed(logits)
+        return self.last_token
 
     @torch.no_grad()
     def step(self, tokens: Tensor | None = None) -> Tensor:
@@ -438,9 +438,13 @@ class DecodeSession:
         self.runtime.cache.length += 1
         logits = self._forward()
         self.contexts.advance()
+        return logits, self._choose_and_feed(logits)
+
+    def _choose_and_feed(self, logits: Tensor) -> Tensor:
+        """The next tokens by the sampling rule, written where the next step reads its input."""
         token = self.sampler.choose(logits)
         self._tokens.copy_(token[:, None])
-        return logits, token
+        return token
 
     def _replay(self) -> tuple[Tensor, Tensor]:
         key = (self.setting, self.sampler.mode)  # and the cache: `release` drops its graphs
