@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, TopK
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, Threshold, TopK
 from policyzoo.bytes import BUILTIN
 from policyzoo.timing import time_ms
 
@@ -62,13 +62,20 @@ def settings() -> dict[str, tuple]:
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
         "entmax-kv0.1": (lambda: EntmaxKV(0.1, page=PAGE, window=64), None, 1.0, 0.1),
+        # Calibrated by `decoder` on the model it wraps (random text: about half the inputs kept).
+        "threshold0.5": (None, lambda: Threshold(0.5), 0.5, 1.0),
     }
 
 
 def decoder(model, name: str) -> Decoder:
     """A Decoder of setting ``name`` (`settings`) on ``model``."""
     kv_f, proj_f, _, _ = settings()[name]
-    return Decoder(model, kv=kv_f() if kv_f else None, proj=proj_f() if proj_f else None)
+    proj = proj_f() if proj_f else None
+    if isinstance(proj, Threshold) and not proj.thresholds:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        text = torch.randint(vocab, (1, 512), generator=torch.Generator().manual_seed(0))
+        proj.calibrate(model, [text])
+    return Decoder(model, kv=kv_f() if kv_f else None, proj=proj)
 
 
 def source_digest(root: Path = ROOT) -> str:

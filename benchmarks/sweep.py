@@ -6,6 +6,7 @@ Run on a CUDA machine (random bf16 weights: speed does not depend on weight valu
     python -m benchmarks.sweep --only kernel --contexts 32768,131072     # one section
     python -m benchmarks.sweep --only generate --model smollm2-135m --generate dense@2048
     python -m benchmarks.sweep --deadline 500     # start nothing new after 500 s (results so far are kept)
+    python -m benchmarks.sweep --only compile --compile-context 32768   # compile time per policy, cold cache
 
 Sections (each writes its rows into one JSON and one markdown table, plus PNG plots):
   bandwidth  device-to-device copy bandwidth: the byte floor's denominator
@@ -25,6 +26,10 @@ Sections (each writes its rows into one JSON and one markdown table, plus PNG pl
              each (setting, batch) compiles once for all its contexts
   batch      dense and KV keep 0.2 at 32K for batch 1/4/16
   hf         Hugging Face `generate` of the same model: eager (dynamic cache) and static cache compiled
+  compile    compile time of the first compiled `generate` per --compile-policies item and --compile-modes
+             (regional: one compiled layer for every layer; whole: the whole step), each in a fresh
+             process with a cold Inductor cache (`benchmarks.compile_time`), split into Dynamo /
+             AOTAutograd / Inductor seconds, with the graph size and the compiled step's ms
   variants, tune, gemv, gemvtune, select, profile   the probes of `benchmarks.probes` (kernel launch
              configs, the projection branch's pieces, per-policy selection cost, per-kernel profile)
 
@@ -54,7 +59,7 @@ from policyzoo.bytes import BUILTIN, ByteAccount
 from policyzoo.proj.base import uninstall as uninstall_projections
 from policyzoo.selection import Selection
 
-from . import common, e2e, probes
+from . import common, compile_time, e2e, probes
 from .common import DEVICE, PAGE, Deadline, cuda_time_ms, free_memory, graph_time_ms, settings
 
 CONTEXTS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
@@ -301,6 +306,35 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
     free_memory()
 
 
+def section_compile(rows, save, deadline, *, policies, modes, shape, context, layers=None, tiny=False, backend="inductor",
+                    new_tokens=8, timeout=900.0):
+    """Compile time of the first compiled `generate` per policy and compile mode (``regional``: one
+    compiled layer for every layer, ``whole``: the whole step in one graph), each in a fresh process
+    with a cold Inductor and Triton cache (`compile_time.run_isolated`): the first call less a second,
+    identical one, Dynamo / AOTAutograd / Inductor seconds, graph size, and the compiled step's ms.
+    A child that fails or outlives its timeout (at most the time left to the deadline) is a row with
+    its ``error``."""
+    for name in policies:
+        for mode in modes:
+            left = deadline - time.perf_counter()
+            if left < 30:
+                raise Deadline
+            row = {"section": "compile", "setting": name, "mode": mode, "context": context}
+            with common.recorded(row, f"compile {name} {mode}"):
+                got = compile_time.run_isolated(name, shape=shape, context=context, new_tokens=new_tokens, layers=layers, tiny=tiny,
+                                                backend=backend, regional=mode == "regional", timeout=min(timeout, left))
+                got.pop("policy", None)
+                if got.get("regional") != (mode == "regional") and "error" not in got:
+                    row["note"] = f"asked for {mode}, compiled {'regional' if got.get('regional') else 'whole'}"
+                row.update({k: v for k, v in got.items() if k != "context"})
+                parts = " ".join(f"{k} {got[k]:.1f}s" for k in ("dynamo_s", "aot_s", "inductor_s") if isinstance(got.get(k), float))
+                print(f"compile {name:<20} {mode:<8} " + (f"{got['compile_s']:7.1f} s ({parts}) {got.get('fx_calls')} FX calls, "
+                      f"{got.get('kernels')} kernels, step {got.get('step_ms', float('nan')):.2f} ms" if "error" not in got
+                      else f"FAILED {got['error']}"), flush=True)
+            rows.append(row)
+            save()
+
+
 # ------------------------------------------------------------------------------------- output
 def kernel_knobs() -> dict:
     """The kernels' launch configs in force (`kernels.config`: the defaults, or the overrides the
@@ -321,7 +355,8 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
              f"model shape {meta['model']} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
              "byte floor = step bytes (policyzoo.bytes) / copy bandwidth; bound = ideal speedup from bytes.", ""]
-    for section in ("check", "variants", "kernel", "tune", "gemv", "gemvtune", "select", "profile", "generate", "step", "compiled", "batch", "hf"):
+    for section in ("check", "compile", "variants", "kernel", "tune", "gemv", "gemvtune", "select", "profile", "generate", "step",
+                    "compiled", "batch", "hf"):
         sec = [r for r in rows if r["section"] == section]
         if not sec:
             continue
@@ -362,6 +397,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
     p.add_argument("--variants", default="select_top,merge,page_bound,attention_pages", help="groups of the variants section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
+    p.add_argument("--compile-policies", default=",".join(compile_time.policies()),
+                   help="policies of the compile section (benchmarks.compile_time.policies)")
+    p.add_argument("--compile-modes", default="regional,whole", help="compile section: regional (one compiled layer for all) and/or whole")
+    p.add_argument("--compile-context", type=int, default=32768, help="prompt tokens of the compile section")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compile section")
+    p.add_argument("--compile-timeout", type=float, default=900.0, help="seconds per compile-section child (a timeout is a row)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use the shape's)")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (smoke tests)")
     args = p.parse_args(argv)
@@ -442,9 +483,18 @@ def main(argv=None) -> None:
         "compiled": run_compiled,
         "hf": lambda: section_hf(full_model(), [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline),
     }
+    sections["compile"] = lambda: section_compile(
+        rows, save, deadline, policies=args.compile_policies.split(","), modes=args.compile_modes.split(","), shape=args.model,
+        context=args.compile_context, layers=args.layers, tiny=args.tiny, backend=args.compile_backend, timeout=args.compile_timeout)
     unknown = [name for name in args.only.split(",") if name not in sections]
     if unknown:
         p.error(f"--only: unknown sections {unknown}; known: {', '.join(sections)}")
+    if "compile" in args.only.split(","):
+        bad = [n for n in args.compile_policies.split(",") if n not in compile_time.policies()]
+        bad += [m for m in args.compile_modes.split(",") if m not in ("regional", "whole")]
+        if bad:
+            p.error(f"--compile-policies / --compile-modes: unknown {bad}; policies: {', '.join(compile_time.policies())}; "
+                    "modes: regional, whole")
     for section, spec, flag in (("compiled", args.compiled, "--compiled"), ("generate", args.generate, "--generate")):
         if section in args.only.split(","):
             try:  # a typo should stop the run now, not after the sections before it

@@ -84,6 +84,33 @@ def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path
     assert gen["dense", 128, 1]["new_graphs"] == 0  # the dynamic capacity: its compile served 64 too
 
 
+def test_compile_section_times_each_policy_in_a_cold_process(tmp_path):
+    """The compile section: one child process per (policy, mode) on a toy model, rows with the
+    compile time, its phases and the graph size; a child past its timeout is a row, not a crash."""
+    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
+    base = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--only", "compile", "--compile-context", "48",
+            "--compile-backend", "aot_eager", "--deadline", "3000"]  # a child gets at most the time left
+    cmd = base + ["--out", str(tmp_path / "a"), "--compile-policies", "quest0.1,topk0.5", "--compile-modes", "regional,whole"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    rows = json.loads((tmp_path / "a" / "sweep.json").read_text())["rows"]
+    assert [r for r in rows if "error" in r] == []
+    got = {(r["setting"], r["mode"]): r for r in rows if r["section"] == "compile"}
+    assert set(got) == {(p, m) for p in ("quest0.1", "topk0.5") for m in ("regional", "whole")}
+    for (name, mode), r in got.items():
+        assert r["regional"] == (mode == "regional") and r["context"] == 48 and r["graphs"] >= 1
+        assert r["first_s"] > 0 and r["steady_s"] > 0 and r["dynamo_s"] > 0 and r["aot_s"] > 0 and r["step_ms"] > 0
+    for name in ("quest0.1", "topk0.5"):  # 2 layers traced against 1
+        assert got[name, "whole"]["fx_calls"] > got[name, "regional"]["fx_calls"]
+    assert "## compile" in (tmp_path / "a" / "sweep.md").read_text()
+
+    cmd = base + ["--out", str(tmp_path / "b"), "--compile-policies", "dense", "--compile-modes", "whole", "--compile-timeout", "0.5"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    (row,) = json.loads((tmp_path / "b" / "sweep.json").read_text())["rows"]
+    assert row["timeout"] is True and row["error"].startswith("timeout after")
+
+
 def test_compiled_items_parse_batches_and_refuse_typos():
     from benchmarks.sweep import compiled_items, settings
 

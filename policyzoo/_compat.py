@@ -59,6 +59,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in decoder_layers(model)]
 
 
+def offloaded_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters that are not in memory: ``meta`` placeholders, which accelerate's
+    offloading hooks (a ``device_map`` with ``"cpu"`` or ``"disk"`` entries) fill only inside their
+    own module's forward."""
+    return [name for name, p in model.named_parameters() if p.device.type == "meta"]
+
+
 def output_size(model: nn.Module) -> int:
     """Entries of the model's logits: its LM head's outputs (the config's vocabulary size when the
     head is not a plain linear)."""

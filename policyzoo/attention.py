@@ -126,15 +126,15 @@ def policyzoo_attention(
     cache, state = runtime.cache, runtime.states[layer]
     entmax = runtime.attention == "entmax"
     if runtime.phase == "prefill":
-        offset = runtime.prefill_offset
-        cache.write_prefill(layer, key, value, offset)
+        base, offset = runtime.prompt_slot, runtime.prefill_offset
+        cache.write_prefill(layer, key, value, base + offset)
         if offset:  # a later chunk of an unpadded prompt: it attends to the chunks before it too
-            end = offset + query.shape[2]
-            out = prefill_attention_chunk(query, state.keys[:, :, :end], state.values[:, :, :end], scale)
+            end = base + offset + query.shape[2]
+            out = prefill_attention_chunk(query, state.keys[:, :, base:end], state.values[:, :, base:end], scale)
         elif entmax:
-            out = prefill_attention_entmax15(query, key, value, cache.start, scale)
+            out = prefill_attention_entmax15(query, key, value, cache.start - base, scale)
         else:
-            out = prefill_attention(query, key, value, cache.start, scale, runtime.prefill_padded)
+            out = prefill_attention(query, key, value, cache.start - base, scale, runtime.prefill_padded)
         runtime.policy.prefill(state, query, key, value)
         if runtime.prefill_last and runtime.contexts.keep_previous:  # step 0's "previous": the prompt's last token's
             runtime.contexts.seed_previous(layer, runtime.policy.select(state, query[:, :, -1]))

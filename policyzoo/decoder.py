@@ -19,12 +19,14 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import _compat, kernels
-from .kv.base import KVSelector
+from .kv.base import KVSelector, check_count
 from .kv.context import check_parts
 from .kv.dense import Dense
 from .proj.base import ProjectionSparsifier, fuse_shared_inputs
 from .proj.base import uninstall as uninstall_projections
+from .regional import layer_invariant
 from .runtime import Runtime
+from .sampling import check_settings, is_token
 from .session import DecodeSession
 from .streaming import TokenOutbox
 
@@ -90,11 +92,21 @@ class Decoder:
             raise TypeError(f"gate must be a policyzoo.gate.Gate (e.g. Gate.load(path)) or None, got {type(gate).__name__}")
         if kv is not None:
             check_parts(kv.step_context, type(kv).__name__)
+        _check_flags(compile=compile)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        offloaded = _compat.offloaded_parameters(model)
+        if proj is not None and offloaded:
+            raise ValueError(
+                f"proj= reads each projection's weight itself, but {len(offloaded)} parameters are offloaded "
+                f"(on the meta device until accelerate's hooks load them, e.g. {offloaded[0]}); load the model "
+                "without offloading (a device_map that keeps every layer on a device), or decode with kv= only"
+            )
         self.model, self.kv, self.proj = model, kv, proj
         self.page_size = _resolve_page_size(page_size, kv)
         param = next(model.parameters())
-        self.dtype = dtype or param.dtype
-        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype if dtype is not None else param.dtype
+        self.device = _device(device) if device is not None else param.device
         self._check_model_placement()
         if kv is not None:
             kv.to(device=self.device, dtype=self.dtype)  # learned parameters, if the policy has any
@@ -138,7 +150,7 @@ class Decoder:
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if self.proj is not None:
             self.proj.install(model, runtime)
-        else:
+        elif not _compat.offloaded_parameters(model):  # fusing copies the weights: not offloaded ones
             fuse_shared_inputs(model, runtime)  # q/k/v and gate/up as one GEMM each (kernel path)
 
     @classmethod
@@ -161,7 +173,12 @@ class Decoder:
         return dec
 
     def compile(
-        self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None, backend: str = "inductor"
+        self,
+        mode: str | None = None,
+        dynamic_capacity: bool = False,
+        cuda_graphs: bool | None = None,
+        backend: str = "inductor",
+        regional: bool | None = None,
     ) -> "Decoder":
         """Compile the decode step with ``torch.compile``; returns the Decoder.
 
@@ -177,8 +194,22 @@ class Decoder:
         is traced as a symbol instead, so later capacities reuse the compiled step (a new CUDA graph
         is still captured per cache); a policy whose code depends on the capacity's value costs a
         recompile.
+
+        ``regional`` compiles one decoder layer and reuses it for every layer (`policyzoo.regional`),
+        around an eager rest of the step: the compile costs about one layer's instead of the whole
+        model's. The default (``None``) is regional wherever the KV policy and the projection
+        sparsifier allow it (`regional.layer_invariant`: the built-in policies without a step
+        context, `TopK`); ``False`` traces the whole step into one graph; ``True`` also compiles a
+        policy or sparsifier of another class by layer (its ``select`` must not depend on
+        ``state.layer``: it sees each layer as layer 0 of a one-layer cache), and raises for a
+        policy that reads the step context.
         """
-        self.session.compile(mode, dynamic_capacity=dynamic_capacity, cuda_graphs=cuda_graphs, backend=backend)
+        _check_compile_args(mode, dynamic_capacity, cuda_graphs, backend, regional)
+        ok, why, forceable = layer_invariant(self.kv, self.proj)
+        if regional and not (ok or forceable):
+            raise ValueError(f"regional=True: {why}; compile the whole step (regional=False)")
+        regional = ok if regional is None else regional
+        self.session.compile(mode, dynamic_capacity=dynamic_capacity, cuda_graphs=cuda_graphs, backend=backend, regional=regional)
         return self
 
     @property
@@ -237,7 +268,11 @@ class Decoder:
         """
         session = self.session
         input_ids, attention_mask = session.check_inputs(input_ids, attention_mask)
-        _check_generation_args(max_new_tokens, temperature, top_p)
+        check_count(max_new_tokens, "max_new_tokens", minimum=1)
+        check_settings(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator, device=self.device)
+        _check_flags(audit=audit, progress=progress, output_logits=output_logits)
+        if streamer is not None and (isinstance(streamer, type) or not all(callable(getattr(streamer, m, None)) for m in ("put", "end"))):
+            raise TypeError(f"streamer must be an object with put() and end() (the HF streamer protocol) or None, got {streamer!r}")
         self._check_model_placement()
         if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
             kernels.scratch.reserve(self.device)
@@ -305,21 +340,46 @@ def _record_hidden(runtime: Runtime, layer: int, module: nn.Module, args: tuple,
 def _resolve_page_size(page_size: int | None, kv: KVSelector | None) -> int:
     wanted = getattr(kv, "page_size", None) if kv is not None else None
     if page_size is not None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        check_count(page_size, "page_size", minimum=1)
         if wanted is not None and wanted != page_size:
             raise ValueError(f"page_size={page_size} conflicts with the policy's page={wanted}")
         return page_size
     return wanted or DEFAULT_PAGE_SIZE
 
 
-def _check_generation_args(max_new_tokens: int, temperature: float, top_p: float) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+def _check_flags(**flags: object) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _device(device: object) -> torch.device:
+    """``device`` as a `torch.device`, or an error naming the argument."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, a device name such as 'cuda:0', or None, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device={device!r} is not a usable device: {e}") from None
+
+
+def _check_compile_args(mode: object, dynamic_capacity: object, cuda_graphs: object, backend: object, regional: object) -> None:
+    if mode is not None:
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a torch.compile mode name or None, got {type(mode).__name__}")
+        try:
+            torch._inductor.list_mode_options(mode)
+        except RuntimeError as e:
+            raise ValueError(f"mode: {e}") from None
+    _check_flags(dynamic_capacity=dynamic_capacity)
+    for name, value in (("cuda_graphs", cuda_graphs), ("regional", regional)):
+        if value is not None:
+            _check_flags(**{name: value})
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if isinstance(backend, str) and backend not in backends:
+        raise ValueError(f"backend must be one of {', '.join(backends)} or a callable, got {backend!r}")
+    if not isinstance(backend, str) and not callable(backend):
+        raise TypeError(f"backend must be a torch.compile backend name or a callable, got {type(backend).__name__}")
 
 
 def _eos_ids(model: nn.Module, eos_token_id: int | list[int] | None, vocab: int) -> list[int]:
@@ -335,7 +395,7 @@ def _eos_ids(model: nn.Module, eos_token_id: int | list[int] | None, vocab: int)
         return []
     ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
     where = "eos_token_id" if given else "the model's eos_token_id"
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not all(_is_token(i) for i in ids):
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not all(is_token(i) for i in ids):
         raise TypeError(f"{where} must be an int or a list of ints, got {eos_token_id!r}")
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
@@ -350,12 +410,9 @@ def _pad_id(model: nn.Module, pad_token_id: int | None, eos: list[int], vocab: i
     if pad is None:
         return eos[0] if eos else 0
     where = "pad_token_id" if given else "the model's pad_token_id"
-    if not _is_token(pad):
+    if not is_token(pad):
         raise TypeError(f"{where} must be an int, got {pad!r}")
     if not 0 <= pad < vocab:
         raise ValueError(f"{where}: {pad} is outside the vocabulary (0..{vocab - 1})")
     return pad
 
-
-def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

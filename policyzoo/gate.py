@@ -256,6 +256,11 @@ class Gate:
         self.curves = {_check_setting(s, "curves key"): _curve(s, pts) for s, pts in curves.items()}
         if "dense" not in self.curves:
             raise ValueError("curves must include 'dense' (always allowed, the fallback)")
+        for name, value in (("device", device), ("kv_spec", kv_spec), ("proj_spec", proj_spec)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string or None, got {type(value).__name__}")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise TypeError(f"meta must be a dict or None, got {type(meta).__name__}")
         self.device, self.kv_spec, self.proj_spec = device, kv_spec, proj_spec
         self.meta = dict(meta or {})
         self.quality: dict[str, float] | None = None

@@ -61,8 +61,10 @@ class Runtime:
 
     policy: KVSelector
     phase: Phase = "idle"
-    # The prompt being prefilled: whether any row has left padding; in chunks, the slot of this
-    # forward's first token and whether it is the last chunk (the prompt's last token is in it).
+    # The prompt being prefilled: the cache slot of its position 0 (`DecodeSession.prompt_slot`),
+    # whether any row has left padding; in chunks, the prompt position of this forward's first
+    # token and whether it is the last chunk (the prompt's last token is in it).
+    prompt_slot: int = 0
     prefill_padded: bool = True
     prefill_offset: int = 0
     prefill_last: bool = True

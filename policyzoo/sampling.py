@@ -15,6 +15,8 @@ CUDA-graph replay.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +66,20 @@ class Sampler:
         generator: torch.Generator | None = None,
     ) -> None:
         """Set a request's settings (in place) and clear the finished flags."""
+        check_settings(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator, device=self.noise.device)
+        if not all(is_token(i) for i in eos):
+            raise TypeError(f"eos_token_id must be a list of ints, got {eos!r}")
         bad = [i for i in eos if not 0 <= i < self.vocab]
         if bad:
             raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})")
+        if not is_token(pad):
+            raise TypeError(f"pad_token_id must be an int, got {pad!r}")
+        if not 0 <= pad < self.vocab:
+            raise ValueError(f"pad_token_id {pad} is outside the vocabulary (0..{self.vocab - 1})")
         self.mode = SamplingMode(do_sample=do_sample, nucleus=do_sample and top_p < 1.0)
-        self.temperature.fill_(temperature)
-        self.top_p.fill_(top_p)
+        f32 = torch.finfo(torch.float32)
+        self.temperature.fill_(float(min(temperature, f32.max)))  # beyond it: uniform all the same
+        self.top_p.fill_(float(max(top_p, f32.tiny)))  # not 0 in fp32: the nucleus keeps the top token
         self.eos.zero_()
         if eos:
             self.eos[torch.tensor(list(eos), device=self.eos.device)] = True
@@ -93,6 +103,32 @@ class Sampler:
         self.report[:-1] = token
         self.report[-1] = self.finished.all()
         return token
+
+
+def check_settings(
+    *, do_sample: object, temperature: object, top_p: object, generator: object, device: torch.device | str
+) -> None:
+    """Raise a `TypeError` or `ValueError` naming the argument unless the sampling settings are valid:
+    a bool ``do_sample``, a finite ``temperature > 0``, ``top_p`` in (0, 1], and ``generator`` None or
+    a `torch.Generator` for ``device``'s type (the draws are made on the device)."""
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not 0 < temperature < math.inf:  # type: ignore[operator]
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    if not 0.0 < top_p <= 1.0:  # type: ignore[operator]
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and generator.device.type != torch.device(device).type:
+        raise ValueError(f"generator is on {generator.device} but the model is on {device}")
+
+
+def is_token(value: object) -> bool:
+    """An int token id (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def next_tokens(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, mode: SamplingMode) -> Tensor:

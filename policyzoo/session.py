@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -36,6 +37,7 @@ from .bytes import SETTINGS
 from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState
 from .kv.context import ContextStore
+from .regional import RegionalStep, call_layer
 from .runtime import Recorder, Runtime
 from .sampling import Sampler
 from .timing import time_ms
@@ -103,9 +105,15 @@ class DecodeSession:
 
     # ------------------------------------------------------------------------------ compile
     def compile(
-        self, mode: str | None = None, dynamic_capacity: bool = False, cuda_graphs: bool | None = None, backend: str = "inductor"
+        self,
+        mode: str | None = None,
+        dynamic_capacity: bool = False,
+        cuda_graphs: bool | None = None,
+        backend: str = "inductor",
+        regional: bool = False,
     ) -> None:
-        """Compile the step with ``torch.compile`` (see `Decoder.compile`)."""
+        """Compile the step with ``torch.compile`` (see `Decoder.compile`): the whole step, or with
+        ``regional`` one decoder layer that serves every layer (`regional.RegionalStep`)."""
         self._dynamic_capacity = dynamic_capacity
         self._cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self._cuda_graphs and self.device.type != "cuda":
@@ -120,11 +128,15 @@ class DecodeSession:
             # aot_eager and this build match eager). `options` replaces `mode`: same settings.
             modal = torch._inductor.list_mode_options(mode) if mode else {}
             options = {**modal, "optimize_scatter_upon_const_tensor": False} if backend == "inductor" else None
-            self._compiled = torch.compile(self._decode_step, backend=backend, options=options, dynamic=None)
+            compile_fn = partial(torch.compile, backend=backend, options=options, dynamic=None)
             if self.runtime.cache is not None:
                 _mark_capacity_dynamic(self.runtime.cache)
         else:
-            self._compiled = torch.compile(self._decode_step, backend=backend, mode=mode, dynamic=False)
+            compile_fn = partial(torch.compile, backend=backend, mode=mode, dynamic=False)
+        if regional:
+            self._compiled = RegionalStep(self, compile_fn(call_layer))
+        else:
+            self._compiled = compile_fn(self._decode_step)
 
     @property
     def compiled(self) -> bool:
@@ -230,25 +242,34 @@ class DecodeSession:
         input_ids, mask = self.check_inputs(input_ids, attention_mask)
         b, t = input_ids.shape
         start = (mask == 0).sum(1)
-        cache = self._begin(b, max(capacity or t, t), start, t)
+        base = self.prompt_slot(t)
+        cache = self._begin(b, max(capacity or t, t) + base, start + base, t + base)
         positions = (torch.arange(t, device=input_ids.device)[None, :] - start[:, None]).clamp(min=0)
         padded = bool(start.any())
         chunk = self._prefill_chunk(b, t, keep_logits, padded)
         runtime = self.runtime
-        runtime.prefill_padded = padded
+        runtime.prompt_slot, runtime.prefill_padded = base, padded
         try:
             with self._phase("prefill"):
                 for first in range(0, t, chunk):
                     last = min(t, first + chunk)
-                    cache.length.fill_(last)  # what the chunk's summaries and the policy see
+                    cache.length.fill_(base + last)  # what the chunk's summaries and the policy see
                     runtime.prefill_offset, runtime.prefill_last = first, last == t
                     out = self.model(
                         input_ids=input_ids[:, first:last], position_ids=positions[:, first:last], use_cache=False,
                         logits_to_keep=keep_logits if last == t else 1,
                     )  # fmt: skip
         finally:
-            runtime.prefill_padded, runtime.prefill_offset, runtime.prefill_last = True, 0, True
+            runtime.prompt_slot, runtime.prefill_padded, runtime.prefill_offset, runtime.prefill_last = 0, True, 0, True
         return out.logits
+
+    def prompt_slot(self, t: int) -> int:
+        """The cache slot of position 0 of a ``t``-token prompt: the prompt is placed to end on a
+        page boundary. Rows of a batch share slot numbers, so a row's first real token sits at the
+        prompt's end minus its length; with the end on a boundary, where that token falls in its
+        page depends on the row's own length only. A row's pages, their summaries and what a page
+        policy selects are then the same in any batch as when the row runs alone."""
+        return -t % self.page_size
 
     def _prefill_chunk(self, batch: int, t: int, keep_logits: int, padded: bool) -> int:
         """Prompt positions per prefill forward: all of them, unless the prompt is longer than
@@ -273,15 +294,16 @@ class DecodeSession:
         """Start a sequence batch from keys and values computed elsewhere (a dense prefill shared by
         several settings): ``prefix`` holds per layer ``(k, v) [B, H_kv, T, D]``, left-padded, with
         row ``b``'s first real token at ``start[b]``. The cache then holds what `prefill` of the same
-        prompt would have written."""
+        prompt would have written, where `prefill` writes it (from slot `prompt_slot`)."""
         if self.needs_own_prefill():
             raise ValueError(f"{type(self.runtime.policy).__name__} builds state in its own prefill: call prefill()")
         if len(prefix) != self.num_layers:
             raise ValueError(f"prefix has {len(prefix)} layers, the model {self.num_layers}")
         b, _, t, _ = prefix[0][0].shape
-        cache = self._begin(b, max(capacity, t), start.to(self.device), t)
+        base = self.prompt_slot(t)
+        cache = self._begin(b, max(capacity, t) + base, start.to(self.device) + base, t + base)
         for layer, (k, v) in enumerate(prefix):
-            cache.write_prefill(layer, k.to(cache.dtype), v.to(cache.dtype))
+            cache.write_prefill(layer, k.to(cache.dtype), v.to(cache.dtype), base)
 
     @torch.no_grad()
     def fill_random(self, n: int, *, batch: int = 1, capacity: int | None = None, generator: torch.Generator | None = None) -> None:

@@ -249,6 +249,21 @@ def test_wrong_argument_types_are_rejected():
         Decoder("llama")
 
 
+def test_offloaded_weights_refuse_proj_at_construction_and_decode_kv_only_like_the_model(tmp_path):
+    """accelerate's offloading keeps a layer's weights on the meta device until its own forward:
+    a projection sparsifier, which reads the weights itself, would compute on placeholders."""
+    from accelerate import dispatch_model
+
+    ids, mask = padded_batch(2, 24)
+    want = Decoder(tiny_model("llama")).generate(ids, 6, attention_mask=mask)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}  # fmt: skip
+    model = dispatch_model(tiny_model("llama"), device_map=device_map, offload_dir=str(tmp_path), main_device="cpu")
+    with pytest.raises(ValueError, match=r"proj= reads each projection's weight itself.*offloaded.*model\.layers\.1\."):
+        Decoder(model, proj=TopK(0.5))
+    assert torch.equal(Decoder(model, kv=Quest(1.0, page=4)).generate(ids, 6, attention_mask=mask), want)
+
+
 def test_model_and_cache_placement_must_match():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="model is on cpu / torch.float32 but the cache is for cpu / torch.bfloat16"):

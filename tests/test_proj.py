@@ -178,6 +178,33 @@ def test_shared_input_groups_compile_into_one_graph(monkeypatch, make):
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
+def test_threshold_compiles_into_one_graph_with_thresholds_made_at_install():
+    """The thresholds are device tensors made when the Decoder installs the sparsifier: a compiled
+    step that made them (as it did) loses them to the next CUDA-graph replay. Calibrating again
+    later updates them in place, so the compiled step sees the new values without recompiling."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 10)
+    thresholds = {f"{i}.{t}": 0.3 + 0.1 * j for i in range(2) for j, t in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
+    expected = Decoder(copy.deepcopy(model), proj=Threshold(0.5, thresholds=dict(thresholds))).generate(ids, 6, attention_mask=mask)
+    proj = Threshold(0.5, thresholds=dict(thresholds))
+    torch._dynamo.reset()
+    counters.clear()
+    dec = Decoder(model, proj=proj, compile=True)
+    installed = proj.threshold("1.down", torch.device("cpu"))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(dec.generate(ids, 6, attention_mask=mask), expected)
+        texts = [torch.randint(1, 128, (40,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        proj.calibrate(model, texts)  # new values, the same tensors
+        assert proj.threshold("1.down", torch.device("cpu")) is installed
+        assert float(installed) == pytest.approx(proj.thresholds["1.down"])
+        recalibrated = dec.generate(ids, 6, attention_mask=mask)
+    fresh = Decoder(copy.deepcopy(model), proj=Threshold(0.5, thresholds=dict(proj.thresholds))).generate(ids, 6, attention_mask=mask)
+    assert torch.equal(recalibrated, fresh)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_dense_decoding_fuses_shared_inputs_on_the_kernel_path(monkeypatch, family):
     # Without a sparsifier, q/k/v and gate/up still run as one GEMM each on the kernel path, in

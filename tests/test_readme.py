@@ -32,6 +32,20 @@ def test_readme_policy_runs_and_respects_its_budget():
     assert torch.equal(full.generate(ids, 4, attention_mask=mask), Decoder(tiny_model("llama")).generate(ids, 4, attention_mask=mask))
 
 
+def test_readme_policy_decodes_compiled_like_eager_where_its_scores_tie():
+    """Qwen3 normalises its keys, so every key norm is the same number up to rounding; compiled and
+    eager round differently, and only a ranking that treats them as ties (lowest position first,
+    `kv.base.choose_topk`) keeps the same tokens in both."""
+    import copy
+
+    KeyNormTopK = _readme_policy()
+    model = tiny_model("qwen3")
+    ids, mask = padded_batch(2, 60)
+    eager = Decoder(copy.deepcopy(model), kv=KeyNormTopK(16, sinks=2, window=4)).generate(ids, 20, attention_mask=mask)
+    compiled = Decoder(model, kv=KeyNormTopK(16, sinks=2, window=4), compile=True).generate(ids, 20, attention_mask=mask)
+    assert torch.equal(eager, compiled)
+
+
 def _block(after: str) -> str:
     text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     return re.search(re.escape(after) + r".*?```python\n(.*?)```", text, re.S).group(1)
@@ -42,7 +56,7 @@ def test_readme_session_loop_runs_as_written():
     dec = Decoder(tiny_model("llama"))
     namespace = {"dec": dec, "ids": ids, "attention_mask": attention_mask}
     exec(_block("## The decode session"), namespace)
-    assert int(dec.session.cache.length) == 20 + 32 and namespace["audit"].mean("dropped_mass") == 0.0
+    assert int(dec.session.cache.length) == dec.session.prompt_slot(20) + 20 + 32 and namespace["audit"].mean("dropped_mass") < 1e-6
 
 
 def test_readme_step_context_example_runs_compiled_like_eager():

@@ -9,9 +9,11 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import padded_batch, tiny_model
 
-from policyzoo import Decoder, Quest, Window
+from policyzoo import SSA, AttentionTopK, Certified, Decoder, EntmaxKV, Quest, Window
 from policyzoo.eval.audit import Audit
 
 
@@ -37,7 +39,7 @@ def test_prefill_and_steps_reproduce_the_unwrapped_model():
         torch.testing.assert_close(step_logits, hf_logits(model, seq, full)[:, -1], atol=1e-4, rtol=1e-4)
         assert torch.equal(session.last_token, step_logits.argmax(-1))
         token = session.last_token
-    assert int(session.cache.length) == 18 and int(session.contexts.index) == 4
+    assert int(session.cache.length) == session.prompt_slot(14) + 18 and int(session.contexts.index) == 4
 
 
 def test_a_step_given_tokens_feeds_them_instead_of_its_choice():
@@ -57,13 +59,16 @@ def test_load_prefix_leaves_the_cache_a_prefill_leaves():
     ids, mask = padded_batch(2, 13)
     a = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4)).session
     a.prefill(ids, mask, capacity=20)
-    prefix = [(a.cache.keys[l][:, :, :13].clone(), a.cache.values[l][:, :, :13].clone()) for l in range(2)]
+    first = a.prompt_slot(13)  # the prompt ends on a page boundary: 3 empty slots, then its 13
+    assert first == 3 and int(a.cache.length) == 16
+    prompt = slice(first, first + 13)
+    prefix = [(a.cache.keys[l][:, :, prompt].clone(), a.cache.values[l][:, :, prompt].clone()) for l in range(2)]
     b = Decoder(model, kv=Quest(0.5, page=4)).session
-    b.load_prefix(prefix, a.cache.start, capacity=20)
+    b.load_prefix(prefix, (mask == 0).sum(1), capacity=20)
     for name in ("keys", "values", "page_min", "page_max"):
         for layer in range(2):
             assert torch.equal(getattr(a.cache, name)[layer], getattr(b.cache, name)[layer]), name
-    assert torch.equal(a.cache.start, b.cache.start) and int(a.cache.length) == int(b.cache.length) == 13
+    assert torch.equal(a.cache.start, b.cache.start) and int(a.cache.length) == int(b.cache.length) == 16
     tokens = torch.tensor([3, 4])
     torch.testing.assert_close(a.step(tokens), b.step(tokens))
 
@@ -189,7 +194,7 @@ def test_a_long_prompt_prefilled_in_chunks_leaves_what_one_forward_leaves(monkey
     for name in names:
         for layer in range(2):
             torch.testing.assert_close(getattr(chunked.cache, name)[layer], getattr(whole.cache, name)[layer], atol=1e-5, rtol=1e-5)
-    assert int(chunked.cache.length) == 45 and chunked.runtime.prefill_offset == 0
+    assert int(chunked.cache.length) == chunked.prompt_slot(45) + 45 and chunked.runtime.prefill_offset == 0
     token = torch.tensor([3, 4])
     torch.testing.assert_close(chunked.step(token), whole.step(token), atol=1e-4, rtol=1e-4)
 
@@ -224,3 +229,45 @@ def test_ten_thousand_compiled_steps_keep_memory_flat_and_never_recompile():
     assert int(session.cache.length) == 64 + 10_000 and int(session.contexts.index) == 10_000
     assert counters["stats"]["unique_graphs"] == 1
     assert grown < 4, f"resident memory grew by {grown:.1f} MB over 9,000 steps"
+
+
+# Every built-in KV policy, small enough that a tiny prompt spans many of its pages and budgets bite.
+BUILTIN_POLICIES = {
+    "dense": lambda: None,
+    "window": lambda: Window(sinks=2, window=6),
+    "attn-topk": lambda: AttentionTopK(0.3, sinks=2, window=2),
+    "quest": lambda: Quest(0.3, page=4, sinks=2, window=2),
+    "ssa-page": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2),
+    "ssa-page-gumbel": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, scheme="gumbel_topk"),
+    "ssa-exact": lambda: SSA(0.2, 0.2, proxy="exact", sinks=2, window=2),
+    "entmax-kv": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2),
+    "certified-quest": lambda: Certified(Quest(0.2, page=4, sinks=2, window=2), eps=0.05),
+}
+
+
+def test_the_policy_list_covers_every_registered_policy():
+    from policyzoo.spec import KV_POLICIES
+
+    names = {"dense", "window", "attn-topk", "quest", "ssa", "entmax-kv"}
+    assert set(KV_POLICIES) == names, "a new policy must join BUILTIN_POLICIES (and the batch-invariance test)"
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_POLICIES))
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(3, 40), min_size=2, max_size=3), seed=st.integers(0, 2**16))
+def test_a_row_decodes_the_same_in_a_padded_batch_as_alone(name, lengths, seed):
+    """A row's tokens do not depend on its batchmates: page policies included, whatever the left
+    padding (the prompt ends on a page boundary, `DecodeSession.prompt_slot`; SSA's uniforms are
+    named by head and place in the row)."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(1, 128, (n,), generator=g) for n in lengths]
+    t = max(lengths)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, t - len(row) :], mask[i, t - len(row) :] = row, 1
+    batch = Decoder(model, kv=BUILTIN_POLICIES[name]()).generate(ids, 6, attention_mask=mask)
+    for i, row in enumerate(rows):
+        alone = Decoder(model, kv=BUILTIN_POLICIES[name]()).generate(row[None], 6)
+        assert torch.equal(batch[i, t:], alone[0, len(row) :]), f"row {i} ({len(row)} tokens) differs from itself alone"

@@ -1,8 +1,11 @@
 """Tests of `policyzoo.kv.SSA` (stratified sparse attention: top stratum + Horvitz–Thompson samples).
 
 The statistical tests draw many independent selections in one call: a case row is replicated into
-a cache of ``R`` identical rows, and each row gets its own draws from the policy's generator. They
-run with ``derandomize=True`` and fixed policy seeds, so a failure reproduces exactly.
+a cache of ``R`` identical rows, and each row gets its own draws from a `torch.Generator`
+(`own_draws`: the default hash generator gives every row of a batch the same draws, by design, so
+that a row decodes the same in any batch). They run with ``derandomize=True`` and fixed policy
+seeds, so a failure reproduces exactly; `test_hash_generator_estimates_are_unbiased` checks the
+default generator with one draw per call.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ def replicate(case, row: int, reps: int) -> tuple[KVState, torch.Tensor]:
     rc.start.fill_(int(c.start[row]))
     rc.length.copy_(c.length)
     return KVState(rc, 0, case.scale), case.q[row : row + 1].expand(reps, -1, -1).contiguous()
+
+
+def own_draws(policy: SSA) -> SSA:
+    """``policy`` drawing from a seeded `torch.Generator`, in order: each row of a replicated cache
+    then gets its own draws."""
+    return dataclasses.replace(policy, generator=torch.Generator().manual_seed(policy.seed))
 
 
 def attend_state(state: KVState, q, sel):
@@ -178,12 +187,12 @@ def test_explicit_generator_is_reproducible(make_case):
 def test_hash_uniforms_look_uniform():
     """Moments, range and independence of neighbouring draws and counters of `hash_uniform`."""
     state = torch.tensor([7, 0, 0])
-    u = hash_uniform(state, (200_000,))
+    u = hash_uniform(state, torch.arange(200_000))
     assert bool(((u > 0) & (u < 1)).all())
     assert abs(float(u.mean()) - 0.5) < 0.003 and abs(float(u.var()) - 1 / 12) < 0.002
     assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01
     state[2] += 1
-    v = hash_uniform(state, (200_000,))
+    v = hash_uniform(state, torch.arange(200_000))
     assert abs(float(torch.corrcoef(torch.stack([u, v]))[0, 1])) < 0.01
     counts = torch.histc(u.float(), bins=20, min=0, max=1)
     assert float(((counts - 10_000) ** 2 / 10_000).sum()) < 60  # chi-square, 19 dof
@@ -211,7 +220,7 @@ def check_unbiased(case, row: int, policy: SSA, reps: int) -> None:
     """Mean over ``reps`` draws of ``Ẑ = Σ w e^z`` and ``N̂ = Σ w e^z v`` is the dense ``Z`` and ``N``
     (both relative to the dense ``Z``), within `Z_SCORE` standard errors."""
     state, q = replicate(case, row, reps)
-    sel = policy.select(state, q)
+    sel = own_draws(policy).select(state, q)
     o_hat, lse_hat = attend_state(state, q, sel)
     o, lse = attend_state(case.state(), case.q, Dense().select(case.state(), case.q))
     o, lse = o[row : row + 1], lse[row : row + 1]
@@ -242,6 +251,25 @@ def test_estimates_are_unbiased_small_residual(make_case, scheme, proxy):
     sample = 8 if proxy == "page" else 3  # 2 draws of pages, or 3 draws of tokens
     policy = SSA(budget=4, sample=sample, proxy=proxy, page=4, sinks=0, window=1, scheme=scheme, seed=5)
     check_unbiased(case, 0, policy, reps=4000)
+
+
+@pytest.mark.parametrize("scheme", ["with_replacement", "gumbel_topk"])
+def test_hash_generator_estimates_are_unbiased(make_case, scheme):
+    """The default (hash) generator, one call per draw: the counter gives each call new uniforms."""
+    case = make_case(b=1, h_kv=2, g=2, d=8, page=4, prompt=30, steps=2, starts=[0], seed=3, sharp=0.5)
+    policy = SSA(budget=4, sample=8, page=4, sinks=0, window=1, scheme=scheme, seed=1)
+    state = case.state()
+    o, lse = attend_state(state, case.q, Dense().select(state, case.q))
+    reps, est = 600, []
+    for _ in range(reps):
+        o_hat, lse_hat = attend_state(state, case.q, policy.select(state, case.q))
+        z_hat = torch.exp(lse_hat.double() - lse.double())
+        est.append(torch.cat([z_hat[..., None], o_hat.double() * z_hat[..., None]], -1)[0])
+    est = torch.stack(est)
+    exact = torch.cat([torch.ones_like(lse[0, :, None]).double(), o[0].double()], -1)
+    mean, se = est.mean(0), est.std(0) / math.sqrt(reps)
+    assert bool((se > 0).all())  # the draws differ from call to call
+    assert bool(((mean - exact).abs() <= Z_SCORE * se + 1e-3 * (1 + exact.abs())).all())
 
 
 def _independent_pi(case, state, q, policy: SSA, det) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +318,7 @@ def check_inclusion(case, policy: SSA, reps: int) -> None:
     the weights are ``−log π``; ``p`` and ``π`` are recomputed independently."""
     args = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init}
     state, q = replicate(case, 0, reps)
-    sel = policy.select(state, q)
+    sel = own_draws(policy).select(state, q)
     det = SSA(**{**args, "sample": 0}).select(state, q)
     p, pi = _independent_pi(case, state, q, policy, det)  # [H_kv, N]
     n = p.shape[-1]
@@ -315,7 +343,7 @@ def test_gumbel_conditional_weights_are_unbiased(data, cases, args):
     reps = 2000
     state, q = replicate(case, 0, reps)
     policy = SSA(page=case.page, **args)
-    sel = policy.select(state, q)
+    sel = own_draws(policy).select(state, q)
     det = SSA(page=case.page, **{**args, "sample": 0}).select(state, q)
     p, pi_wr = _independent_pi(case, state, q, policy, det)
     n = p.shape[-1]

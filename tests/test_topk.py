@@ -50,7 +50,8 @@ def test_topk_contract(data, cases, contract, policy):
 @SETTINGS
 @given(data=st.data(), policy=topk_policies())
 def test_topk_keeps_the_best_scores(data, cases, contract, policy):
-    """Every kept non-forced token scores at least as high as every dropped visible token."""
+    """Every kept non-forced token scores at least as high as every dropped visible token, at the
+    precision the chooser ranks at (`round_for_ranking`: 8 significant bits)."""
     case = data.draw(cases())
     sel = policy.select(case.state(), case.q)
     scores = _group_scores(case, policy.aggregate)
@@ -65,7 +66,7 @@ def test_topk_keeps_the_best_scores(data, cases, contract, policy):
                 s = scores[r, hk]
                 lo = min(float(s[i]) for i in free_kept)
                 hi = max(float(s[i]) for i in dropped)
-                assert lo >= hi - 1e-5 * (1 + abs(hi)), f"kept {lo} < dropped {hi}"
+                assert lo >= hi - 2.0**-7 * abs(hi) - 1e-6, f"kept {lo} < dropped {hi}"  # one bf16 step
 
 
 @SETTINGS

@@ -64,8 +64,9 @@ def _prefill_row(dec: Any, ids: Tensor, keep_logits: int) -> tuple[Tensor, list[
     keys / values of every layer ``[H_kv, T, D]``."""
     t = ids.shape[0]
     logits = dec.session.prefill(ids[None], keep_logits=keep_logits)
-    cache = dec.session.cache
-    snap = [(cache.keys[l][0, :, :t].clone(), cache.values[l][0, :, :t].clone()) for l in range(cache.num_layers)]
+    cache, first = dec.session.cache, dec.session.prompt_slot(t)
+    prompt = slice(first, first + t)
+    snap = [(cache.keys[l][0, :, prompt].clone(), cache.values[l][0, :, prompt].clone()) for l in range(cache.num_layers)]
     return logits[0].float(), snap
 
 

@@ -204,21 +204,29 @@ class Budget:
         return torch.full_like(n_valid, int(self.value))
 
 
+# The largest token count a policy parameter may hold: far beyond any context, and small enough that
+# position arithmetic on it (``start + sinks``, ``length - window``) cannot overflow int64.
+MAX_COUNT = 2**62
+
+
 def check_budget(value: object, name: str) -> None:
     """Raise a clear error unless ``value`` is a positive token count or a keep ratio in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be an int (tokens) or a float keep ratio, got {type(value).__name__}")
     if isinstance(value, float) and not 0.0 < value <= 1.0:
         raise ValueError(f"{name} as a keep ratio must be in (0, 1], got {value}")
-    if isinstance(value, int) and value <= 0:
-        raise ValueError(f"{name} must be a positive number of tokens, got {value}")
+    if isinstance(value, int) and not 0 < value <= MAX_COUNT:
+        raise ValueError(f"{name} must be a positive number of tokens (at most 2**62), got {value}")
 
 
-def check_count(value: object, name: str, minimum: int = 0) -> None:
+def check_count(value: object, name: str, minimum: int = 0, maximum: int | None = MAX_COUNT) -> None:
+    """Raise a clear error unless ``value`` is an int in ``[minimum, maximum]`` (``None``: no maximum)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {'2**62' if maximum == MAX_COUNT else maximum}, got {value}")
 
 
 # ------------------------------------------------------------------------------------ scorers
@@ -303,6 +311,16 @@ def page_budget(state: KVState, budget: Budget, page: int, sinks: int, window: i
 
 
 # ------------------------------------------------------------------------------------ chooser
+def round_for_ranking(scores: Tensor) -> Tensor:
+    """``float32`` scores rounded to 8 significant bits (bf16 precision, to nearest), ``±inf`` kept.
+
+    Done on the bits with integer ops: a cast to bf16 and back is no rounding under torch.compile,
+    which keeps fused intermediates in fp32.
+    """
+    bits = scores.float().contiguous().view(torch.int32)
+    return ((bits + 0x8000) & -0x10000).view(torch.float32)
+
+
 def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1) -> Selection:
     """Keep the forced entries plus the best-scoring others, at most ``count`` per row.
 
@@ -315,10 +333,15 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
 
     The kept entries come in ascending position order (`kernels.select_top`: one threshold search
     instead of a sorted top-k; the reads then follow memory order).
+
+    Scores are ranked at bf16 precision (8 significant bits), and ties go to the lowest position.
+    The same score computed by a compiled and an eager step can differ in its last bits (Inductor
+    sums in another order), which would break near-ties differently; rounded, they tie, so both
+    paths keep the same entries. Scores within about 0.4% of each other count as equal.
     """
     b, h_kv, n = scores.shape
     valid = scores > -torch.inf
-    ranked = torch.where(forced[:, None, :] & valid, torch.inf, scores)
+    ranked = round_for_ranking(torch.where(forced[:, None, :] & valid, torch.inf, scores))
     n_forced = (forced[:, None, :] & valid).sum(-1)
     n_valid = valid.sum(-1)
     want = torch.maximum(count if count.dim() == 2 else count[:, None], n_forced).clamp(max=k_max)

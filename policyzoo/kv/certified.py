@@ -24,7 +24,7 @@ candidates once — the one KV read it adds. `Certified` wraps a policy with it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, is_dataclass, replace
 
 import torch
 from torch import Tensor
@@ -204,14 +204,17 @@ class Certified(KVSelector):
     slack: float = DEFAULT_SLACK
 
     def __post_init__(self) -> None:
-        if not hasattr(self.policy, "budget"):
-            raise TypeError(f"{type(self.policy).__name__} has no budget to grow")
+        if not (isinstance(self.policy, KVSelector) and is_dataclass(self.policy) and hasattr(self.policy, "budget")):
+            raise TypeError(f"policy must be a KV policy with a budget (Quest, AttentionTopK, EntmaxKV), got {type(self.policy).__name__}")
         check_budget(self.max_budget, "max_budget")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps <= 1.0:
             raise ValueError(f"eps must be a number in [0, 1], got {self.eps!r}")
-        if not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
+        if isinstance(self.slack, bool) or not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
             raise ValueError(f"slack must be a finite number >= 0, got {self.slack!r}")
-        self._wide = replace(self.policy, budget=self.max_budget)
+        try:
+            self._wide = replace(self.policy, budget=self.max_budget)
+        except ValueError as e:  # the policy at max_budget is invalid (e.g. smaller than sinks + window)
+            raise ValueError(f"max_budget={self.max_budget!r}: {e}") from None
 
     @property
     def page_size(self) -> int | None:  # type: ignore[override]

@@ -92,7 +92,7 @@ class EntmaxKV(KVSelector):
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
-        if self.alpha != 1.5:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha != 1.5:
             raise ValueError(f"alpha must be 1.5 (the only α the entmax kernel implements), got {self.alpha!r}")
         if self.mode not in ("gaussian", "topk"):
             raise ValueError(f"mode must be 'gaussian' or 'topk', got {self.mode!r}")

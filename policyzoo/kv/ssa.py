@@ -43,7 +43,10 @@ from ``seed``: by default a counter-based hash generator (`hash_uniform`: the un
 hash ``(seed, draw counter, element)``; the counter, a small int64 tensor per device, advances in
 place each `select`), which traces into torch.compile graphs and CUDA graphs without a graph break;
 or an explicit ``generator`` (a `torch.Generator`, eager only: torch.compile breaks the graph at a
-``generator=`` argument). `reseed` restarts the stream. Nothing syncs with the host.
+``generator=`` argument). `reseed` restarts the stream. Nothing syncs with the host. The hash names
+an element by its KV head and its place in the row (the entry's offset from the row's first visible
+entry, or the draw's number), never by the batch row or the cache slot, so a row draws the same
+uniforms in any batch as alone; an explicit ``generator`` draws in order and does not.
 
 Special cases: ``sample=0`` is exactly the top-k policy on the same proxy (`Quest` for ``"page"``,
 `AttentionTopK` for ``"exact"``, with the same ``aggregate``), returned without ``log_weight``;
@@ -135,7 +138,7 @@ class SSA(KVSelector):
             raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
         if self.scheme not in ("with_replacement", "gumbel_topk"):
             raise ValueError(f"scheme must be 'with_replacement' or 'gumbel_topk', got {self.scheme!r}")
-        check_count(self.seed, "seed")
+        check_count(self.seed, "seed", maximum=None)  # a seed, not a token count: any size
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
 
@@ -150,7 +153,7 @@ class SSA(KVSelector):
     # ------------------------------------------------------------------------------- randomness
     def reseed(self, seed: int) -> None:
         """Restart the random stream from ``seed`` (in place: a compiled step keeps its buffers)."""
-        check_count(seed, "seed")
+        check_count(seed, "seed", maximum=None)
         self.seed = seed
         for state in self._rng.values():
             state.copy_(torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32, 0]))
@@ -173,15 +176,16 @@ class SSA(KVSelector):
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         self.rng_state(q.device)
 
-    def uniform(self, shape: tuple[int, ...], device: torch.device) -> Tensor:
-        """``float64`` uniforms in (0, 1): from `generator` if one was given (eager only: a
-        ``generator=`` argument breaks the graph under torch.compile), else from the counter-based
-        hash generator, whose counter advances in place (no host sync, no graph break)."""
+    def uniform(self, elements: Tensor) -> Tensor:
+        """``float64`` uniforms in (0, 1), one per id in ``elements`` (an int64 tensor): from
+        `generator` if one was given (eager only: a ``generator=`` argument breaks the graph under
+        torch.compile; it ignores the ids), else from the counter-based hash generator, whose counter
+        advances in place (no host sync, no graph break)."""
         if self.generator is not None:
-            u = torch.rand(shape, generator=self.generator, device=device, dtype=torch.float64)
+            u = torch.rand(elements.shape, generator=self.generator, device=elements.device, dtype=torch.float64)
             return u.clamp(min=2.0**-54)
-        state = self.rng_state(device)
-        u = hash_uniform(state, shape)
+        state = self.rng_state(elements.device)
+        u = hash_uniform(state, elements)
         state[2].add_(1)
         return u
 
@@ -231,11 +235,16 @@ class SSA(KVSelector):
         residual = valid[:, None, :] & ~in_det  # [B, H_kv, N]
         log_p = self._log_probs(raw, residual, h_kv)  # float64 [B, H_kv, N]
         b = log_p.shape[0]
+        # Element ids by KV head and place in the row, not by batch row or slot (batch invariance).
+        heads = torch.arange(h_kv, device=q.device)[None, :, None] * _HEAD_STREAM
         if self.scheme == "with_replacement":
-            u = self.uniform((b, h_kv, m), q.device)
+            draws = torch.arange(m, device=q.device)[None, None, :]
+            u = self.uniform((heads + draws).expand(b, h_kv, m))
             samp_idx, samp_ok, log_pi = _draw_with_replacement(log_p, residual, m, m_row, u)
         else:
-            u = self.uniform((b, h_kv, n_units), q.device)
+            first = torch.div(cache.start, unit, rounding_mode="floor")[:, None, None]  # the row's first entry
+            offsets = torch.arange(n_units, device=q.device)[None, None, :] - first
+            u = self.uniform(heads + offsets)
             samp_idx, samp_ok, log_pi = _draw_gumbel_topk(log_p, residual, m, m_row, u)
         return _merge(det, samp_idx, samp_ok, log_pi, unit)
 
@@ -255,9 +264,9 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
-    """``(x·c) mod 2^32`` for ``0 <= x < 2^32`` in int64 without overflow (16-bit halves)."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+    """``(x·c) mod 2^32`` for ``0 <= x, c < 2^32``: the int64 product may wrap, but its low 32 bits
+    are exact."""
+    return (x * c) & _MASK32
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -269,15 +278,20 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def hash_uniform(state: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Counter-based uniforms in (0, 1) with 53 random bits, ``float64[shape]``.
+# Element ids of KV head h start at h·2^24: a row's entries (tokens or pages) stay below that.
+_HEAD_STREAM = 1 << 24
 
-    Element ``i`` of draw ``c`` (``state = [seed_lo, seed_hi, c]``) hashes ``(seed, c, 2i)`` and
-    ``(seed, c, 2i + 1)`` into two 32-bit words; plain int64 tensor ops, so it traces into a compiled
-    graph and replays in a CUDA graph (the caller advances ``c`` in place).
+
+def hash_uniform(state: Tensor, elements: Tensor) -> Tensor:
+    """Counter-based uniforms in (0, 1) with 53 random bits, ``float64``, one per element id.
+
+    Element ``i`` (an int64 id in ``elements``) of draw ``c`` (``state = [seed_lo, seed_hi, c]``)
+    hashes ``(seed, c, 2i)`` and ``(seed, c, 2i + 1)`` into two 32-bit words: the same id gives the
+    same uniform within a draw, whatever the tensor's shape. Plain int64 tensor ops, so it traces
+    into a compiled graph and replays in a CUDA graph (the caller advances ``c`` in place).
     """
     key = _mix32(_mix32(_mix32(state[0]) ^ state[1]) ^ _mix32(state[2] & _MASK32))
-    idx = torch.arange(math.prod(shape), device=state.device, dtype=torch.int64).view(shape)
+    idx = elements.to(torch.int64)
     words = []
     for j in (0, 1):
         x = ((2 * idx + j) & _MASK32) ^ key

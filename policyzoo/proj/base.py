@@ -38,8 +38,10 @@ def check_keep(keep: object, name: str = "keep") -> float:
 
 
 def check_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(targets, str) or not isinstance(targets, (tuple, list, set, frozenset)):
+        raise TypeError(f"targets must be a tuple of projection names such as ('gate', 'up', 'down'), got {targets!r}")
     targets = tuple(targets)
-    bad = [t for t in targets if t not in PROJECTIONS]
+    bad = [t for t in targets if not isinstance(t, str) or t not in PROJECTIONS]
     if bad or not targets:
         raise ValueError(f"targets must be a non-empty subset of {list(PROJECTIONS)}, got {list(targets)}")
     return targets

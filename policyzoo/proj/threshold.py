@@ -9,9 +9,10 @@ token, which is the point (and the reason to audit it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,6 +21,9 @@ from torch import Tensor, nn
 from .. import kernels
 from .._compat import PROJECTIONS, check_supported, decoder_layers
 from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
 
 _SAMPLES_PER_PROJECTION = 1 << 18  # enough for a stable quantile, small enough for any model
 
@@ -35,16 +39,40 @@ class Threshold(ProjectionSparsifier):
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
         self.targets = check_targets(self.targets)
+        if not isinstance(self.thresholds, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in self.thresholds.items()
+        ):
+            raise TypeError(f"thresholds must be a dict {{'<layer>.<target>': number}}, got {self.thresholds!r}")
+        bad = [k for k, v in self.thresholds.items() if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"thresholds[{bad[0]!r}] must be a finite number, got {self.thresholds[bad[0]]}")
         self._cache: dict[str, Tensor] = {}
 
     def threshold(self, name: str, device: torch.device) -> Tensor:
-        """Projection ``name``'s threshold as a 0-dim fp32 tensor on ``device`` (made once)."""
+        """Projection ``name``'s threshold as a 0-dim fp32 tensor on ``device``: the one `install`
+        made, or (used outside a Decoder) one made now."""
+        t = self._cache.get(name)
+        if t is not None and t.device == device:
+            return t
         if name not in self.thresholds:
             raise ValueError(f"Threshold has no threshold for projection {name!r}: call calibrate() or load() first")
-        t = self._cache.get(name)
-        if t is None or t.device != device:
-            t = self._cache[name] = torch.tensor(self.thresholds[name], device=device, dtype=torch.float32)
+        t = self._cache[name] = torch.tensor(self.thresholds[name], device=device, dtype=torch.float32)
         return t
+
+    def install(self, model: nn.Module, runtime: "Runtime") -> None:
+        """Wrap the projections and make every calibrated threshold a device tensor, once.
+
+        A compiled step must not make them: a tensor created inside a step that CUDA graphs replay
+        is overwritten by the next replay. `calibrate` later updates these tensors in place.
+        """
+        device = next(model.parameters()).device
+        for name, value in self.thresholds.items():
+            t = self._cache.get(name)
+            if t is None or t.device != device:
+                t = self._cache[name] = torch.tensor(value, device=device, dtype=torch.float32)
+                if device.type == "cuda":
+                    torch._dynamo.mark_static_address(t)
+        super().install(model, runtime)
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         return x.abs().float() >= self.threshold(name, x.device)
@@ -91,7 +119,8 @@ class Threshold(ProjectionSparsifier):
             if mags.numel() > _SAMPLES_PER_PROJECTION:
                 mags = mags[torch.randperm(mags.numel(), generator=g)[:_SAMPLES_PER_PROJECTION]]
             self.thresholds[name] = float(torch.quantile(mags, 1.0 - self.keep)) if self.keep < 1 else 0.0
-        self._cache.clear()
+            if name in self._cache:  # in place: an installed, compiled step keeps reading this tensor
+                self._cache[name].fill_(self.thresholds[name])
         return self
 
     def save(self, path: str | Path) -> None:

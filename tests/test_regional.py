@@ -1,0 +1,91 @@
+"""Regional compilation (`policyzoo.regional`): one compiled decoder layer serves every layer, the
+tokens are those of eager decoding, and what cannot be compiled by layer compiles the whole step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import LearnedQuest, padded_batch, tiny_model
+from torch._dynamo.utils import counters
+
+from policyzoo import SSA, AttentionTopK, Certified, Decoder, EntmaxKV, Quest, Threshold, TopK, Window
+from policyzoo.regional import RegionalStep, layer_invariant
+
+POLICIES = {
+    "dense": (lambda: None, lambda: None),
+    "window": (lambda: Window(2, 8), lambda: None),
+    "attn-topk": (lambda: AttentionTopK(0.3, window=4), lambda: None),
+    "quest": (lambda: Quest(0.3, page=4), lambda: None),
+    "ssa": (lambda: SSA(0.2, 0.2, page=4, window=4), lambda: None),
+    "ssa-exact": (lambda: SSA(0.2, 0.2, proxy="exact", window=4), lambda: None),
+    "entmax-kv": (lambda: EntmaxKV(0.5, page=4), lambda: None),
+    "entmax-kv-entmax": (lambda: EntmaxKV(0.5, page=4, attention="entmax"), lambda: None),
+    "certified-quest": (lambda: Certified(Quest(0.2, page=4), eps=0.1), lambda: None),
+    "topk": (lambda: None, lambda: TopK(0.5)),
+}
+INDUCTOR = ("quest", "ssa", "certified-quest", "topk")  # the rest on aot_eager: the views' logic, faster
+
+
+def _pair(name: str, layers: int = 3):
+    kv, proj = POLICIES[name]
+    model = tiny_model("llama", layers=layers)
+    return Decoder(copy.deepcopy(model), kv=kv(), proj=proj()), Decoder(model, kv=kv(), proj=proj())
+
+
+def _run(dec: Decoder, ids, mask, new: int = 8):
+    if isinstance(dec.kv, SSA):
+        dec.kv.reseed(0)
+    return dec.generate(ids, new, attention_mask=mask)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_one_compiled_layer_serves_every_layer_with_the_eager_tokens(name):
+    eager, dec = _pair(name)
+    torch._dynamo.reset()
+    counters.clear()
+    dec.compile(backend="inductor" if name in INDUCTOR else "aot_eager")
+    assert isinstance(dec.session._compiled, RegionalStep)
+    ids, mask = padded_batch(2, 23)
+    want = _run(eager, ids, mask)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _run(dec, ids, mask)
+        again = _run(dec, ids, mask)  # the same cache: the same compiled layer
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for 3 layers and 7 steps
+    # Outside the compiled steps the model is the plain eager one again.
+    runtime = dec.session.runtime
+    for layer, block in enumerate(dec.model.model.layers):
+        assert block._compiled_call_impl is None
+        assert block.self_attn._policyzoo == (runtime, layer)
+
+
+def test_settings_and_new_caches_keep_the_regional_step_right():
+    """The dense setting and a larger cache (its own shapes: one compile each) after the KV setting;
+    an audited step (eager) in between."""
+    eager, dec = _pair("quest", layers=2)
+    torch._dynamo.reset()
+    dec.compile(backend="aot_eager")
+    for setting, n in (("kv", 19), ("dense", 19), ("kv", 45)):
+        eager.session.use(setting)
+        dec.session.use(setting)
+        ids, mask = padded_batch(2, n)
+        assert torch.equal(_run(dec, ids, mask), _run(eager, ids, mask))
+    ids, mask = padded_batch(1, 30)
+    audited = dec.generate(ids, 4, attention_mask=mask, audit=True)
+    assert torch.equal(audited, eager.generate(ids, 4, attention_mask=mask))
+    assert dec.last_audit is not None
+
+
+def test_what_cannot_compile_by_layer_compiles_the_whole_step():
+    model = tiny_model("llama", layers=2)
+    reads_hidden = Decoder(model, kv=LearnedQuest(0.5, page=4)).compile(backend="aot_eager")
+    assert not isinstance(reads_hidden.session._compiled, RegionalStep)
+    with pytest.raises(ValueError, match="step context"):
+        reads_hidden.compile(regional=True)
+    thresholds = Decoder(tiny_model("llama", layers=2), proj=Threshold(0.5)).compile(backend="aot_eager")
+    assert not isinstance(thresholds.session._compiled, RegionalStep)
+    assert layer_invariant(None, Threshold(0.5))[2]  # ... unless asked for: it may hold per-layer constants
+    whole = Decoder(tiny_model("llama", layers=2), kv=Quest(0.5, page=4)).compile(regional=False)
+    assert not isinstance(whole.session._compiled, RegionalStep)
