@@ -67,7 +67,7 @@ class Sampler:
     ) -> None:
         """Set a request's settings (in place) and clear the finished flags."""
         check_settings(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator, device=self.noise.device)
-        if not all(is_token(i) for i in eos):
+        if not isinstance(eos, (list, tuple)) or not all(is_token(i) for i in eos):
             raise TypeError(f"eos_token_id must be a list of ints, got {eos!r}")
         bad = [i for i in eos if not 0 <= i < self.vocab]
         if bad:

@@ -35,11 +35,11 @@ from . import _compat
 from .attention import ATTN_IMPLEMENTATION
 from .bytes import SETTINGS
 from .cache import PagedKVCache
-from .kv.base import KVSelector, KVState
+from .kv.base import KVSelector, KVState, check_count
 from .kv.context import ContextStore
 from .regional import RegionalStep, call_layer
 from .runtime import Recorder, Runtime
-from .sampling import Sampler
+from .sampling import Sampler, is_token
 from .timing import time_ms
 
 WARMUP_STEPS = 2  # compiled runs of a new shape before its CUDA graph is captured
@@ -210,8 +210,8 @@ class DecodeSession:
         model's device, a 0/1 left-padded mask (all ones when None) with a real token in every row."""
         if not isinstance(input_ids, Tensor) or input_ids.dtype not in (torch.long, torch.int32):
             raise TypeError("input_ids must be an integer tensor of shape [batch, tokens]")
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must have shape [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        if input_ids.dim() != 2 or 0 in input_ids.shape:
+            raise ValueError(f"input_ids must have shape [batch, tokens] with batch, tokens >= 1, got {tuple(input_ids.shape)}")
         if input_ids.device != self.device:
             raise ValueError(f"input_ids are on {input_ids.device} but the model is on {self.device}")
         input_ids = input_ids.long()
@@ -241,6 +241,11 @@ class DecodeSession:
         """
         input_ids, mask = self.check_inputs(input_ids, attention_mask)
         b, t = input_ids.shape
+        if capacity is not None:
+            check_count(capacity, "capacity", minimum=1)
+        check_count(keep_logits, "keep_logits", minimum=1)
+        if keep_logits > t:
+            raise ValueError(f"keep_logits ({keep_logits}) must be at most the prompt's {t} tokens")
         start = (mask == 0).sum(1)
         base = self.prompt_slot(t)
         cache = self._begin(b, max(capacity or t, t) + base, start + base, t + base)
@@ -354,22 +359,24 @@ class DecodeSession:
         do_sample: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        eos_token_id: list[int] = (),  # type: ignore[assignment]
+        eos_token_id: int | list[int] = (),  # type: ignore[assignment]
         pad_token_id: int = 0,
         generator: torch.Generator | None = None,
     ) -> None:
         """How this sequence batch chooses its tokens (`sampling.Sampler`): greedy by default. Rows
-        that choose an ``eos_token_id`` are finished and get ``pad_token_id`` from then on."""
+        that choose an ``eos_token_id`` (an id or a list of ids) are finished and get ``pad_token_id`` from then on."""
         self._need_cache()
-        self.sampler.configure(
-            do_sample=do_sample, temperature=temperature, top_p=top_p, eos=list(eos_token_id), pad=pad_token_id, generator=generator
-        )
+        eos = [eos_token_id] if is_token(eos_token_id) else eos_token_id
+        self.sampler.configure(do_sample=do_sample, temperature=temperature, top_p=top_p, eos=eos, pad=pad_token_id, generator=generator)
 
     @torch.no_grad()
     def choose(self, logits: Tensor) -> Tensor:
         """The next tokens ``int64[B]`` from ``logits [B, V]`` (the prefill's last position) by the
         sequence batch's sampling rule; the next `step` feeds them."""
         self._need_cache()
+        if not isinstance(logits, Tensor) or logits.shape != (self._tokens.shape[0], self.vocab_size):
+            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(f"logits must be a tensor [batch, vocab] = {(self._tokens.shape[0], self.vocab_size)}, got {shape}")
         self.sampler.draw()
         self.last_token = self._choose_and_feed(logits)
         return self.last_token
@@ -386,6 +393,9 @@ class DecodeSession:
         """
         self._need_cache()
         if tokens is not None:
+            if not isinstance(tokens, Tensor) or tokens.numel() != self._tokens.numel() or tokens.is_floating_point():
+                shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+                raise ValueError(f"tokens must be an integer tensor of {self._tokens.shape[0]} token ids ([B] or [B, 1]), got {shape}")
             self._tokens.copy_(tokens.reshape(self._tokens.shape))
         self.sampler.draw()
         with self._phase("decode"):

@@ -344,11 +344,6 @@ def test_generate_input_ids(value):
     check(lambda: _generate_decoder().generate(value, 2), "input_ids", "bad")
 
 
-@pytest.mark.xfail(
-    raises=RuntimeError, strict=True,
-    reason="DecodeSession.check_inputs (policyzoo/session.py) reads input_ids.min() of an empty batch: "
-    "torch raises 'min(): Expected reduction dim ...' instead of a ValueError naming input_ids",
-)  # fmt: skip
 def test_generate_input_ids_without_rows():
     with pytest.raises(ValueError, match="input_ids"):
         _generate_decoder().generate(torch.ones(0, 3, dtype=torch.long), 2)

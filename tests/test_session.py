@@ -271,3 +271,26 @@ def test_a_row_decodes_the_same_in_a_padded_batch_as_alone(name, lengths, seed):
     for i, row in enumerate(rows):
         alone = Decoder(model, kv=BUILTIN_POLICIES[name]()).generate(row[None], 6)
         assert torch.equal(batch[i, t:], alone[0, len(row) :]), f"row {i} ({len(row)} tokens) differs from itself alone"
+
+
+def test_bad_session_arguments_name_themselves():
+    session = Decoder(tiny_model("llama")).session
+    ids = torch.randint(1, 128, (2, 5))
+    for kwargs, match in (({"capacity": "x"}, "capacity"), ({"capacity": 0}, "capacity"), ({"keep_logits": 1.5}, "keep_logits"),
+                          ({"keep_logits": 6}, "keep_logits")):  # fmt: skip
+        with pytest.raises((ValueError, TypeError), match=match):
+            session.prefill(ids, **kwargs)
+    with pytest.raises(ValueError, match="input_ids"):
+        session.prefill(torch.ones(0, 3, dtype=torch.long))
+    logits = session.prefill(ids, capacity=12)
+    with pytest.raises(ValueError, match="logits"):
+        session.choose(None)
+    with pytest.raises(ValueError, match="tokens"):
+        session.step([1, 2])
+    with pytest.raises(ValueError, match="tokens"):
+        session.step(torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="eos_token_id"):
+        session.sample(eos_token_id="x")
+    session.sample(eos_token_id=3)  # one id, or a list of them
+    session.choose(logits[:, -1])
+    assert session.step().shape == (2, 128)
