@@ -240,6 +240,50 @@ def _add_bytes_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_bytes)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``policyzoo calibrate``: `Threshold` thresholds from the dense model on the essays, written to
+    a safetensors file that ``--proj threshold:path=FILE`` loads."""
+    from .assets import essays_text, load_model
+    from .proj import Threshold
+
+    targets = tuple(t for t in args.targets.split(",") if t)
+    threshold = Threshold(args.keep, targets=targets)  # checks keep and targets before the model loads
+    model, tokenizer = load_model(args.model)
+    device = next(model.parameters()).device
+    ids = tokenizer(essays_text(), return_tensors="pt").input_ids[0]
+    chunks = [ids[i : i + args.tokens] for i in range(0, args.texts * args.tokens, args.tokens)]
+    chunks = [c.to(device) for c in chunks if len(c) == args.tokens]
+    if not chunks:
+        raise ValueError(f"the essays hold {len(ids)} tokens: fewer than one text of --tokens {args.tokens}")
+    threshold.calibrate(model, chunks, max_tokens=args.tokens, progress=not args.no_progress)
+    path = threshold.save(args.out)
+    values = torch.tensor(list(threshold.thresholds.values()))
+    print(f"{len(values)} thresholds (keep {args.keep}, {len(chunks)} texts of {args.tokens} tokens; "
+          f"median {values.median():.4g}, range {values.min():.4g}..{values.max():.4g}) -> {path}\n"
+          f"use them with: --proj threshold:path={path}")  # fmt: skip
+    return 0
+
+
+def _add_calibrate_parser(sub: Any) -> None:
+    from .assets import DEFAULT_MODEL
+    from .proj.base import ALL_TARGETS
+
+    p = sub.add_parser(
+        "calibrate",
+        help="Threshold calibration: per-projection thresholds from the essays, to a safetensors file",
+        description="Run the dense model over the embedded essays, set each projection's threshold at the (1 - keep) "
+        "quantile of its input magnitudes (Threshold.calibrate) and write them to --out, for --proj threshold:path=FILE.",
+    )
+    p.add_argument("--out", required=True, help="the safetensors file to write")
+    p.add_argument("--keep", type=_keep_ratio, default=0.5, help="fraction of inputs to keep, in (0, 1] (default 0.5)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model: {DEFAULT_MODEL!r} (embedded), a Hub name or a path")
+    p.add_argument("--texts", type=positive_int, default=8, help="essay passages to run (default 8)")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per passage (default 1024)")
+    p.add_argument("--targets", default=",".join(ALL_TARGETS), help=f"projections to sparsify (default {','.join(ALL_TARGETS)})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_calibrate)
+
+
 # --------------------------------------------------------------------------------- argparse
 def _depth(text: str) -> float:
     try:
@@ -273,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
     _add_bytes_parser(sub)
+    _add_calibrate_parser(sub)
     _add_eval_parser(sub)
     return parser
 

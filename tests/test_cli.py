@@ -99,3 +99,26 @@ def test_format_table_is_fixed_width():
     lines = cli.format_table(rows).splitlines()
     assert len({len(line) for line in lines}) == 1  # header, rule and rows line up
     assert "WRONG" in lines[-1] and "right" in lines[-2]
+
+
+def test_calibrate_writes_thresholds_that_a_proj_spec_loads(tmp_path):
+    """One command calibrates `Threshold` on the embedded model and essays; the file it writes is
+    what ``--proj threshold:path=FILE`` loads, with a positive threshold for every projection."""
+    pytest.importorskip("gguf")
+    from policyzoo.spec import parse_proj
+
+    path = tmp_path / "thresholds.safetensors"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["calibrate", "--keep", "0.4", "--texts", "2", "--tokens", "128", "--out", str(path), "--no-progress"])
+    assert rc == 0 and path.is_file() and f"--proj threshold:path={path}" in out.getvalue()
+    proj = parse_proj(f"threshold:path={path}")
+    assert proj.keep == 0.4 and len(proj.thresholds) == 30 * 7  # SmolLM2: 30 layers, seven projections
+    assert all(v > 0 for v in proj.thresholds.values())
+
+
+def test_calibrate_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys):
+    for argv, match in ((["--keep", "0"], "keep"), (["--targets", "qkv"], "targets")):
+        with pytest.raises(SystemExit):
+            cli.main(["calibrate", "--out", str(tmp_path / "x"), *argv])
+        assert match in capsys.readouterr().err

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from .. import kernels
 from .._compat import PROJECTIONS, check_supported, decoder_layers
@@ -87,8 +88,10 @@ class Threshold(ProjectionSparsifier):
         texts: Sequence[str] | Sequence[Tensor],
         tokenizer=None,
         max_tokens: int = 1024,
+        progress: bool = False,
     ) -> "Threshold":
-        """Set thresholds from the dense model's activations on ``texts`` (strings need ``tokenizer``)."""
+        """Set thresholds from the dense model's activations on ``texts`` (strings need ``tokenizer``;
+        each is cut to ``max_tokens``), with a progress bar over the texts if ``progress``."""
         check_supported(model)
         if len(texts) == 0:
             raise ValueError("texts must hold at least one text")
@@ -102,7 +105,7 @@ class Threshold(ProjectionSparsifier):
                 hooks.append(module.register_forward_pre_hook(_collector(samples.setdefault(name, []))))
         try:
             device = next(model.parameters()).device
-            for text in texts:
+            for text in tqdm(texts, desc="calibrate", unit="text", disable=not progress):
                 if isinstance(text, str):
                     if tokenizer is None:
                         raise ValueError("texts are strings: pass the model's tokenizer")
@@ -123,12 +126,14 @@ class Threshold(ProjectionSparsifier):
                 self._cache[name].fill_(self.thresholds[name])
         return self
 
-    def save(self, path: str | Path) -> None:
-        """Write the thresholds (one scalar tensor per projection) and ``keep`` to a safetensors file."""
+    def save(self, path: str | Path) -> Path:
+        """Write the thresholds (one scalar tensor per projection) and ``keep`` to a safetensors file;
+        returns its path."""
         if not self.thresholds:
             raise ValueError("nothing to save: calibrate() first")
         tensors = {name: torch.tensor([t], dtype=torch.float32) for name, t in self.thresholds.items()}
         save_file(tensors, str(path), metadata={"keep": repr(self.keep), "targets": ",".join(self.targets)})
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Threshold":
