@@ -170,13 +170,13 @@ class LayerRegions:
 
 
 class RegionalStep:
-    """The session's decode step (`DecodeSession._decode_step`) run with one compiled layer for
-    every decoder layer (`LayerRegions`): what the session calls in place of the whole step
-    compiled."""
+    """A decode step run with one compiled layer for every decoder layer of ``model``
+    (`LayerRegions`): the session builds it around its own step function and calls it in place of
+    the whole step compiled."""
 
-    def __init__(self, session: Any, compiled_layer: Callable) -> None:
-        self.regions = LayerRegions(session.model, session.runtime, compiled_layer)
-        self.step = session._decode_step
+    def __init__(self, model: nn.Module, runtime: Any, step: Callable[[], Any], compiled_layer: Callable) -> None:
+        self.regions = LayerRegions(model, runtime, compiled_layer)
+        self.step = step
 
     def __call__(self) -> Any:
         return self.regions.run(self.step)

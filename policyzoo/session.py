@@ -134,7 +134,7 @@ class DecodeSession:
         else:
             compile_fn = partial(torch.compile, backend=backend, mode=mode, dynamic=False)
         if regional:
-            self._compiled = RegionalStep(self, compile_fn(call_layer))
+            self._compiled = RegionalStep(self.model, self.runtime, self._decode_step, compile_fn(call_layer))
         else:
             self._compiled = compile_fn(self._decode_step)
 
