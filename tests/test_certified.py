@@ -185,6 +185,9 @@ def test_certified_rejects_bad_args():
         Certified(Quest(), eps=1.5)
     with pytest.raises(ValueError, match="max_budget"):
         Certified(Quest(), max_budget=2.0)
+    with pytest.raises(ValueError, match="sample=0"):  # at construction, not at the first decode step
+        Certified(SSA(0.1, 0.05))
+    assert Certified(SSA(0.1, 0)).policy.sample == 0
     assert Certified(EntmaxKV(attention="entmax")).attention == "entmax"
 
 

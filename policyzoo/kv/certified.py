@@ -206,6 +206,9 @@ class Certified(KVSelector):
     def __post_init__(self) -> None:
         if not (isinstance(self.policy, KVSelector) and is_dataclass(self.policy) and hasattr(self.policy, "budget")):
             raise TypeError(f"policy must be a KV policy with a budget (Quest, AttentionTopK, EntmaxKV), got {type(self.policy).__name__}")
+        if getattr(self.policy, "sample", 0) != 0:  # SSA's sampled entries carry weights the bound cannot take
+            raise ValueError(f"policy must select without sampling: {type(self.policy).__name__}(sample={self.policy.sample!r}) "
+                             "weights its samples; use sample=0 (its top-k stratum) or another policy")
         check_budget(self.max_budget, "max_budget")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps <= 1.0:
             raise ValueError(f"eps must be a number in [0, 1], got {self.eps!r}")
