@@ -90,18 +90,17 @@ def test_compile_section_times_each_policy_in_a_cold_process(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     base = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--only", "compile", "--compile-context", "48",
             "--compile-backend", "aot_eager", "--deadline", "3000"]  # a child gets at most the time left
-    cmd = base + ["--out", str(tmp_path / "a"), "--compile-policies", "quest0.1,topk0.5", "--compile-modes", "regional,whole"]
+    cmd = base + ["--out", str(tmp_path / "a"), "--compile-policies", "quest0.1", "--compile-modes", "regional,whole"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
     rows = json.loads((tmp_path / "a" / "sweep.json").read_text())["rows"]
     assert [r for r in rows if "error" in r] == []
     got = {(r["setting"], r["mode"]): r for r in rows if r["section"] == "compile"}
-    assert set(got) == {(p, m) for p in ("quest0.1", "topk0.5") for m in ("regional", "whole")}
+    assert set(got) == {("quest0.1", m) for m in ("regional", "whole")}
     for (name, mode), r in got.items():
         assert r["regional"] == (mode == "regional") and r["context"] == 48 and r["graphs"] >= 1
         assert r["first_s"] > 0 and r["steady_s"] > 0 and r["dynamo_s"] > 0 and r["aot_s"] > 0 and r["step_ms"] > 0
-    for name in ("quest0.1", "topk0.5"):  # 2 layers traced against 1
-        assert got[name, "whole"]["fx_calls"] > got[name, "regional"]["fx_calls"]
+    assert got["quest0.1", "whole"]["fx_calls"] > got["quest0.1", "regional"]["fx_calls"]  # 2 layers traced against 1
     assert "## compile" in (tmp_path / "a" / "sweep.md").read_text()
 
     cmd = base + ["--out", str(tmp_path / "b"), "--compile-policies", "dense", "--compile-modes", "whole", "--compile-timeout", "0.5"]
