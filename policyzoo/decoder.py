@@ -114,7 +114,7 @@ class Decoder:
             kernels.scratch.reserve(self.device)
         dense = Dense()  # the dense setting's policy: one instance, so a compiled step guards on it
         runtime = Runtime(policy=kv if kv is not None else dense)
-        self._install(runtime)
+        self._install(runtime, fuse=not offloaded)
         self.session = DecodeSession(
             model, runtime, kv=kv, proj=proj is not None, dense=dense, page_size=self.page_size, dtype=self.dtype, device=self.device
         )
@@ -127,8 +127,9 @@ class Decoder:
         if compile:
             self.compile()
 
-    def _install(self, runtime: Runtime) -> None:
-        """Point the model's attention modules, projection wrappers and layer hooks at ``runtime``.
+    def _install(self, runtime: Runtime, fuse: bool = True) -> None:
+        """Point the model's attention modules, projection wrappers and layer hooks at ``runtime``
+        (``fuse``: group q/k/v and gate/up weights when there is no sparsifier; not for offloaded weights).
 
         A Decoder that wrapped this model before no longer drives it: its cache is freed now rather
         than when the cycle collector finds it (a 128K cache is 17 GB on an 8B model)."""
@@ -150,7 +151,7 @@ class Decoder:
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if self.proj is not None:
             self.proj.install(model, runtime)
-        elif not _compat.offloaded_parameters(model):  # fusing copies the weights: not offloaded ones
+        elif fuse:  # fusing copies the weights: not offloaded ones
             fuse_shared_inputs(model, runtime)  # q/k/v and gate/up as one GEMM each (kernel path)
 
     @classmethod
