@@ -64,6 +64,9 @@ def settings() -> dict[str, tuple]:
         "entmax-kv0.1": (lambda: EntmaxKV(0.1, page=PAGE, window=64), None, 1.0, 0.1),
         # Calibrated by `decoder` on the model it wraps (random text: about half the inputs kept).
         "threshold0.5": (None, lambda: Threshold(0.5), 0.5, 1.0),
+        "topk-fast0.5": (None, lambda: TopK(0.5, mode="fast"), 0.5, 1.0),
+        "threshold0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: Threshold(0.5), 0.5, 0.2),
+        "topk-fast0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5, mode="fast"), 0.5, 0.2),
     }
 
 
@@ -71,7 +74,7 @@ def decoder(model, name: str) -> Decoder:
     """A Decoder of setting ``name`` (`settings`) on ``model``."""
     kv_f, proj_f, _, _ = settings()[name]
     proj = proj_f() if proj_f else None
-    if isinstance(proj, Threshold) and not proj.thresholds:
+    if (isinstance(proj, Threshold) and not proj.thresholds) or (isinstance(proj, TopK) and proj.mode == "fast" and not proj.ratios):
         vocab = model.get_output_embeddings().weight.shape[0]
         text = torch.randint(vocab, (1, 512), generator=torch.Generator().manual_seed(0))
         proj.calibrate(model, [text])

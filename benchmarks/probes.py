@@ -11,6 +11,10 @@ Sections (``python -m benchmarks.sweep --only variants,tune,gemv,select,profile`
   gemv     the projection branch's pieces per shape: cuBLAS GEMV (both weight layouts), the sparse
            GEMV at keep 0.5 from an index list and from a threshold, and the top-k that names the kept
            features
+  gemvfused  the threshold GEMV as the Decoder runs it (q|k|v and gate|up in one pass, per-column
+           thresholds) at batch 1, 4 and 16, against cuBLAS on the same shapes and batch: the union
+           fraction of the rows' kept inputs, the bandwidth on the weight rows read, and a grid of
+           launch parameters (weights rotated over copies larger than the L2 cache)
   select   each KV policy's selection cost, separately from the attention it feeds, on one layer
            (32 q / 8 KV heads, head dim 128, pages of 16), with the selection compiled
            (torch.compile, default mode) and captured in a CUDA graph
@@ -26,6 +30,7 @@ import math
 import time
 import traceback
 from contextlib import ExitStack
+from typing import Callable
 from dataclasses import replace
 
 import torch
@@ -159,6 +164,88 @@ def section_gemv_tune(rows, keep: float = 0.5):
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
+
+
+# The projections as the Decoder runs them on Llama-3.1-8B: d_in and the members' d_out.
+GROUP_SHAPES = {"q|k|v": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate|up": (4096, (14336, 14336)),
+                "down": (14336, (4096,))}
+L2_BYTES = 50 << 20  # an H200's L2 cache: weights are rotated over copies three times its size
+
+
+def _rotating(fns: list) -> Callable[[], object]:
+    """One call of each of ``fns`` per call, in turn (so a captured graph cycles through copies)."""
+    it = iter(range(1 << 62))
+    return lambda: fns[next(it) % len(fns)]()
+
+
+def gemv_grid(batch: int) -> list[dict]:
+    """Launch parameters the fused-threshold probe tries (fp32 accumulators of 128 registers per
+    thread at most)."""
+    if batch == 1:
+        grid = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (32, 64, 128) for w in (4, 8)
+                if bn * bk <= 128 * 32 * w]
+    else:
+        grid = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128) for bk in (32, 64) for w in (4, 8)]
+    grid += [dict(g, target_programs=1024) for g in grid[:2]]
+    return grid
+
+
+def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 16), tune: bool = True):
+    """Per projection group and batch: cuBLAS ``x @ W^T`` and the threshold GEMV (per-column
+    thresholds where the group has several members), each member keeping about ``keep`` of every
+    row's inputs. ``union`` is the fraction of weight rows some row keeps, what the kernel reads;
+    TB/s counts those rows only."""
+    from policyzoo.kernels.dispatch import _gemv as gemv_module
+
+    dev = common.DEVICE
+    g = torch.Generator(device=dev).manual_seed(0)
+    for label, (d_in, sizes) in GROUP_SHAPES.items():
+        if dev == "cpu":  # smoke test: the same code at toy sizes
+            d_in, sizes = d_in // 64, tuple(max(16, n // 64) for n in sizes)
+        d_out, segment = sum(sizes), math.gcd(*sizes)
+        wbytes = d_in * d_out * 2
+        copies = max(2, math.ceil(3 * L2_BYTES / wbytes)) if dev == "cuda" else 1
+        ws = [torch.randn(d_in, d_out, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+        for b in batches:
+            if time.perf_counter() > deadline:
+                raise common.Deadline
+            x = torch.randn(b, d_in, device=dev, dtype=torch.bfloat16, generator=g)
+            mags = x.abs().float()
+            # Each member its own threshold near the keep quantile, as calibration gives.
+            member_t = [torch.quantile(mags[0], 1 - keep).item() * (1 + 0.05 * j) for j in range(len(sizes))]
+            t = torch.tensor(member_t, device=dev).repeat_interleave(torch.tensor(sizes, device=dev))[None, :]
+            seg = segment if len(sizes) > 1 else 0
+            if len(sizes) == 1:
+                t = t[:, :1].reshape(())
+            kept_rows = (mags[:, None, :] >= torch.tensor(member_t, device=dev)[None, :, None]).any(0).any(0)
+            union = kept_rows.float().mean().item()
+            read = union * wbytes
+            ref = kernels.reference.sparse_gemv_threshold(x.float(), t, ws[0].float(), None, seg)
+            y = gemv_module.sparse_gemv_threshold(x, t, ws[0], None, seg)
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            dense_us = common.graph_time_ms(_rotating([lambda w=w: F.linear(x, w.t()) for w in ws])) * 1e3
+            base = {"section": "gemvfused", "shape": label, "batch": b, "union": union, "cublas_us": dense_us,
+                    "cublas_TB/s": wbytes / (dense_us * 1e-6) / 1e12}
+            configs = {"default": {}}
+            if tune:
+                grid = gemv_grid(b)[: 1 if dev == "cpu" else None]
+                configs.update({" ".join(f"{k}={v}" for k, v in c.items()): c for c in grid})
+            for name, c in configs.items():
+                row = dict(base, setting=f"threshold GEMV {name}")
+                try:
+                    with override(gemv=replace(current(GemvConfig), **c)):
+                        yc = gemv_module.sparse_gemv_threshold(x, t, ws[0], None, seg)
+                        e = ((yc.float() - ref).norm() / ref.norm()).item()
+                        us = common.graph_time_ms(
+                            _rotating([lambda w=w: gemv_module.sparse_gemv_threshold(x, t, w, None, seg) for w in ws])) * 1e3
+                    row.update({"us": us, "TB/s": read / (us * 1e-6) / 1e12, "vs_cublas": dense_us / us, "rel_err": e})
+                    print(f"gemvfused {label:<8} B={b:<3} union {union:.3f} {name:<46} {us:7.1f} us {row['TB/s']:5.2f} TB/s "
+                          f"(cuBLAS {dense_us:6.1f} us {base['cublas_TB/s']:4.2f} TB/s) x{dense_us/us:4.2f} err {e:.1e}", flush=True)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    print(f"gemvfused {label} B={b} {name}: FAILED {row['error']}", flush=True)
+                rows.append(row)
+            assert err < 2e-2, f"gemvfused {label} B={b}: rel err {err:.1e}"
 
 
 # -------------------------------------------------------------------------------------- variants

@@ -30,7 +30,7 @@ Sections (each writes its rows into one JSON and one markdown table, plus PNG pl
              (regional: one compiled layer for every layer; whole: the whole step), each in a fresh
              process with a cold Inductor cache (`benchmarks.compile_time`), split into Dynamo /
              AOTAutograd / Inductor seconds, with the graph size and the compiled step's ms
-  variants, tune, gemv, gemvtune, select, profile   the probes of `benchmarks.probes` (kernel launch
+  variants, tune, gemv, gemvtune, gemvfused, select, profile   the probes of `benchmarks.probes` (kernel launch
              configs, the projection branch's pieces, per-policy selection cost, per-kernel profile)
 
 Step rows start from random keys and values (`DecodeSession.fill_random`: no prefill; timing does not
@@ -355,7 +355,7 @@ def write_outputs(out: Path, meta: dict, rows: list[dict]) -> None:
              f"torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}; "
              f"model shape {meta['model']} (random bf16 weights); copy bandwidth {meta['bandwidth_TBps']:.2f} TB/s; "
              "byte floor = step bytes (policyzoo.bytes) / copy bandwidth; bound = ideal speedup from bytes.", ""]
-    for section in ("check", "compile", "variants", "kernel", "tune", "gemv", "gemvtune", "select", "profile", "generate", "step",
+    for section in ("check", "compile", "variants", "kernel", "tune", "gemv", "gemvtune", "gemvfused", "select", "profile", "generate", "step",
                     "compiled", "batch", "hf"):
         sec = [r for r in rows if r["section"] == section]
         if not sec:
@@ -476,6 +476,7 @@ def main(argv=None) -> None:
         "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
+        "gemvfused": lambda: probes.section_gemv_fused(rows, deadline),
         "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline),
         "profile": run_profile,
         "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline),

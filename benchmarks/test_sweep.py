@@ -22,7 +22,7 @@ from benchmarks import common
 def test_sweep_sections_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path),
-           "--only", "variants,kernel,select,step", "--variants", "select_top,merge,page_bound,attention_pages,epilogue,append", "--contexts", "256",
+           "--only", "variants,kernel,select,step,gemvfused", "--variants", "select_top,merge,page_bound,attention_pages,epilogue,append", "--contexts", "256",
            "--select-contexts", "512", "--settings", "dense,quest0.1,topk0.5"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
@@ -50,7 +50,11 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     step = {r["setting"]: r for r in by_section["step"]}
     assert set(step) == {"dense", "quest0.1", "topk0.5"}
     assert step["dense"]["speedup"] == 1.0 and all(r["ms"] > 0 and r["bound"] >= 1.0 for r in step.values())
-    assert (tmp_path / "sweep.md").read_text().count("## ") == 4
+    fused = [r for r in rows if r["section"] == "gemvfused"]
+    assert {(r["shape"], r["batch"]) for r in fused} == {(s, b) for s in ("q|k|v", "o", "gate|up", "down") for b in (1, 4, 16)}
+    assert all(r["rel_err"] < 2e-2 and r["TB/s"] > 0 and 0 < r["union"] <= 1 for r in fused)
+    assert all(a["union"] <= b["union"] for a in fused for b in fused if a["shape"] == b["shape"] and a["batch"] < b["batch"])
+    assert (tmp_path / "sweep.md").read_text().count("## ") == 5
     assert (tmp_path / "sweep.png").stat().st_size > 0
 
 

@@ -241,13 +241,19 @@ def _add_bytes_parser(sub: Any) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``policyzoo calibrate``: `Threshold` thresholds from the dense model on the essays, written to
-    a safetensors file that ``--proj threshold:path=FILE`` loads."""
+    """``policyzoo calibrate``: per-projection values from the dense model on the essays, written to a
+    safetensors file: `Threshold` thresholds (``--method threshold``, for ``--proj
+    threshold:path=FILE``) or fast `TopK` ratios (``--method topk-fast``, for ``--proj
+    topk:mode=fast,path=FILE``)."""
     from .assets import essays_text, load_model
-    from .proj import Threshold
+    from .proj import Threshold, TopK
 
     targets = tuple(t for t in args.targets.split(",") if t)
-    threshold = Threshold(args.keep, targets=targets)  # checks keep and targets before the model loads
+    # Built first: keep and targets are checked before the model loads.
+    if args.method == "threshold":
+        sparsifier, values, spec = Threshold(args.keep, targets=targets), "thresholds", "threshold:path="
+    else:
+        sparsifier, values, spec = TopK(args.keep, targets=targets, mode="fast"), "ratios", "topk:mode=fast,path="
     model, tokenizer = load_model(args.model)
     device = next(model.parameters()).device
     ids = tokenizer(essays_text(), return_tensors="pt").input_ids[0]
@@ -255,12 +261,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     chunks = [c.to(device) for c in chunks if len(c) == args.tokens]
     if not chunks:
         raise ValueError(f"the essays hold {len(ids)} tokens: fewer than one text of --tokens {args.tokens}")
-    threshold.calibrate(model, chunks, max_tokens=args.tokens, progress=not args.no_progress)
-    path = threshold.save(args.out)
-    values = torch.tensor(list(threshold.thresholds.values()))
-    print(f"{len(values)} thresholds (keep {args.keep}, {len(chunks)} texts of {args.tokens} tokens; "
-          f"median {values.median():.4g}, range {values.min():.4g}..{values.max():.4g}) -> {path}\n"
-          f"use them with: --proj threshold:path={path}")  # fmt: skip
+    sparsifier.calibrate(model, chunks, max_tokens=args.tokens, progress=not args.no_progress)
+    path = sparsifier.save(args.out)
+    found = torch.tensor(list(getattr(sparsifier, values).values()))
+    print(f"{len(found)} {values} (keep {args.keep}, {len(chunks)} texts of {args.tokens} tokens; "
+          f"median {found.median():.4g}, range {found.min():.4g}..{found.max():.4g}) -> {path}\n"
+          f"use them with: --proj {spec}{path}")  # fmt: skip
     return 0
 
 
@@ -270,11 +276,16 @@ def _add_calibrate_parser(sub: Any) -> None:
 
     p = sub.add_parser(
         "calibrate",
-        help="Threshold calibration: per-projection thresholds from the essays, to a safetensors file",
-        description="Run the dense model over the embedded essays, set each projection's threshold at the (1 - keep) "
-        "quantile of its input magnitudes (Threshold.calibrate) and write them to --out, for --proj threshold:path=FILE.",
+        help="projection calibration: Threshold thresholds or fast-TopK ratios from the essays, to a safetensors file",
+        description="Run the dense model over the embedded essays and write per-projection values to --out. "
+        "--method threshold: each projection's threshold at the (1 - keep) quantile of its input magnitudes "
+        "(Threshold.calibrate), for --proj threshold:path=FILE. --method topk-fast: each projection's ratio of the "
+        "k-th largest input magnitude to the mean magnitude, median over tokens (TopK.calibrate), for "
+        "--proj topk:mode=fast,path=FILE.",
     )
     p.add_argument("--out", required=True, help="the safetensors file to write")
+    p.add_argument("--method", choices=["threshold", "topk-fast"], default="threshold",
+                   help="what to calibrate (default threshold)")  # fmt: skip
     p.add_argument("--keep", type=_keep_ratio, default=0.5, help="fraction of inputs to keep, in (0, 1] (default 0.5)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model: {DEFAULT_MODEL!r} (embedded), a Hub name or a path")
     p.add_argument("--texts", type=positive_int, default=8, help="essay passages to run (default 8)")

@@ -9,6 +9,7 @@ pairs; a leading value without a key is the policy's first parameter::
     parse_kv("dense")                         # Dense()
     parse_proj("topk:0.5")                    # TopK(keep=0.5)
     parse_proj("threshold:0.5,path=thr.safetensors")   # Threshold.load("thr.safetensors")
+    parse_proj("topk:0.5,mode=fast,path=fast.safetensors")  # TopK.load: the fast mode's ratios
     parse_kv("mine:budget=0.2,path=mine.safetensors")  # a learned policy: MyPolicy.load(path, budget=0.2)
     parse_proj("none")                        # None (dense projections)
 
@@ -51,8 +52,13 @@ KV_DENSE_NAMES = ("dense", "none")
 PROJ_NONE_NAMES = ("none", "dense")
 
 # Parameters a spec may not set (internal state) and extra ones handled here.
-_HIDDEN = {Threshold: ("thresholds",)}
-_EXTRA = {Threshold: {"path": "a safetensors file written by Threshold.save (loads its thresholds)"}}
+_HIDDEN = {Threshold: ("thresholds",), TopK: ("ratios",)}
+_EXTRA = {
+    Threshold: {"path": "a safetensors file written by Threshold.save (loads its thresholds)"},
+    TopK: {"path": "with mode=fast: a safetensors file written by TopK.save (loads its ratios)"},
+}
+# A calibrated sparsifier's field of per-projection values, which `path` loads.
+_CALIBRATED = {Threshold: "thresholds", TopK: "ratios"}
 _KV_EXTRA = {"path": "a safetensors file written by KVSelector.save (its parameters and learned tensors)"}
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.+-]*$")
@@ -81,8 +87,8 @@ def parse_proj(spec: str) -> ProjectionSparsifier | None:
             raise ValueError(f"proj spec {spec!r}: {name!r} takes no parameters")
         return None
     cls = _lookup(name, PROJ_SPARSIFIERS, "projection sparsifier", extra_names=PROJ_NONE_NAMES)
-    if cls is Threshold:
-        return _build_threshold(params, spec)
+    if cls in _CALIBRATED:
+        return _build_calibrated(cls, name, params, spec)
     return _build(cls, name, params, spec)
 
 
@@ -227,23 +233,31 @@ def _build(cls: type, name: str, params: list[tuple[str | None, str]], spec: str
     return _construct(cls, cls, name, _kwargs(cls, name, params, spec), spec)
 
 
-def _build_threshold(params: list[tuple[str | None, str]], spec: str) -> Threshold:
-    kwargs = _kwargs(Threshold, "threshold", params, spec, extra=("path",))
+def _build_calibrated(cls: type, name: str, params: list[tuple[str | None, str]], spec: str) -> ProjectionSparsifier:
+    """`Threshold` or `TopK`, with ``path=FILE`` loading the per-projection values `save` wrote."""
+    kwargs = _kwargs(cls, name, params, spec, extra=("path",))
     path = kwargs.pop("path", None)
     if path is None:
-        return _construct(Threshold, Threshold, "threshold", kwargs, spec)  # calibrate() before use
+        return _construct(cls, cls, name, kwargs, spec)  # a calibrated mode needs calibrate() before use
     if not Path(str(path)).is_file():
-        raise ValueError(f"spec {spec!r}: no threshold file {str(path)!r}")
-    loaded = Threshold.load(str(path))
+        raise ValueError(f"spec {spec!r}: no {name} file {str(path)!r}")
+    try:
+        loaded = cls.load(str(path))
+    except ValueError as e:
+        raise ValueError(f"spec {spec!r}: {e}") from None
+    values = getattr(loaded, _CALIBRATED[cls])
     keep = kwargs.pop("keep", None)
     if keep is not None and abs(float(keep) - loaded.keep) > 1e-9:
         raise ValueError(f"spec {spec!r}: keep={keep} but {path} was calibrated for keep={loaded.keep}")
+    if "mode" in kwargs and kwargs["mode"] != getattr(loaded, "mode", None):
+        raise ValueError(f"spec {spec!r}: mode={kwargs['mode']} but {path} holds mode={loaded.mode}'s ratios")
     if "targets" in kwargs:
         kwargs["targets"] = tuple(kwargs["targets"])
-        missing = [t for t in kwargs["targets"] if not any(n.endswith("." + t) for n in loaded.thresholds)]
+        missing = [t for t in kwargs["targets"] if not any(n.endswith("." + t) for n in values)]
         if missing:
-            raise ValueError(f"spec {spec!r}: {path} has no thresholds for targets {missing}")
+            raise ValueError(f"spec {spec!r}: {path} has no {_CALIBRATED[cls]} for targets {missing}")
+    fixed = {f.name: getattr(loaded, f.name) for f in dataclasses.fields(loaded) if f.name not in ("targets",)}
+    fixed.update({_CALIBRATED[cls]: dict(values)})
     return _construct(
-        lambda **kw: Threshold(keep=loaded.keep, thresholds=loaded.thresholds, **{"targets": loaded.targets, **kw}),
-        Threshold, "threshold", kwargs, spec,
+        lambda **kw: cls(**{**fixed, "targets": loaded.targets, **kw}), cls, name, kwargs, spec,
     )  # fmt: skip

@@ -115,6 +115,14 @@ def test_calibrate_writes_thresholds_that_a_proj_spec_loads(tmp_path):
     proj = parse_proj(f"threshold:path={path}")
     assert proj.keep == 0.4 and len(proj.thresholds) == 30 * 7  # SmolLM2: 30 layers, seven projections
     assert all(v > 0 for v in proj.thresholds.values())
+    fast_path = tmp_path / "fast.safetensors"
+    with contextlib.redirect_stdout(out):
+        argv = ["calibrate", "--method", "topk-fast", "--keep", "0.4", "--texts", "1", "--tokens", "128"]
+        assert cli.main([*argv, "--targets", "gate,up,down", "--out", str(fast_path), "--no-progress"]) == 0
+    assert f"--proj topk:mode=fast,path={fast_path}" in out.getvalue()
+    fast = parse_proj(f"topk:mode=fast,path={fast_path}")
+    assert fast.mode == "fast" and fast.keep == 0.4 and len(fast.ratios) == 30 * 3
+    assert all(0 < v < 5 for v in fast.ratios.values())
 
 
 def test_calibrate_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys):

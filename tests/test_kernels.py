@@ -366,9 +366,10 @@ def test_quest_page_bound_grouped_negative(group, method):
 def gemv_cases(draw):
     g_rand = gen(draw(st.integers(0, 2**31 - 1)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    b = draw(st.integers(1, 3))
+    b = draw(st.sampled_from([1, 2, 3, 18]))  # 18: two row blocks of 16 in the scanning kernels
     d_in = draw(st.integers(1, 300))  # > BLOCK_K (128), so that split-K has slices to split
-    d_out = draw(st.integers(1, 130))
+    segment = draw(st.sampled_from([16, 32]))  # column runs of per-column thresholds
+    d_out = draw(st.one_of(st.integers(1, 130), st.integers(1, 4).map(lambda n: n * segment)))
     x = randn(g_rand, b, d_in, dtype=dtype)
     if draw(st.booleans()):
         w_t = randn(g_rand, d_in, d_out, dtype=dtype)  # input-major, contiguous
@@ -377,7 +378,7 @@ def gemv_cases(draw):
     bias = randn(g_rand, d_out, dtype=dtype) if draw(st.booleans()) else None
     split = draw(st.sampled_from([0, 1, 2, 5]))  # slices of the inputs (split-K); 0: by shape
     fuse = draw(st.booleans())  # split-K epilogue in the last program of each block, or a launch of its own
-    return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse)
+    return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse, segment=segment)
 
 
 @contextmanager
@@ -410,15 +411,45 @@ def test_sparse_gemv_index(case, frac):
 
 @here
 @SETTINGS
-@given(case=gemv_cases(), quantile=st.sampled_from([0.0, 0.5, 0.9, None]))
-def test_sparse_gemv_threshold(case, quantile):
-    x = case["x"]
+@given(case=gemv_cases(), quantile=st.sampled_from([0.0, 0.5, 0.9, None]), per=st.sampled_from(["one", "row", "column"]))
+def test_sparse_gemv_threshold(case, quantile, per):
+    """One threshold, one per batch row, or one per run of ``segment`` output columns (q|k|v in one
+    pass): each output is the GEMV over the inputs its own threshold keeps."""
+    x, w_t, segment = case["x"], case["w_t"], case["segment"]
+    b, d_out = x.shape[0], w_t.shape[1]
+    if per == "column" and d_out % segment:
+        per = "row"
+    q = torch.quantile(x.float().abs(), quantile).item() if quantile is not None else float("inf")
     # None: a threshold above every |x| (nothing kept: y = bias). A tensor threshold stays on device.
-    t = float("inf") if quantile is None else torch.quantile(x.float().abs(), quantile).item()
-    t_arg = torch.tensor(t, device=DEVICE) if quantile == 0.5 else t
+    if per == "one":
+        t = q
+        t_arg = torch.tensor(t, device=DEVICE) if quantile == 0.5 else t
+    else:
+        n = b if per == "row" else d_out // segment
+        spread = torch.rand(n, generator=case["g"]) * 0.5 + 0.75  # thresholds that differ by row or run
+        t_arg = (q * spread).to(DEVICE)
+        t_arg = t_arg[:, None] if per == "row" else t_arg.repeat_interleave(segment)[None, :]
+        t = t_arg
     with poisoned(), epilogue(case):
-        got = dispatch.sparse_gemv_threshold(x, t_arg, case["w_t"], case["bias"])
-    assert_gemv_close(got, ref.sparse_gemv_threshold(x, t, case["w_t"], case["bias"]), case)
+        got = dispatch.sparse_gemv_threshold(x, t_arg, w_t, case["bias"], segment if per == "column" else 0)
+    expected = ref.sparse_gemv_threshold(x, t, w_t, case["bias"], segment)
+    assert_gemv_close(got, expected, case)
+    if per != "one":  # the specification itself: each row / run against the one-threshold GEMV
+        r, c = (slice(0, 1), slice(None)) if per == "row" else (slice(None), slice(0, segment))
+        t0 = float(t_arg[0, 0])
+        bias = case["bias"][c] if case["bias"] is not None else None
+        alone = ref.sparse_gemv_threshold(x[r], t0, w_t[:, c], bias)
+        torch.testing.assert_close(expected[r, c], alone)
+
+
+def test_per_column_thresholds_need_aligned_runs():
+    x, w_t = torch.randn(1, 8, device=DEVICE), torch.randn(8, 48, device=DEVICE)
+    t = torch.ones(1, 48, device=DEVICE)
+    for segment in (0, 8, 20, 32):  # none, not a multiple of 16, not dividing d_out
+        with pytest.raises(ValueError, match="segment"):
+            dispatch.sparse_gemv_threshold(x, t, w_t, None, segment)
+    with pytest.raises(ValueError, match="scalar"):
+        dispatch.sparse_gemv_threshold(x, torch.ones(2, 48, device=DEVICE), w_t)
 
 
 @here
@@ -582,7 +613,7 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.policyzoo.sparse_gemv_index.default, (x, idx, w_t, None), test_utils=checks)
     torch.library.opcheck(
         torch.ops.policyzoo.sparse_gemv_threshold.default,
-        (x, torch.tensor(0.5, device=DEVICE), w_t, None),
+        (x, torch.tensor(0.5, device=DEVICE), w_t, None, 0),
         test_utils=checks,
     )
     torch.library.opcheck(torch.ops.policyzoo.sparse_gemv_mask.default, (x, x > 0, w_t, None), test_utils=checks)

@@ -234,3 +234,83 @@ def test_gated_dense_setting_uses_the_fused_gemm_and_threshold_keeps_its_own_sel
     assert torch.equal(dec.generate(ids, 5, attention_mask=mask), ref_tokens)
     dense = Decoder(copy.deepcopy(model)).use("dense")
     assert torch.equal(dec.use("dense").generate(ids, 5, attention_mask=mask), dense.generate(ids, 5, attention_mask=mask))
+
+
+def test_threshold_runs_each_shared_input_group_in_one_pass(monkeypatch):
+    """On the kernel path q|k|v and gate|up each take one threshold GEMV, with per-column
+    thresholds (each member its own), and decode like per-projection masks (the reference path)."""
+    from policyzoo import kernels
+
+    model = tiny_model("qwen2")  # q/k/v carry biases
+    ids, mask = padded_batch(2, 10)
+    thresholds = {f"{i}.{t}": 0.2 + 0.1 * j for i in range(2) for j, t in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
+    expected = Decoder(copy.deepcopy(model), proj=Threshold(0.5, thresholds=dict(thresholds)))
+    _, ref_logits = expected.generate(ids, 5, attention_mask=mask, output_logits=True)
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    calls = []
+    real = kernels.sparse_gemv_threshold
+    monkeypatch.setattr(kernels, "sparse_gemv_threshold", lambda x, t, *a, **k: calls.append(t.shape) or real(x, t, *a, **k))
+    dec = Decoder(model, proj=Threshold(0.5, thresholds=dict(thresholds)))
+    _, logits = dec.generate(ids, 5, attention_mask=mask, output_logits=True)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=2e-4)
+    cfg = model.config
+    qkv = cfg.hidden_size + 2 * cfg.num_key_value_heads * cfg.head_dim
+    per_step = [s for s in calls[: len(calls) // 4]]  # one of the four decode steps
+    assert sorted(per_step) == sorted([torch.Size([1, qkv]), torch.Size([]), torch.Size([1, 2 * cfg.intermediate_size]),
+                                       torch.Size([])] * cfg.num_hidden_layers)
+
+
+def test_threshold_groups_fall_back_to_one_gemv_per_member_when_columns_do_not_align(monkeypatch):
+    """A group whose member sizes share no multiple of 16 (here 3-wide heads) cannot read one
+    threshold per block of outputs: each member runs its own GEMV, with the same result."""
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    model.config.head_dim = 16
+    sizes = (24, 12, 12)
+    assert Threshold(0.5).project_group(["0.q", "0.k", "0.v"], sizes, torch.randn(1, 8), torch.randn(8, 48), None) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fast_topk_keeps_about_keep_of_every_token_and_round_trips(tmp_path, rows):
+    model = tiny_model("llama")
+    texts = [torch.randint(1, 128, (200,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    fast = TopK(0.4, mode="fast").calibrate(model, texts)
+    assert set(fast.ratios) == {f"{i}.{t}" for i in range(2) for t in ("q", "k", "v", "o", "gate", "up", "down")}
+    assert fast.ratios["0.q"] == fast.ratios["0.k"]  # one input, one ratio
+    path = fast.save(tmp_path / "fast.safetensors")
+    loaded = TopK.load(path)
+    assert loaded.mode == "fast" and loaded.keep == 0.4 and loaded.ratios == pytest.approx(fast.ratios)
+    ids, mask = padded_batch(rows, 32, seed=7)
+    dec = Decoder(model, proj=loaded)
+    dec.generate(ids, 8, attention_mask=mask, audit=True)
+    keeps = torch.cat([torch.cat(v) for v in dec.last_audit.proj_keep.values()])  # per projection call
+    assert dec.last_audit.mean("proj_keep") == pytest.approx(0.4, abs=0.06)
+    assert keeps.std() < 0.12  # close to keep on each call, not only on average
+    with pytest.raises(ValueError, match="not a policyzoo fast-TopK file"):
+        TopK.load(Threshold(0.4).calibrate(model, texts[:1]).save(tmp_path / "thr.safetensors"))
+    with pytest.raises(ValueError, match="not a policyzoo Threshold file"):
+        Threshold.load(path)
+
+
+def test_fast_topk_errors_are_clear():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        TopK(0.5, mode="quick")
+    with pytest.raises(ValueError, match="mode='fast'"):
+        TopK(0.5, ratios={"0.q": 1.0})
+    with pytest.raises(ValueError, match="only TopK\\(mode='fast'\\) calibrates"):
+        TopK(0.5).calibrate(tiny_model("llama"), [torch.ones(4, dtype=torch.long)])
+    with pytest.raises(ValueError, match="no fast-TopK ratio for projection '0.q'"):
+        Decoder(tiny_model("llama"), proj=TopK(0.5, mode="fast")).generate(torch.ones(1, 4, dtype=torch.long), 3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_topk_kernel_path_decodes_like_the_reference_at_batch_above_one(monkeypatch, mode):
+    """At batch > 1 the kernels read each weight row once for the union of the rows' kept sets:
+    the logits stay those of per-row masks."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(3, 12)
+    ratios = {f"{i}.{t}": 0.6 for i in range(2) for t in ("q", "k", "v", "o", "gate", "up", "down")}
+    make = (lambda: TopK(0.4)) if mode == "exact" else (lambda: TopK(0.4, mode="fast", ratios=dict(ratios)))
+    _, expected = _decode_logits(copy.deepcopy(model), ids, mask, make())
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    _, got = _decode_logits(model, ids, mask, make())
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)

@@ -51,6 +51,22 @@ def test_documented_proj_forms(tmp_path):
         parse_proj(f"threshold:0.5,path={tmp_path / 'missing.safetensors'}")
 
 
+def test_fast_topk_spec_loads_its_ratios(tmp_path):
+    assert parse_proj("topk:0.5,mode=fast").mode == "fast"
+    path = TopK(keep=0.4, mode="fast", targets=("gate", "up"), ratios={"0.gate": 0.7, "0.up": 0.7}).save(tmp_path / "f.safetensors")
+    loaded = parse_proj(f"topk:mode=fast,path={path}")
+    assert isinstance(loaded, TopK) and loaded.mode == "fast" and loaded.keep == 0.4
+    assert loaded.ratios == {"0.gate": pytest.approx(0.7), "0.up": pytest.approx(0.7)} and loaded.targets == ("gate", "up")
+    assert parse_proj(f"topk:path={path}").mode == "fast"  # the file says which mode
+    with pytest.raises(ValueError, match="mode=exact but"):
+        parse_proj(f"topk:mode=exact,path={path}")
+    with pytest.raises(ValueError, match="no ratios for targets"):
+        parse_proj(f"topk:targets=down,path={path}")
+    thr = Threshold(keep=0.4, thresholds={"0.q": 1.0}).save(tmp_path / "t.safetensors")
+    with pytest.raises(ValueError, match="not a policyzoo fast-TopK file"):
+        parse_proj(f"topk:path={thr}")
+
+
 def test_unknown_names_list_what_is_accepted():
     with pytest.raises(ValueError) as e:
         parse_kv("qwest:0.25")

@@ -86,11 +86,13 @@ def sparse_gemv_index(x, idx, w_t, bias=None):
     return reference.sparse_gemv_index(x, idx, w_t, bias)
 
 
-def sparse_gemv_threshold(x, t, w_t, bias=None):
-    """``[B, d_out]`` over the inputs with ``|x| >= t``, input-major ``w_t [d_in, d_out]``."""
+def sparse_gemv_threshold(x, t, w_t, bias=None, segment=0):
+    """``[B, d_out]`` over the inputs with ``|x| >= t``, input-major ``w_t [d_in, d_out]``; ``t`` one
+    threshold, one per row ``[B, 1]``, or one per output column ``[1, d_out]`` constant over runs of
+    ``segment`` columns."""
     if dispatch.use_triton(x):
-        return dispatch.sparse_gemv_threshold(x, t, w_t, bias)
-    return reference.sparse_gemv_threshold(x, t, w_t, bias)
+        return dispatch.sparse_gemv_threshold(x, t, w_t, bias, segment)
+    return reference.sparse_gemv_threshold(x, t, w_t, bias, segment)
 
 
 __all__ = [

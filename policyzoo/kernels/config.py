@@ -189,9 +189,14 @@ class GemvConfig:
     `kernels.scratch`), from `min_fused_split` slices up, instead of an epilogue launch."""
     min_fused_split: int = 3
     """Slices from which the epilogue is fused."""
+    block_b: int = 16
+    """Batch rows per program of the threshold and mask kernels at batch > 1 (a power of two, 16 at
+    least: tl.dot's size). A program reads each weight row once for the union of its rows."""
 
     def __post_init__(self) -> None:
-        _powers_of_two(self, "block_n", "block_k", "num_warps", "sum_block")
+        _powers_of_two(self, "block_n", "block_k", "num_warps", "sum_block", "block_b")
+        if self.block_b < 16:
+            raise ValueError(f"GemvConfig.block_b must be 16 at least (tl.dot's size), got {self.block_b}")
         _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split")
         _non_negative(self, "split")
         if not isinstance(self.fuse_epilogue, bool):

@@ -241,13 +241,13 @@ def _(x, idx, w_t, bias):
 
 
 @torch.library.custom_op("policyzoo::sparse_gemv_threshold", mutates_args=())
-def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+def _sparse_gemv_threshold_op(x: Tensor, t: Tensor, w_t: Tensor, bias: Tensor | None, segment: int) -> Tensor:
     _need_triton()
-    return _gemv.sparse_gemv_threshold(x, t, w_t, bias)
+    return _gemv.sparse_gemv_threshold(x, t, w_t, bias, segment)
 
 
 @_sparse_gemv_threshold_op.register_fake
-def _(x, t, w_t, bias):
+def _(x, t, w_t, bias, segment):
     return _gemv_fake(x, w_t)
 
 
@@ -267,10 +267,14 @@ def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None =
     return torch.ops.policyzoo.sparse_gemv_index(x, idx, w_t, bias)
 
 
-def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`reference.sparse_gemv_threshold` on Triton; a 0-dim tensor ``t`` on x's device avoids a copy."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
-    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias)
+def sparse_gemv_threshold(
+    x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None, segment: int = 0
+) -> Tensor:
+    """`reference.sparse_gemv_threshold` on Triton; a ``t`` tensor on x's device avoids a copy."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    _gemv.threshold_strides(t, x.shape[0], w_t.shape[1])  # bad shapes fail here, before the op
+    _gemv.check_segment(t, w_t.shape[1], segment)
+    return torch.ops.policyzoo.sparse_gemv_threshold(x, t, w_t, bias, int(segment))
 
 
 def sparse_gemv_mask(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:

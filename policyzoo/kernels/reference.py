@@ -260,11 +260,22 @@ def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None =
     return sparse_linear(x, w_t.t(), bias, keep)
 
 
-def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`sparse_linear` over the inputs with ``|x| >= t``, compared in fp32 (``t`` a scalar), like
-    `Threshold.keep_mask`."""
+def sparse_gemv_threshold(
+    x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None, segment: int = 0
+) -> Tensor:
+    """`sparse_linear` over the inputs with ``|x| >= t``, compared in fp32, like
+    `Threshold.keep_mask`. ``t``: a scalar, ``[B, 1]`` (per row) or ``[1, d_out]`` (per output
+    column, constant over runs of ``segment`` columns: each run is its own projection)."""
     t = torch.as_tensor(t, device=x.device, dtype=torch.float32)
-    return sparse_linear(x, w_t.t(), bias, x.abs().float() >= t)
+    mags = x.abs().float()
+    if t.dim() < 2 or t.shape[1] == 1:
+        return sparse_linear(x, w_t.t(), bias, mags >= t)
+    runs = range(0, w_t.shape[1], segment)
+    return torch.cat(
+        [sparse_linear(x, w_t[:, c : c + segment].t(), None if bias is None else bias[c : c + segment], mags >= t[:, c])
+         for c in runs],
+        dim=-1,
+    )
 
 
 def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:

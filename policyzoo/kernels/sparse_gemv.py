@@ -47,29 +47,31 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
-def _store_result(acc, y_ptr, part_ptr, bias_ptr, done_ptr, b, s, n_split, d_out, s_yb, offs_n, n_mask,
-                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr):
+def _store_tile(acc, rows, r_mask, y_ptr, part_ptr, bias_ptr, done, s, n_split, d_out, s_yb, offs_n, n_mask,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr):
+    """Store ``acc [rows, BLOCK_N]`` (fp32): the outputs, or with ``SPLIT`` this slice's partials,
+    summed by the last program of the output block to arrive (its counter ``done``) when ``FUSE``."""
+    mask = r_mask[:, None] & n_mask[None, :]
     if SPLIT:  # fp32 partial of this slice of the inputs; bias and cast after the sum over slices
-        tl.store(part_ptr + (b * n_split + s) * d_out + offs_n, acc, mask=n_mask)
+        tl.store(part_ptr + (rows[:, None] * n_split + s) * d_out + offs_n[None, :], acc, mask=mask)
         if FUSE:
             # The barrier orders every thread's partial stores before the counter's release, the
             # counter's acquire orders them before the last program's reads (.cg: past this SM's
             # L1). That program resets the counter, so the buffer is zero again for the next launch.
             tl.debug_barrier()
-            done = done_ptr + b * tl.num_programs(0) + tl.program_id(0)
             if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == n_split - 1:
                 total = tl.zeros_like(acc)
                 for t in range(0, n_split):
-                    total += tl.load(part_ptr + (b * n_split + t) * d_out + offs_n, mask=n_mask, other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(part_ptr + (rows[:, None] * n_split + t) * d_out + offs_n[None, :], mask=mask,
+                                     other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
-                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                tl.store(y_ptr + b * s_yb + offs_n, total, mask=n_mask)
+                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + rows[:, None] * s_yb + offs_n[None, :], total, mask=mask)
                 tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + b * s_yb + offs_n, acc, mask=n_mask)
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * s_yb + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -99,45 +101,67 @@ def _gemv_index_kernel(
             other=0.0,
         )
         acc += xv[:, None] * w.to(tl.float32)
-    _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, done_ptr, b, s, tl.num_programs(1), d_out, s_yb,
-                  offs_n, n_mask, HAS_BIAS, SPLIT, FUSE)
+    rows = b + tl.arange(0, 1)
+    _store_tile(tl.sum(acc, 0)[None, :], rows, rows == b, y_ptr, part_ptr, bias_ptr,
+                done_ptr + b * tl.num_programs(0) + pid_n, s, tl.num_programs(1), d_out, s_yb, offs_n, n_mask,
+                HAS_BIAS, SPLIT, FUSE)
 
 
 @triton.jit
 def _gemv_scan_kernel(
     x_ptr, keep_ptr, t_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, done_ptr,
-    d_in, d_out, k_per,
-    s_xb, s_kb, s_wk, s_wn, s_yb,
+    n_rows, d_in, d_out, k_per,
+    s_xb, s_kb, s_tb, s_tn, s_wk, s_wn, s_yb,
     FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_b = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < d_out
+    rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    r_mask = rows < n_rows
     if not FROM_MASK:
-        t = tl.load(t_ptr)  # fp32: |x| is compared in fp32, as in Threshold.keep_mask
+        # fp32, as in Threshold.keep_mask: one threshold per row for this block of outputs (the
+        # launcher makes every block lie inside one run of equal column thresholds).
+        t = tl.load(t_ptr + rows * s_tb + (pid_n * BLOCK_N) * s_tn, mask=r_mask, other=float("inf"))
     k_end = tl.minimum((s + 1) * k_per, d_in)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
+    if BLOCK_B == 1:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
+    else:
+        acc = tl.zeros([BLOCK_B, BLOCK_N], tl.float32)
     for k0 in range(s * k_per, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_end
-        x_raw = tl.load(x_ptr + b * s_xb + offs_k, mask=k_mask, other=0.0)
+        xm = r_mask[:, None] & k_mask[None, :]
+        x_raw = tl.load(x_ptr + rows[:, None] * s_xb + offs_k[None, :], mask=xm, other=0.0)
         if FROM_MASK:
-            kept = k_mask & (tl.load(keep_ptr + b * s_kb + offs_k, mask=k_mask, other=0) != 0)
+            kept = xm & (tl.load(keep_ptr + rows[:, None] * s_kb + offs_k[None, :], mask=xm, other=0) != 0)
         else:
-            kept = k_mask & (tl.abs(x_raw.to(tl.float32)) >= t)
-        # Predicated on `kept`: the weight rows of dropped features are never fetched.
+            kept = xm & (tl.abs(x_raw.to(tl.float32)) >= t[:, None])
+        # A weight row is fetched once for the block's rows, when any of them keeps its feature
+        # (the union); the rows of features no row keeps are never fetched (a masked-off load
+        # issues no memory transaction).
+        union = tl.max(kept.to(tl.int32), 0) != 0
         w = tl.load(
             w_ptr + offs_k[:, None].to(tl.int64) * s_wk + offs_n[None, :] * s_wn,
-            mask=kept[:, None] & n_mask[None, :],
+            mask=union[:, None] & n_mask[None, :],
             other=0.0,
         )
         xv = tl.where(kept, x_raw.to(tl.float32), 0.0)
-        acc += xv[:, None] * w.to(tl.float32)
-    _store_result(tl.sum(acc, 0), y_ptr, part_ptr, bias_ptr, done_ptr, b, s, tl.num_programs(1), d_out, s_yb,
-                  offs_n, n_mask, HAS_BIAS, SPLIT, FUSE)
+        if BLOCK_B == 1:
+            acc += tl.sum(xv, 0)[:, None] * w.to(tl.float32)
+        elif IEEE:
+            acc = tl.dot(xv, w.to(tl.float32), acc, input_precision="ieee")
+        else:  # bf16/fp16: x is exact in w's dtype, the products exact in fp32
+            acc = tl.dot(xv.to(w.dtype), w, acc)
+    if BLOCK_B == 1:
+        out = tl.sum(acc, 0)[None, :]
+    else:
+        out = acc
+    _store_tile(out, rows, r_mask, y_ptr, part_ptr, bias_ptr, done_ptr + pid_b * tl.num_programs(0) + pid_n, s,
+                tl.num_programs(1), d_out, s_yb, offs_n, n_mask, HAS_BIAS, SPLIT, FUSE)
 
 
 @triton.jit
@@ -170,21 +194,33 @@ def _slice_len(k: int, split: int, block_k: int) -> int:
     return triton.cdiv(triton.cdiv(max(k, 1), split), block_k) * block_k
 
 
-def gemv_config(k: int, d_out: int, rows: int) -> GemvConfig:
+def row_block(rows: int, cfg: GemvConfig) -> int:
+    """Batch rows per program of the scanning kernels: 1 for one row, else `GemvConfig.block_b`."""
+    return 1 if rows <= 1 else cfg.block_b
+
+
+def gemv_config(k: int, d_out: int, rows: int, align: int = 0, dot: bool = False) -> GemvConfig:
     """The launch parameters of a call over ``k`` kept features (all ``d_in`` for the scanning
-    kernels), ``d_out`` outputs and ``rows`` batch rows: the config in force (`config.current`) with
-    `split` settled and `fuse_epilogue` true only where the epilogue is fused for it.
+    kernels), ``d_out`` outputs and ``rows`` programs' worth of batch rows (batch rows for the index
+    kernel, row blocks for the scanning ones): the config in force (`config.current`) with `split`
+    settled and `fuse_epilogue` true only where the epilogue is fused for it.
 
     ``split`` 0 splits the features until about `target_programs` programs (one program per output
     block and row is too few for a GPU's memory system when d_out is small), each slice keeping
     `min_tiles_per_split` tiles at least; a split is then rounded to whole tiles per slice, which
-    can leave fewer slices. The epilogue is fused from `min_fused_split` slices.
+    can leave fewer slices. The epilogue is fused from `min_fused_split` slices. ``align`` > 0 caps
+    `block_n` at the largest power of two dividing it, so that no block straddles a multiple of it;
+    ``dot`` (row blocks through tl.dot) raises `block_n` and `block_k` to 16 at least.
     """
-    return _choose(current(GemvConfig), k, d_out, rows)
+    return _choose(current(GemvConfig), k, d_out, rows, align, dot)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int) -> GemvConfig:
+def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int, align: int = 0, dot: bool = False) -> GemvConfig:
+    if align:
+        cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, align & -align))
+    if dot:
+        cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, 16), block_k=max(cfg.block_k, 16))
     split = cfg.split
     if split == 0:
         programs = triton.cdiv(d_out, cfg.block_n) * max(rows, 1)
@@ -194,20 +230,28 @@ def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int) -> GemvConfig:
     return dataclasses.replace(cfg, split=split, fuse_epilogue=fuse)
 
 
-def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, **meta):
+def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, block_b=0, align=0, **meta):
+    """Launch ``kernel`` over a grid (output blocks, slices, row programs): one row per program for
+    the index kernel (``block_b`` 0), row blocks of ``block_b`` for the scanning kernel."""
     b, d_out = x.shape[0], w_t.shape[1]
-    cfg = gemv_config(k, d_out, b)
+    row_programs = b if block_b == 0 else triton.cdiv(b, block_b)
+    cfg = gemv_config(k, d_out, row_programs, align, dot=block_b > 1)
     split, n_blocks = cfg.split, triton.cdiv(d_out, cfg.block_n)
     y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
     part = done = None
     if split > 1:
         part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
-        done = scratch.zeroed("gemv_counters", n_blocks * b, x.device) if cfg.fuse_epilogue else None
-    kernel[(n_blocks, split, b)](
+        done = scratch.zeroed("gemv_counters", n_blocks * row_programs, x.device) if cfg.fuse_epilogue else None
+    if block_b:
+        # fp32 operands take the exact fp32 dot (not tf32). So does the interpreter, whose tl.dot
+        # computes bf16 operands on their raw bits.
+        ieee = INTERPRET or x.dtype == torch.float32 or w_t.dtype == torch.float32
+        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee)
+    kernel[(n_blocks, split, row_programs)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,
-        k, d_out, _slice_len(k, split, cfg.block_k),
-        x.stride(0), strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0),
+        *((b,) if block_b else ()), k, d_out, _slice_len(k, split, cfg.block_k),
+        x.stride(0), *strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, FUSE=done is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta,
     )
@@ -221,38 +265,65 @@ def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, **meta):
 
 
 def sparse_gemv_index(x: Tensor, idx: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``[B, d_out]`` from the kept features ``idx int[B, k]`` of ``x [B, d_in]``."""
+    """``[B, d_out]`` from the kept features ``idx int[B, k]`` of ``x [B, d_in]`` (each row reads
+    its own weight rows)."""
     x, b, d_out = _check(x, w_t)
     if b * d_out == 0:
         return _alloc(b, d_out, dtype=x.dtype, device=x.device)
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
-    return _launch(_gemv_index_kernel, x, w_t, bias, idx.shape[1], (x, idx), idx.stride(0))
+    return _launch(_gemv_index_kernel, x, w_t, bias, idx.shape[1], (x, idx), (idx.stride(0),))
 
 
-def _scan(x, keep, t, w_t, bias):
+def threshold_strides(t: Tensor, b: int, d_out: int) -> tuple[int, int]:
+    """``(row, column)`` strides of a threshold ``t``: 0-dim (one for all), ``[B, 1]`` (one per row)
+    or ``[1, d_out]`` (one per output column); a size-1 dimension is broadcast (stride 0)."""
+    if t.dim() == 0:
+        return 0, 0
+    if t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] not in (1, d_out) or (t.shape[0] > 1 and t.shape[1] > 1):
+        raise ValueError(f"a threshold must be a scalar, [B, 1] or [1, d_out] (B={b}, d_out={d_out}), got {tuple(t.shape)}")
+    return (t.stride(0) if t.shape[0] > 1 else 0), (t.stride(1) if t.shape[1] > 1 else 0)
+
+
+def _scan(x, keep, t, w_t, bias, segment=0):
     x, b, d_out = _check(x, w_t)
     if b * d_out == 0:
         return _alloc(b, d_out, dtype=x.dtype, device=x.device)
+    block_b = row_block(b, current(GemvConfig))
     if keep is not None:
         keep = keep.contiguous().view(torch.uint8) if keep.dtype == torch.bool else keep.contiguous()
-    return _launch(
-        _gemv_scan_kernel, x, w_t, bias, x.shape[1],
-        (x, keep if keep is not None else x, t if t is not None else x),
-        keep.stride(0) if keep is not None else 0,
-        FROM_MASK=keep is not None,
-    )
+        return _launch(_gemv_scan_kernel, x, w_t, bias, x.shape[1], (x, keep, x), (keep.stride(0), 0, 0),
+                       block_b=block_b, FROM_MASK=True)
+    s_tb, s_tn = threshold_strides(t, b, d_out)
+    return _launch(_gemv_scan_kernel, x, w_t, bias, x.shape[1], (x, x, t), (0, s_tb, s_tn),
+                   block_b=block_b, align=segment if s_tn else 0, FROM_MASK=False)
 
 
-def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``[B, d_out]`` over the features with ``|x| >= t``; ``t`` a float or a 0-dim tensor (a tensor
-    on x's device avoids a host-to-device copy per call)."""
-    t = torch.as_tensor(t, dtype=torch.float32, device=x.device).reshape(())
-    return _scan(x, None, t, w_t, bias)
+def check_segment(t: Tensor, d_out: int, segment: int) -> None:
+    """Per-column thresholds are read once per block of outputs: they must be constant over runs
+    of ``segment`` columns, and ``segment`` a multiple of 16 (the narrowest block it allows)."""
+    if t.dim() == 2 and t.shape[1] > 1 and (segment <= 0 or segment % 16 or d_out % segment):
+        raise ValueError(
+            f"per-column thresholds need segment, a multiple of 16 dividing d_out={d_out}, over which they are "
+            f"constant; got segment={segment}"
+        )
+
+
+def sparse_gemv_threshold(x: Tensor, t: Tensor | float, w_t: Tensor, bias: Tensor | None = None,
+                          segment: int = 0) -> Tensor:
+    """``[B, d_out]`` over the features with ``|x| >= t`` (compared in fp32). ``t``: a float or a
+    0-dim tensor (one threshold), ``[B, 1]`` (one per row) or ``[1, d_out]`` (one per output column,
+    constant over runs of ``segment`` columns: q|k|v in one pass, each with its own threshold). A
+    tensor on x's device avoids a host-to-device copy per call. Rows of a batch share each weight
+    row they keep (one read for the union)."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    check_segment(t, w_t.shape[1], segment)
+    return _scan(x, None, t, w_t, bias, segment)
 
 
 def sparse_gemv_mask(x: Tensor, keep: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``[B, d_out]`` over the features where ``keep [B, d_in]`` (bool) is set."""
+    """``[B, d_out]`` over the features where ``keep [B, d_in]`` (bool) is set (one read per weight
+    row for the union of the rows)."""
     return _scan(x, keep, None, w_t, bias)
 
 
-__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "gemv_config", "INTERPRET"]
+__all__ = ["sparse_gemv_index", "sparse_gemv_threshold", "sparse_gemv_mask", "gemv_config", "check_segment", "INTERPRET"]

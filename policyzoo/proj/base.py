@@ -7,9 +7,9 @@ wraps an `nn.Linear` and, in decode, computes the projection over the kept featu
 On the kernel path, projections that read the same input (q/k/v, gate/up: `_compat.SHARED_INPUT`)
 form a `SharedInput` group: one GEMM over their concatenated input-major weights computes all of
 them when they run dense (prefill, dense decoding: `fuse_shared_inputs` groups them for a Decoder
-without a sparsifier too), and, where the kept set depends on the input alone
-(`ProjectionSparsifier.input_only`, e.g. `TopK`), one selection and one sparse GEMV serve the group
-in sparse decoding, instead of one top-k and one launch per projection.
+without a sparsifier too), and one sparse GEMV computes them in sparse decoding
+(`ProjectionSparsifier.project_group`): one selection where the kept set depends on the input alone
+(`ProjectionSparsifier.input_only`, e.g. `TopK`), per-column thresholds for `Threshold`.
 """
 
 from __future__ import annotations
@@ -70,6 +70,14 @@ class ProjectionSparsifier:
         keep = self.keep_mask(name, x)
         return kernels.sparse_linear(x, w_t.t(), bias, keep)
 
+    def project_group(
+        self, names: Sequence[str], sizes: Sequence[int], x: Tensor, w_t: Tensor, bias: Tensor | None
+    ) -> Tensor | None:
+        """The sparse projections ``names`` of one input ``x [B, d_in]`` in one pass over their
+        concatenated input-major weights ``w_t [d_in, Σ sizes]``, or None where each member must run
+        its own. Input-only sparsifiers share one kept set; others override this where they can."""
+        return self.project(names[0], x, w_t, bias) if self.input_only else None
+
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
         """Replace the target linears of every decoder layer by `SparseLinear` wrappers, and group
         the projections of a shared input (`fuse_shared_inputs`)."""
@@ -96,6 +104,21 @@ def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
             same = all(m.sparsifier is members[0].sparsifier for m in members)
             if same and all(m.w_t is not None and m.group is None for m in members):
                 SharedInput(members)
+
+
+def shared_groups(model: nn.Module, sparsifier: "ProjectionSparsifier | None" = None) -> list["SharedInput"]:
+    """The `SharedInput` groups of ``model`` (those of ``sparsifier`` only, when given), in layer order."""
+    groups: list[SharedInput] = []
+    for module in model.modules():
+        if isinstance(module, SparseLinear) and module.group is not None and module.group.members[0] is module:
+            if sparsifier is None or module.sparsifier is sparsifier:
+                groups.append(module.group)
+    return groups
+
+
+def group_segment(sizes: Sequence[int]) -> int:
+    """The widest run of columns on which every member boundary of a group falls: ``gcd(sizes)``."""
+    return math.gcd(*sizes)
 
 
 def _linear(layer: nn.Module, target: str) -> nn.Module:
@@ -173,9 +196,10 @@ class SparseLinear(nn.Module):
 
 
 class SharedInput:
-    """Projections that read one input, computed together: one dense GEMM, or, in sparse decoding
-    with an input-only sparsifier, one selection and one sparse GEMV (a sparsifier whose kept set
-    depends on the projection, such as `Threshold`, runs each member's own sparse GEMV).
+    """Projections that read one input, computed together: one dense GEMM, or, in sparse decoding,
+    one sparse GEMV (`ProjectionSparsifier.project_group`: one selection for an input-only
+    sparsifier, per-column thresholds for `Threshold`; a sparsifier that cannot serve the group in
+    one pass runs each member's own).
 
     The members' input-major weights are concatenated once into ``w_t [d_in, Σ d_out]``; each
     member's ``w_t`` and ``linear.weight`` become views of it (no second copy). The first member
@@ -206,13 +230,13 @@ class SharedInput:
     def output(self, member: SparseLinear, x: Tensor) -> Tensor:
         """``member``'s output ``[N, d_out]`` for input ``x [..., d_in]``."""
         x2 = x.reshape(-1, x.shape[-1])
-        sparse = member.sparse_now()
-        if sparse and not member.sparsifier.input_only:
-            return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias)
         if self._input is not x:
             first = self.members[0]
-            if sparse:
-                y = first.sparsifier.project(first.name, x2, self.w_t, self.bias)
+            if member.sparse_now():
+                names = [m.name for m in self.members]
+                y = first.sparsifier.project_group(names, self.sizes, x2, self.w_t, self.bias)
+                if y is None:  # the sparsifier cannot serve the group in one pass
+                    return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias)
             else:
                 y = torch.nn.functional.linear(x2, self.w_t.t(), self.bias)
             self._input, self._outputs, self._pending = x, y.split(self.sizes, dim=-1), len(self.members)

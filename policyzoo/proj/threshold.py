@@ -9,19 +9,16 @@ token, which is the point (and the reason to audit it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from .. import kernels
-from .._compat import PROJECTIONS, check_supported, decoder_layers
-from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets
+from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, group_segment, shared_groups
+from .calibration import DeviceScalars, check_values, collect_inputs, load_values, save_values
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -31,7 +28,11 @@ _SAMPLES_PER_PROJECTION = 1 << 18  # enough for a stable quantile, small enough 
 
 @dataclass
 class Threshold(ProjectionSparsifier):
-    """Keep inputs whose magnitude reaches the calibrated per-projection threshold."""
+    """Keep inputs whose magnitude reaches the calibrated per-projection threshold.
+
+    Projections of one input (q|k|v, gate|up) run as one sparse GEMV over their concatenated
+    weights, each output column compared against its own projection's threshold.
+    """
 
     keep: float = 0.5
     targets: Sequence[str] = ALL_TARGETS
@@ -40,46 +41,34 @@ class Threshold(ProjectionSparsifier):
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
         self.targets = check_targets(self.targets)
-        if not isinstance(self.thresholds, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in self.thresholds.items()
-        ):
-            raise TypeError(f"thresholds must be a dict {{'<layer>.<target>': number}}, got {self.thresholds!r}")
-        bad = [k for k, v in self.thresholds.items() if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"thresholds[{bad[0]!r}] must be a finite number, got {self.thresholds[bad[0]]}")
-        self._cache: dict[str, Tensor] = {}
+        check_values(self.thresholds, "thresholds")
+        self._device = DeviceScalars(self.thresholds, "threshold", "call calibrate() or load() first")
 
     def threshold(self, name: str, device: torch.device) -> Tensor:
         """Projection ``name``'s threshold as a 0-dim fp32 tensor on ``device``: the one `install`
         made, or (used outside a Decoder) one made now."""
-        t = self._cache.get(name)
-        if t is not None and t.device == device:
-            return t
-        if name not in self.thresholds:
-            raise ValueError(f"Threshold has no threshold for projection {name!r}: call calibrate() or load() first")
-        t = self._cache[name] = torch.tensor(self.thresholds[name], device=device, dtype=torch.float32)
-        return t
+        return self._device.scalar(name, device)
 
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
-        """Wrap the projections and make every calibrated threshold a device tensor, once.
-
-        A compiled step must not make them: a tensor created inside a step that CUDA graphs replay
-        is overwritten by the next replay. `calibrate` later updates these tensors in place.
-        """
-        device = next(model.parameters()).device
-        for name, value in self.thresholds.items():
-            t = self._cache.get(name)
-            if t is None or t.device != device:
-                t = self._cache[name] = torch.tensor(value, device=device, dtype=torch.float32)
-                if device.type == "cuda":
-                    torch._dynamo.mark_static_address(t)
+        """Wrap the projections, then make every calibrated threshold (and each q|k|v or gate|up
+        group's per-column thresholds) a device tensor, once; `calibrate` later updates them in place."""
         super().install(model, runtime)
+        groups = [(tuple(m.name for m in g.members), tuple(g.sizes)) for g in shared_groups(model, self)]
+        self._device.install(next(model.parameters()).device, groups)
+        self._groups = groups
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         return x.abs().float() >= self.threshold(name, x.device)
 
     def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
         return kernels.sparse_gemv_threshold(x, self.threshold(name, x.device), w_t, bias)
+
+    def project_group(self, names, sizes, x, w_t, bias):
+        columns = self._device.columns(tuple(names))
+        segment = group_segment(sizes)
+        if columns is None or columns.device != x.device or segment % 16:
+            return None  # each member runs its own GEMV
+        return kernels.sparse_gemv_threshold(x, columns, w_t, bias, segment)
 
     @torch.no_grad()
     def calibrate(
@@ -92,38 +81,15 @@ class Threshold(ProjectionSparsifier):
     ) -> "Threshold":
         """Set thresholds from the dense model's activations on ``texts`` (strings need ``tokenizer``;
         each is cut to ``max_tokens``), with a progress bar over the texts if ``progress``."""
-        check_supported(model)
-        if len(texts) == 0:
-            raise ValueError("texts must hold at least one text")
-        samples: dict[str, list[Tensor]] = {}
-        hooks = []
-        for i, layer in enumerate(decoder_layers(model)):
-            for target in self.targets:
-                parent, linear = PROJECTIONS[target]
-                module = getattr(getattr(layer, parent), linear)
-                name = f"{i}.{target}"
-                hooks.append(module.register_forward_pre_hook(_collector(samples.setdefault(name, []))))
-        try:
-            device = next(model.parameters()).device
-            for text in tqdm(texts, desc="calibrate", unit="text", disable=not progress):
-                if isinstance(text, str):
-                    if tokenizer is None:
-                        raise ValueError("texts are strings: pass the model's tokenizer")
-                    ids = tokenizer(text, return_tensors="pt").input_ids
-                else:
-                    ids = torch.as_tensor(text).reshape(1, -1)
-                model(input_ids=ids[:, :max_tokens].to(device), use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
+        mags = collect_inputs(model, texts, self.targets, _magnitude_sample, tokenizer, max_tokens, progress)
         g = torch.Generator().manual_seed(0)
-        for name, chunks in samples.items():
-            mags = torch.cat(chunks)
-            if mags.numel() > _SAMPLES_PER_PROJECTION:
-                mags = mags[torch.randperm(mags.numel(), generator=g)[:_SAMPLES_PER_PROJECTION]]
-            self.thresholds[name] = float(torch.quantile(mags, 1.0 - self.keep)) if self.keep < 1 else 0.0
-            if name in self._cache:  # in place: an installed, compiled step keeps reading this tensor
-                self._cache[name].fill_(self.thresholds[name])
+        for name, m in mags.items():
+            if m.numel() > _SAMPLES_PER_PROJECTION:
+                m = m[torch.randperm(m.numel(), generator=g)[:_SAMPLES_PER_PROJECTION]]
+            self.thresholds[name] = float(torch.quantile(m, 1.0 - self.keep)) if self.keep < 1 else 0.0
+        self._device.refresh()  # an installed, compiled step keeps reading the same tensors
+        if getattr(self, "_groups", None) is not None:
+            self._device.install(next(model.parameters()).device, self._groups)
         return self
 
     def save(self, path: str | Path) -> Path:
@@ -131,31 +97,17 @@ class Threshold(ProjectionSparsifier):
         returns its path."""
         if not self.thresholds:
             raise ValueError("nothing to save: calibrate() first")
-        tensors = {name: torch.tensor([t], dtype=torch.float32) for name, t in self.thresholds.items()}
-        save_file(tensors, str(path), metadata={"keep": repr(self.keep), "targets": ",".join(self.targets)})
-        return Path(path)
+        return save_values(path, self.thresholds, {"keep": repr(self.keep), "targets": ",".join(self.targets)})
 
     @classmethod
     def load(cls, path: str | Path) -> "Threshold":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        if "keep" not in meta:
-            raise ValueError(f"{path} is not a policyzoo Threshold file (no 'keep' metadata)")
-        tensors = load_file(str(path))
-        return cls(
-            keep=float(meta["keep"]),
-            targets=tuple(meta["targets"].split(",")),
-            thresholds={k: float(v[0]) for k, v in tensors.items()},
-        )
+        meta, values = load_values(path)
+        if "keep" not in meta or meta.get("kind", "threshold") != "threshold":
+            raise ValueError(f"{path} is not a policyzoo Threshold file (no 'keep' metadata, or another kind)")
+        return cls(keep=float(meta["keep"]), targets=tuple(meta["targets"].split(",")), thresholds=values)
 
 
-def _collector(store: list[Tensor]):
-    def hook(module: nn.Module, args: tuple) -> None:
-        x = args[0].detach().abs().float().flatten()
-        if x.numel() > _SAMPLES_PER_PROJECTION:
-            x = x[:: x.numel() // _SAMPLES_PER_PROJECTION + 1]
-        store.append(x.cpu())
-
-    return hook
+def _magnitude_sample(x: Tensor) -> Tensor:
+    """Up to `_SAMPLES_PER_PROJECTION` of the input magnitudes, evenly strided."""
+    x = x.abs().float().flatten()
+    return x[:: x.numel() // _SAMPLES_PER_PROJECTION + 1] if x.numel() > _SAMPLES_PER_PROJECTION else x

@@ -1,36 +1,127 @@
-"""`TopK`: keep exactly the ``keep`` fraction of largest-magnitude inputs of each decode token."""
+"""`TopK`: keep the ``keep`` fraction of largest-magnitude inputs of each decode token.
+
+Two modes:
+
+- ``"exact"`` (the reference): exactly ``ceil(keep·d_in)`` inputs per token, found by a selection
+  launch (`kernels.select_top`) before the sparse GEMV.
+- ``"fast"``: no selection launch. Each token's threshold is estimated as ``ratio · mean|x|``, with
+  a per-projection ``ratio`` calibrated on real text (`calibrate`: the median over tokens of the
+  k-th largest ``|x|`` over ``mean|x|``), and the GEMV keeps ``|x| >= threshold`` inside the kernel.
+  The kept fraction is close to ``keep`` on every token but not exact: dividing by ``mean|x|``
+  removes the token's scale, not the shape of its distribution. The audit (``proj keep``) reports
+  what it was. Unlike `Threshold`, whose fixed thresholds keep more inputs on tokens with larger
+  activations, the fast mode keeps about the same fraction of every token.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import kernels
 from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, kept_features, topk_mask
+from .calibration import DeviceScalars, check_values, collect_inputs, load_values, save_values
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
+MODES = ("exact", "fast")
+_KIND = "topk-fast"  # the metadata kind of a file of fast-mode ratios
 
 
 @dataclass
 class TopK(ProjectionSparsifier):
-    """Exact-ratio activation sparsity: ``ceil(keep·d_in)`` inputs kept per token and projection."""
+    """Activation sparsity at a fixed ratio per token: ``ceil(keep·d_in)`` inputs kept per token and
+    projection (``mode="exact"``), or about that many from a calibrated estimate of the threshold
+    (``mode="fast"``, ``ratios`` from `calibrate` or `load`)."""
 
     keep: float = 0.5
     targets: Sequence[str] = ALL_TARGETS
+    mode: str = "exact"
+    ratios: dict[str, float] = field(default_factory=dict)
     input_only = True  # the kept set is the input's top-k: q/k/v (and gate/up) share it
 
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
         self.targets = check_targets(self.targets)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_values(self.ratios, "ratios")
+        if self.ratios and self.mode != "fast":
+            raise ValueError("ratios are the fast mode's: pass mode='fast'")
+        self._device = DeviceScalars(self.ratios, "fast-TopK ratio", "call calibrate() or load() first")
+
+    def install(self, model: nn.Module, runtime: "Runtime") -> None:
+        super().install(model, runtime)
+        if self.mode == "fast":
+            self._device.install(next(model.parameters()).device)
+
+    def threshold(self, name: str, x: Tensor) -> Tensor:
+        """Fast mode: ``[B, 1]`` fp32 thresholds, ``ratio · mean|x|`` per row of ``x [B, d_in]``."""
+        return self._device.scalar(name, x.device) * x.abs().float().mean(-1, keepdim=True)
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
+        if self.mode == "fast":
+            return x.abs().float() >= self.threshold(name, x)
         return topk_mask(x, self.keep)
 
     def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+        if self.mode == "fast":
+            return kernels.sparse_gemv_threshold(x, self.threshold(name, x), w_t, bias)
         # The kept features in ascending order (one threshold search, not a sorted top-k), so the
         # GEMV reads the weight rows in memory order.
         k = kept_features(self.keep, x.shape[-1])
         count = torch.full((x.shape[0],), k, dtype=torch.int32, device=x.device)
         idx = kernels.select_top(x, count, k, absolute=True)
-        return kernels.sparse_gemv_index(x, idx, w_t, bias)
+        if x.shape[0] == 1:
+            return kernels.sparse_gemv_index(x, idx, w_t, bias)
+        # Rows of a batch: one read of each weight row for the union of their kept sets.
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx.long(), True)
+        return kernels.sparse_linear(x, w_t.t(), bias, keep)
+
+    @torch.no_grad()
+    def calibrate(
+        self,
+        model: nn.Module,
+        texts: Sequence[str] | Sequence[Tensor],
+        tokenizer=None,
+        max_tokens: int = 1024,
+        progress: bool = False,
+    ) -> "TopK":
+        """Fast mode: set each projection's ratio from the dense model's activations on ``texts``
+        (strings need ``tokenizer``; each cut to ``max_tokens``), with a progress bar if ``progress``."""
+        if self.mode != "fast":
+            raise ValueError("only TopK(mode='fast') calibrates: the exact mode needs nothing")
+        keep = self.keep
+        ratios = collect_inputs(model, texts, self.targets, lambda x: _ratio(x, keep), tokenizer, max_tokens, progress)
+        for name, r in ratios.items():
+            self.ratios[name] = float(r.median())
+        self._device.refresh()  # an installed, compiled step keeps reading the same tensors
+        return self
+
+    def save(self, path: str | Path) -> Path:
+        """Write the fast mode's ratios and ``keep`` to a safetensors file; returns its path."""
+        if not self.ratios:
+            raise ValueError("nothing to save: calibrate() first")
+        meta = {"kind": _KIND, "keep": repr(self.keep), "targets": ",".join(self.targets)}
+        return save_values(path, self.ratios, meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TopK":
+        """A fast-mode `TopK` from a file `save` wrote."""
+        meta, values = load_values(path)
+        if meta.get("kind") != _KIND:
+            raise ValueError(f"{path} is not a policyzoo fast-TopK file (metadata kind {meta.get('kind')!r})")
+        return cls(keep=float(meta["keep"]), targets=tuple(meta["targets"].split(",")), mode="fast", ratios=values)
+
+
+def _ratio(x: Tensor, keep: float) -> Tensor:
+    """Per token of ``x [T, d]``: its ``ceil(keep·d)``-th largest ``|x|`` over its ``mean|x|``."""
+    mags = x.abs().float()
+    k = kept_features(keep, mags.shape[-1])
+    kth = mags.topk(k, dim=-1).values[:, -1]
+    return kth / mags.mean(-1).clamp_min(torch.finfo(torch.float32).tiny)
