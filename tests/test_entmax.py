@@ -432,3 +432,25 @@ def test_threshold_kernel_torch_compile_traces_through(monkeypatch):
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(m, s, n)
     want = m - reference.gaussian_entmax_threshold(m * 0.5, s * 0.5, n.expand_as(m), 0.5 * m + 1.0, 12).float()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@SETTINGS
+@given(data=st.data(), args=entmax_args(), factor=st.sampled_from([1, 3]))
+def test_rescored_entmaxkv_keeps_tokens_of_its_candidate_pages(data, cases, contract, args, factor):
+    """With ``rescore`` the chosen pages are candidates for an exact token ranking: a token
+    selection inside them, no larger than the pages' tokens, holding the forced tokens; the entmax
+    path stays exact on its support and bounded otherwise."""
+    case = data.draw(cases(page_sizes=(1, 4, 16)))
+    state = case.state()
+    pages = EntmaxKV(page=case.page, **args).select(state, case.q)
+    sel = EntmaxKV(page=case.page, rescore=factor, **args).select(state, case.q)
+    assert sel.block == 1 and sel.log_weight is None
+    contract.check_entries(sel, case, args["sinks"], args["window"], pages=False)
+    assert bool((sel.count <= pages.count * case.page).all())
+    if args["attention"] == "softmax":
+        contract.check_error_bound(sel, case)
+    else:
+        p, o = dense_entmax(case)
+        keep = sel.token_mask(case.cache.capacity).repeat_interleave(case.g, dim=1)
+        err = (o - sparse_entmax(case, sel)).norm(dim=-1)
+        assert bool((err <= 2 * (p * ~keep).sum(-1) * max_value_norm(case) + 1e-4).all())

@@ -136,3 +136,72 @@ def test_quest_hand_made(contract):
 def test_quest_rejects_bad_args(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         Quest(**kwargs)
+
+
+# ------------------------------------------------------------------------------ two-stage (rescore)
+@SETTINGS
+@given(data=st.data(), args=quest_args(), factor=st.sampled_from([1, 2, 3.5]))
+def test_rescored_quest_keeps_the_best_exact_tokens_of_its_candidate_pages(data, cases, contract, args, factor):
+    """Stage one nominates ``factor`` times the pages by bound; stage two keeps, within them, the
+    forced tokens and the tokens of highest exact score, as many as the pages would hold."""
+    case = data.draw(cases())
+    one = Quest(page=case.page, **args)
+    two = Quest(page=case.page, rescore=factor, **args)
+    state = case.state()
+    sel = two.select(state, case.q)
+    assert sel.block == 1 and sel.log_weight is None
+    contract.check_entries(sel, case, two.sinks, two.window, pages=False)
+    contract.check_error_bound(sel, case)
+    pages = one.select(state, case.q)
+    c = case.cache
+    q = case.q.double().view(case.b, case.h_kv, case.g, -1)
+    logits = torch.einsum("bkgd,bknd->bkgn", q, c.keys[0].double()) * case.scale  # exact, [B, H_kv, G, N]
+    for r in range(case.b):
+        for hk in range(case.h_kv):
+            kept = set(contract.selected(sel, r, hk))
+            n_pages = int(pages.count[r, hk])
+            assert len(kept) <= n_pages * case.page  # the same token budget as the one-stage pages
+            forced = case.forced_tokens(r, two.sinks, two.window)
+            assert forced <= kept
+    # Within the candidate tokens, exactly the best exact scores survive (checked on the whole
+    # candidate set: a token outside the kept set never outscores a kept, unforced one of its head).
+    from policyzoo.kv.base import candidate_budget, choose_topk, forced_pages, group_page_bounds, page_budget
+
+    k_max, count = page_budget(state, one._budget, case.page, one.sinks, one.window, "Quest")
+    wide_k, wide_count = candidate_budget(k_max, count, factor, c.num_pages)
+    scores = group_page_bounds(state, case.q) if one.aggregate == "max" else None
+    if scores is not None:
+        cand = choose_topk(scores, forced_pages(state, one.sinks, one.window), wide_k, wide_count, block=case.page)
+        z = logits.amax(2)  # the group's best logit per token
+        for r in range(case.b):
+            forced = case.forced_tokens(r, two.sinks, max(two.window, 1))
+            for hk in range(case.h_kv):
+                cand_tokens = {t for p in contract.selected(cand, r, hk) for t in range(p * case.page, (p + 1) * case.page)}
+                cand_tokens &= set(case.visible_tokens(r))
+                kept = set(contract.selected(sel, r, hk))
+                assert kept <= cand_tokens
+                free, dropped = kept - forced, cand_tokens - kept
+                if free and dropped:
+                    lo = min(z[r, hk, t].item() for t in free)
+                    hi = max(z[r, hk, t].item() for t in dropped)
+                    assert lo >= hi - 1e-2 * (1 + abs(hi)), f"kept token score {lo} < dropped {hi}"
+
+
+@SETTINGS
+@given(data=st.data(), factor=st.sampled_from([1, 3]), full=st.sampled_from(["ratio", "tokens"]))
+def test_rescored_quest_at_full_budget_is_dense(data, cases, contract, factor, full):
+    case = data.draw(cases())
+    budget = 1.0 if full == "ratio" else case.cache.capacity
+    sel = Quest(budget=budget, page=case.page, rescore=factor).select(case.state(), case.q)
+    contract.check_reproduces_dense(sel, case)
+
+
+@pytest.mark.parametrize("bad", [0.5, -1, float("inf"), float("nan"), True, "3"])
+def test_rescore_must_be_zero_or_a_factor_of_at_least_one(bad):
+    from policyzoo.kv import SSA, EntmaxKV
+
+    for cls in (Quest, EntmaxKV, SSA):
+        with pytest.raises(ValueError, match="rescore"):
+            cls(rescore=bad)
+    with pytest.raises(ValueError, match="page proxy"):
+        SSA(proxy="exact", rescore=2)

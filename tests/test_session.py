@@ -242,6 +242,9 @@ BUILTIN_POLICIES = {
     "ssa-exact": lambda: SSA(0.2, 0.2, proxy="exact", sinks=2, window=2),
     "entmax-kv": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2),
     "certified-quest": lambda: Certified(Quest(0.2, page=4, sinks=2, window=2), eps=0.05),
+    "quest-rescore": lambda: Quest(0.3, page=4, sinks=2, window=2, rescore=2),
+    "ssa-page-rescore": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, rescore=2),
+    "entmax-kv-rescore": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2, rescore=3),
 }
 
 

@@ -420,3 +420,25 @@ def test_page_proxy_needs_matching_cache(make_case):
     with pytest.raises(ValueError, match="page_size"):
         SSA(page=8).select(case.state(), case.q)
     SSA(page=8, proxy="exact").select(case.state(), case.q)  # exact scores need no page size
+
+
+@SETTINGS
+@given(data=st.data(), args=ssa_args(), factor=st.sampled_from([1, 2]))
+def test_rescored_deterministic_stratum(data, cases, contract, args, factor):
+    """``rescore`` re-ranks the page proxy's deterministic stratum by exact scores, in pages: the
+    strata keep their units, the contract holds, and a factor of 1 (candidates = the stratum)
+    changes nothing."""
+    if args["proxy"] != "page":
+        return
+    case = data.draw(cases())
+    state = case.state()
+    det = SSA(**{**args, "sample": 0}, page=case.page).select(state, case.q)
+    re_det = SSA(**{**args, "sample": 0}, page=case.page, rescore=factor).select(state, case.q)
+    assert re_det.block == case.page and torch.equal(re_det.count, det.count)
+    contract.check_entries(re_det, case, args["sinks"], args["window"], pages=True)
+    if factor == 1:
+        for r in range(case.b):
+            for hk in range(case.h_kv):
+                assert contract.selected(re_det, r, hk) == contract.selected(det, r, hk)
+    sel = SSA(page=case.page, rescore=factor, **args).select(state, case.q)
+    contract.check_entries(sel, case, args["sinks"], args["window"], pages=True)

@@ -326,7 +326,7 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
 
     Args:
         scores: ``[B, H_kv, N]``, ``-inf`` where the entry is invalid.
-        forced: ``bool[B, N]`` entries always kept (they outrank every score).
+        forced: ``bool[B, N]`` (or ``[B, H_kv, N]``) entries always kept (they outrank every score).
         k_max: static width of the selection.
         count: entries wanted, ``int64[B]`` per row or ``[B, H_kv]`` per KV head; raised to the
             number of forced entries, capped at ``k_max`` and at the number of valid entries.
@@ -341,10 +341,90 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
     """
     b, h_kv, n = scores.shape
     valid = scores > -torch.inf
-    ranked = round_for_ranking(torch.where(forced[:, None, :] & valid, torch.inf, scores))
-    n_forced = (forced[:, None, :] & valid).sum(-1)
+    forced = (forced if forced.dim() == 3 else forced[:, None, :]) & valid
+    ranked = round_for_ranking(torch.where(forced, torch.inf, scores))
+    n_forced = forced.sum(-1)
     n_valid = valid.sum(-1)
     want = torch.maximum(count if count.dim() == 2 else count[:, None], n_forced).clamp(max=k_max)
     kept = torch.minimum(want, n_valid).int()
     idx = kernels.select_top(ranked.reshape(b * h_kv, n), kept.reshape(-1), k_max)
     return Selection(indices=idx.view(b, h_kv, k_max), count=kept, block=block)
+
+
+# ------------------------------------------------------------------------------- second stage
+def check_rescore(value: object) -> None:
+    """A page policy's ``rescore``: 0 (one stage) or a candidate factor of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or 1 <= value < math.inf):
+        raise ValueError(f"rescore must be 0 (off) or a finite candidate factor >= 1, got {value!r}")
+
+
+def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> tuple[int, Tensor]:
+    """``(k_max, count)`` of the candidate pages of a two-stage selection: ``factor`` times the kept
+    pages, within the cache's pages."""
+    wide = min(n_pages, math.ceil(factor * k_max))
+    return wide, torch.ceil(count * factor).long().clamp(max=wide)
+
+
+def rescore_pages(
+    state: KVState, q: Tensor, pages: Selection, count: Tensor, k_max: int, sinks: int, window: int,
+    aggregate: Aggregate = "max", unit: str = "token",
+) -> Selection:
+    """Stage two of a page policy: exact logits over the tokens of its candidate ``pages``, then the
+    forced entries (sinks, window) and the best others, ``count`` at most (``k_max`` wide).
+
+    ``unit="token"`` keeps tokens (a token selection; ``count`` and ``k_max`` in tokens);
+    ``unit="page"`` keeps candidate pages ranked by their best token (a page selection; ``count``
+    and ``k_max`` in pages), for policies whose other parts work in pages (`SSA`'s strata).
+
+    It reads the candidates' keys, not their values: `AttentionTopK`'s exact scores, over the
+    candidates only. A page bound ranks pages by how high a key *could* score; here they compete on
+    how high their keys do, so a page holding one needle among noise competes on the needle.
+    ``aggregate`` folds the GQA group as `aggregate_groups` does.
+    """
+    if unit not in ("token", "page"):
+        raise ValueError(f"unit must be 'token' or 'page', got {unit!r}")
+    b, h, d = q.shape
+    h_kv, cap, page = state.keys.shape[1], state.cache.capacity, pages.block
+    slots, entry = pages.token_positions()  # [B, H_kv, N] ascending: pages come in ascending order
+    slots = slots.clamp(max=cap - 1)
+    valid = entry & torch.gather(state.token_valid()[:, None, :].expand(-1, h_kv, -1), 2, slots)
+    keys = torch.gather(state.keys, 2, slots[..., None].expand(-1, -1, -1, d))
+    logits = torch.einsum("bkgd,bknd->bkgn", q.view(b, h_kv, h // h_kv, d).float(), keys.float()) * state.scale
+    logits = logits.masked_fill(~valid[:, :, None, :], -torch.inf)
+    if aggregate == "max":
+        scores = logits.amax(2)
+    else:
+        scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+    scores = scores.masked_fill(~valid, -torch.inf)
+    if unit == "token":
+        # The step's own token is always kept, as a page policy always keeps the last page.
+        forced = forced_tokens(state, sinks, max(window, 1))
+        forced = torch.gather(forced[:, None, :].expand(-1, h_kv, -1), 2, slots) & valid
+        chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count)
+        return Selection(torch.gather(slots, 2, chosen.indices.long()).int(), chosen.count, block=1)
+    per_page = scores.view(b, h_kv, pages.k_max, page)
+    if aggregate == "max":
+        scores = per_page.amax(-1)
+    else:  # the page's share of the group's mass; pages without a visible token stay -inf
+        scores = per_page.clamp_min(0).sum(-1).masked_fill(~valid.view_as(per_page).any(-1), -torch.inf)
+    scores = scores.masked_fill(~pages.entry_valid(), -torch.inf)
+    ids = pages.indices.long()
+    forced = torch.gather(forced_pages(state, sinks, window)[:, None, :].expand(-1, h_kv, -1), 2, ids)
+    chosen = choose_topk(scores, forced, min(k_max, pages.k_max), count)
+    return Selection(torch.gather(ids, 2, chosen.indices.long()).int(), chosen.count, block=page)
+
+
+def choose_pages(
+    state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_max: int, count: Tensor, *,
+    rescore: float = 0.0, sinks: int = 0, window: int = 0, aggregate: Aggregate = "max", unit: str = "token",
+) -> Selection:
+    """A page policy's choice from its page ``scores``: the top pages (`choose_topk`), or with
+    ``rescore`` >= 1 that many times the pages as candidates, then `rescore_pages` keeps the best
+    tokens (``unit="token"``, the same token budget) or pages by exact score."""
+    page = state.page_size
+    if not rescore:
+        return choose_topk(scores, forced, k_max, count, block=page)
+    wide, wide_count = candidate_budget(k_max, count, rescore, state.cache.num_pages)
+    candidates = choose_topk(scores, forced, wide, wide_count, block=page)
+    scale = page if unit == "token" else 1
+    return rescore_pages(state, q, candidates, count * scale, k_max * scale, sinks, window, aggregate, unit)

@@ -51,7 +51,19 @@ from ..kernels.reference import (  # noqa: F401  (re-exported: the references li
     gaussian_relu_sq,
 )
 from ..selection import Selection
-from .base import Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, forced_pages, group_page_bounds, page_bound_scores, page_budget
+from .base import (
+    Budget,
+    KVSelector,
+    KVState,
+    aggregate_groups,
+    check_count,
+    check_rescore,
+    choose_pages,
+    forced_pages,
+    group_page_bounds,
+    page_bound_scores,
+    page_budget,
+)
 
 
 def page_gaussians(state: KVState, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -78,6 +90,8 @@ class EntmaxKV(KVSelector):
         sinks, window: tokens whose pages are always kept; the last page is always kept.
         z: standard deviations of the upper quantile of a page's Gaussian score model.
         iters: Newton steps of the threshold estimate (`gaussian_entmax_threshold`).
+        rescore: 0, or a candidate factor >= 1: that many times the chosen pages are candidates and
+            the best tokens by exact score are kept (`kv.base.rescore_pages`; as `Quest`'s).
     """
 
     budget: int | float = 0.25
@@ -89,6 +103,7 @@ class EntmaxKV(KVSelector):
     window: int = 16
     z: float = 3.0
     iters: int = 12
+    rescore: float = 0.0
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
@@ -104,6 +119,7 @@ class EntmaxKV(KVSelector):
         if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not math.isfinite(self.z):
             raise ValueError(f"z must be a finite number, got {self.z!r}")
         check_count(self.iters, "iters", minimum=1)
+        check_rescore(self.rescore)
 
     @property
     def page_size(self) -> int:  # type: ignore[override]
@@ -137,4 +153,5 @@ class EntmaxKV(KVSelector):
             # Keep forced ∪ candidates (positive margins), the best of them under the cap.
             f = forced[:, None, :] & valid[:, None, :]
             count = torch.minimum(count[:, None], (f | (scores > 0)).sum(-1))  # per KV head
-        return choose_topk(scores, forced, k_max, count, block=self.page)
+        return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, sinks=self.sinks,
+                            window=self.window)

@@ -75,6 +75,8 @@ from .base import (
     aggregate_groups,
     check_budget,
     check_count,
+    check_rescore,
+    choose_pages,
     choose_topk,
     exact_scores,
     forced_pages,
@@ -107,6 +109,9 @@ class SSA(KVSelector):
         scheme: ``"with_replacement"`` (marginal π) or ``"gumbel_topk"`` (conditional π, see module).
         seed: seed of the counter-based hash generator (an int >= 0).
         generator: a `torch.Generator` to draw from instead (eager decoding only).
+        rescore: page proxy only: 0, or a candidate factor >= 1: the deterministic stratum is chosen
+            from that many times its pages by their best exact key score (`kv.base.rescore_pages`,
+            whole pages, so the strata stay in pages); the sampled stratum is unchanged.
     """
 
     budget: int | float = 0.1
@@ -120,6 +125,7 @@ class SSA(KVSelector):
     scheme: Scheme = "with_replacement"
     seed: int = 0
     generator: torch.Generator | None = field(default=None, repr=False, compare=False)
+    rescore: float = 0.0
     _rng: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +147,9 @@ class SSA(KVSelector):
         check_count(self.seed, "seed", maximum=None)  # a seed, not a token count: any size
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}")
+        check_rescore(self.rescore)
+        if self.rescore and self.proxy != "page":
+            raise ValueError("rescore applies to the page proxy: proxy='exact' scores every key exactly already")
 
     @property
     def page_size(self) -> int | None:  # type: ignore[override]
@@ -224,7 +233,11 @@ class SSA(KVSelector):
         ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
         k_det, count_det = self._widths(self.budget, unit, n_units, n_valid)
         k_det = max(k_det, min(n_units, n_forced))
-        det = choose_topk(ranking, forced, k_det, count_det, block=unit)
+        if self.proxy == "page":
+            det = choose_pages(state, q, ranking, forced, k_det, count_det, rescore=self.rescore, sinks=self.sinks,
+                               window=self.window, aggregate=self.aggregate, unit="page")
+        else:
+            det = choose_topk(ranking, forced, k_det, count_det, block=unit)
         if self.sample == 0:
             return det
 
