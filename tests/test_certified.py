@@ -40,16 +40,19 @@ def any_selection_policy(draw, page: int):
     kind = draw(st.sampled_from(["quest", "topk", "entmax", "window", "ssa0"]))
     budget = draw(st.integers(1, 60)) if draw(st.booleans()) else draw(st.floats(1e-3, 1.0))
     sinks, window = draw(st.integers(0, 6)), draw(st.integers(0, 12))
+    rescore = draw(st.sampled_from([0, 0, 2]))  # two-stage: token selections (pages for SSA)
     if kind == "quest":
-        return Quest(budget=budget, page=page, sinks=sinks, window=window)
+        return Quest(budget=budget, page=page, sinks=sinks, window=window, rescore=rescore)
     if kind == "topk":
         budget = max(budget, sinks + window) if isinstance(budget, int) else budget
         return AttentionTopK(budget=budget, sinks=sinks, window=window, aggregate=draw(st.sampled_from(["sum", "max"])))
     if kind == "entmax":
-        return EntmaxKV(budget=budget, page=page, sinks=sinks, window=window, mode=draw(st.sampled_from(["gaussian", "topk"])))
+        return EntmaxKV(budget=budget, page=page, sinks=sinks, window=window, mode=draw(st.sampled_from(["gaussian", "topk"])),
+                        rescore=rescore)
     if kind == "window":
         return Window(sinks=sinks, window=max(window, 1))
-    return SSA(budget=budget, sample=0, proxy=draw(st.sampled_from(["page", "exact"])), page=page, sinks=sinks, window=window)
+    proxy = draw(st.sampled_from(["page", "exact"]))
+    return SSA(budget=budget, sample=0, proxy=proxy, page=page, sinks=sinks, window=window, rescore=rescore if proxy == "page" else 0)
 
 
 @SETTINGS
@@ -230,6 +233,17 @@ def test_generate_audit_reports_certified_bound_above_true_delta(policy, seed):
     bound, delta = dec.last_audit.per_layer("certified_bound"), dec.last_audit.per_layer("dropped_mass")
     assert bound.shape == delta.shape == (2, 5, 2, 2)  # layers, steps, batch, KV heads
     assert float(delta.max()) > 1e-3  # the policy drops mass: the comparison is not 0 ≥ 0
+    assert bool((bound >= delta - 1e-6).all())
+
+
+def test_audit_certifies_the_token_selection_of_a_two_stage_page_policy():
+    """A rescored `Quest` keeps tokens, but its cache has page summaries: the bound (unselected
+    tokens of partly kept pages bounded by their page) is recorded and holds."""
+    dec = Decoder(tiny_model("llama"), kv=Quest(0.3, page=4, sinks=2, window=2, rescore=2))
+    ids, mask = padded_batch(2, 21)
+    dec.generate(ids, 5, attention_mask=mask, audit=True)
+    bound, delta = dec.last_audit.per_layer("certified_bound"), dec.last_audit.per_layer("dropped_mass")
+    assert bound.shape == delta.shape and float(delta.max()) > 1e-3
     assert bool((bound >= delta - 1e-6).all())
 
 

@@ -150,3 +150,11 @@ def test_a_learned_kv_policy_loads_from_a_path_with_its_saved_parameters(monkeyp
     with pytest.raises(ValueError, match="do not fit"):
         parse_kv(f"learned:hidden_size=8,path={path}")
     assert "path (a safetensors file written by KVSelector.save" in spec_mod.describe(spec_mod.KV_POLICIES)
+
+
+def test_page_policies_take_a_rescore_factor():
+    assert parse_kv("quest:0.1,rescore=3").rescore == 3.0
+    assert parse_kv("entmax-kv:0.1,rescore=2.5").rescore == 2.5
+    assert parse_kv("ssa:budget=0.05,sample=0.05,rescore=3").rescore == 3.0
+    with pytest.raises(ValueError, match="rescore"):
+        parse_kv("quest:0.1,rescore=0.5")

@@ -65,10 +65,10 @@ class Audit:
 
     Per KV head, ``dropped_mass`` is the group mean of the true δ and ``certified_bound`` the group
     mean of its certified upper bound (`certified_bound_of`), so ``certified_bound >= dropped_mass``
-    entry by entry. The bound is recorded only for page selections (``block`` = the cache page size,
-    > 1) of softmax models whose cache keeps the key min and max, and nothing is recorded otherwise:
-    token selections and a dense decode's cache have no page summaries to certify with, and the
-    bound is a softmax statement.
+    entry by entry. The bound is recorded for selections of softmax models whose cache keeps the key
+    min and max (page selections, and the token selections of a two-stage page policy), and nothing
+    is recorded otherwise: a token policy's and a dense decode's cache have no page summaries to
+    certify with, and the bound is a softmax statement.
     """
 
     dropped_mass: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
@@ -98,7 +98,7 @@ class Audit:
         o_dense = torch.einsum("bkgn,bknd->bkgd", p.view(b, h_kv, h // h_kv, n), values.float()).reshape(b, h, -1)
         self.dropped_mass[layer].append(group_mean(dropped_mass(p, sel, token_valid), h_kv).cpu())
         # A cache without min/max (a dense decode keeps no summaries) has nothing to certify with.
-        certifiable = sel.block > 1 and sel.block == cache.page_size and cache.keeps("page_min", "page_max")
+        certifiable = sel.block in (1, cache.page_size) and cache.keeps("page_min", "page_max")
         if attention == "softmax" and certifiable:
             bound = certified_bound_of(q, cache, layer, sel, scale)
             self.certified_bound[layer].append(group_mean(bound, h_kv).cpu())
