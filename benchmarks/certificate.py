@@ -1,0 +1,199 @@
+"""How tight the page certificate is on a real model, and why (CPU, the embedded model).
+
+Two measurements on passkey prompts (the essays, needle depths spread over the haystack):
+
+1. **δ against its certified bound.** Each KV setting decodes a few tokens with the audit on; every
+   (layer, step, KV head) gives the true dropped mass δ and the certificate ``U/(Z_S+U)``
+   (`kv.certified`), as `policyzoo eval` records them. Plotted as a scatter, with the mean bound
+   where δ < 0.05.
+2. **The overshoot of page bounds.** At the first decode step of each layer, per query head and
+   page, ``u_p − max_t z_t`` in nats (logits ``z = scale·q·k``): how far a page's bound sits above
+   its best key. The certificate multiplies every unselected token's mass by up to ``e^{overshoot}``,
+   so it is informative only when the overshoot is small. Kinds, each a valid upper bound:
+   ``box`` (Quest's per-channel min/max, what the cache keeps), ``ball`` (centroid plus radius:
+   ``q·c + |q|·r``), ``pca-box8+ball`` (a per-head PCA rotation from the prompt's keys, a box on the
+   top 8 directions and a ball on the rest), and ``box`` on pages of 8.
+
+Run:
+
+    python -m benchmarks.certificate --kv quest:0.1 quest:0.1,rescore=3 quest:0.3 \\
+        --out benchmarks/results/smollm2-certificate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from policyzoo import Decoder
+from policyzoo.assets import load_model, passkey_prompt
+from policyzoo.kv import AttentionTopK, KVState
+from policyzoo.selection import Selection
+from policyzoo.spec import parse_kv
+
+
+class KeyProbe(AttentionTopK):
+    """Dense decoding (a full token budget) that keeps, per layer, the first decode step's query and
+    visible keys for the overshoot analysis."""
+
+    def __init__(self) -> None:
+        super().__init__(budget=1.0)
+        self.seen: dict[int, tuple[Tensor, Tensor, float]] = {}
+
+    def select(self, state: KVState, q: Tensor) -> Selection:
+        if state.layer not in self.seen:
+            c = state.cache
+            start, length = int(c.start[0]), int(c.length)
+            self.seen[state.layer] = (q[0].detach().double(), state.keys[0, :, start:length].detach().double(), state.scale)
+        return super().select(state, q)
+
+
+def _pages(keys: Tensor, page: int) -> tuple[Tensor, Tensor]:
+    """``keys [H_kv, n, D]`` padded to whole pages ``[H_kv, P, page, D]`` and the validity mask ``[P, page]``."""
+    h_kv, n, d = keys.shape
+    pad = -n % page
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(h_kv, -1, page, d)
+    valid = (torch.arange(n + pad) < n).view(-1, page)
+    return padded, valid
+
+
+def overshoot(q: Tensor, keys: Tensor, scale: float, kind: str, page: int = 16) -> Tensor:
+    """``u_p − max_t z_t`` per query head and page (nats) for one bound ``kind``."""
+    h, d = q.shape
+    h_kv = keys.shape[0]
+    qg = q.view(h_kv, h // h_kv, d)
+    kp, valid = _pages(keys, page)
+    vm = valid[None, :, :, None]
+    z = torch.einsum("kgd,kpnd->kgpn", qg, kp).masked_fill(~valid, -math.inf) * scale
+    best = z.amax(-1)  # [H_kv, G, P]
+    count = valid.sum(-1).clamp(min=1)[None, :, None]
+    centre = (kp * vm).sum(2) / count  # [H_kv, P, D]
+    dev = kp - centre[:, :, None]
+    if kind.startswith("pca"):
+        rot = _pca(keys)  # [H_kv, D, D], rows: directions by decreasing variance
+        dev, qg, centre = (torch.einsum("ked,kpnd->kpne", rot, dev), torch.einsum("ked,kgd->kge", rot, qg),
+                           torch.einsum("ked,kpd->kpe", rot, centre))  # fmt: skip
+    base = torch.einsum("kgd,kpd->kgp", qg, centre)
+    huge = torch.finfo(dev.dtype).max
+    if kind == "ball":
+        radius = dev.norm(dim=-1).masked_fill(~valid, 0).amax(-1)
+        u = base + qg.norm(dim=-1)[..., None] * radius[:, None]
+    else:
+        split = 8 if kind.startswith("pca") else d
+        lo = dev[..., :split].masked_fill(~vm, huge).amin(2)
+        hi = dev[..., :split].masked_fill(~vm, -huge).amax(2)
+        box = torch.maximum(qg[:, :, None, :split] * lo[:, None], qg[:, :, None, :split] * hi[:, None]).sum(-1)
+        radius = dev[..., split:].norm(dim=-1).masked_fill(~valid, 0).amax(-1)
+        u = base + box + qg[..., split:].norm(dim=-1)[..., None] * radius[:, None]
+    return (u * scale - best)[:, :, valid.any(-1)]
+
+
+def _pca(keys: Tensor) -> Tensor:
+    centred = keys - keys.mean(1, keepdim=True)
+    cov = torch.einsum("knd,kne->kde", centred, centred) / keys.shape[1]
+    _, vectors = torch.linalg.eigh(cov)
+    return vectors.flip(-1).transpose(1, 2)
+
+
+KINDS = {"box (page 16)": ("box", 16), "ball (page 16)": ("ball", 16), "pca-box8+ball (page 16)": ("pca", 16),
+         "box (page 8)": ("box", 8)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv", nargs="+", required=True, help="page-policy specs (policyzoo.spec)")
+    p.add_argument("--lengths", default="1500,3000", help="prompt tokens")
+    p.add_argument("--depths", default="0.1,0.35,0.6,0.85", help="needle depths")
+    p.add_argument("--steps", type=int, default=4, help="decode steps audited per prompt")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    model, tok = load_model()
+    prompts = [passkey_prompt(tok, int(n), float(d), seed=7)[0] for n in args.lengths.split(",") for d in args.depths.split(",")]
+    pairs: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
+    for spec in args.kv:
+        deltas, bounds = pairs.setdefault(spec, ([], []))
+        for ids in prompts:
+            dec = Decoder(model, kv=parse_kv(spec))
+            dec.generate(ids, args.steps + 1, audit=True)
+            deltas.append(dec.last_audit.per_layer("dropped_mass").flatten())
+            bounds.append(dec.last_audit.per_layer("certified_bound").flatten())
+        print(f"{spec}: {sum(len(d) for d in deltas)} (layer, step, head) records", flush=True)
+    over: dict[str, list[Tensor]] = {k: [] for k in KINDS}
+    for ids in prompts:
+        probe = KeyProbe()
+        Decoder(model, kv=probe).generate(ids, 2)
+        for layer, (q, keys, scale) in probe.seen.items():
+            for name, (kind, page) in KINDS.items():
+                over[name].append(overshoot(q, keys, scale, kind, page).flatten().float())
+    rows = []
+    for spec, (deltas, bounds) in pairs.items():
+        d, b = torch.cat(deltas), torch.cat(bounds)
+        small = d < 0.05
+        rows.append({"section": "certificate", "setting": spec, "records": len(d), "delta_mean": d.mean().item(),
+                     "frac_delta_below_0.05": small.float().mean().item(),
+                     "bound_mean_where_delta_below_0.05": b[small].mean().item() if small.any() else math.nan,
+                     "bound_median": b.median().item(), "bound_ge_delta": (b >= d - 1e-6).float().mean().item()})
+    for name, values in over.items():
+        o = torch.cat(values)
+        rows.append({"section": "overshoot", "setting": name, "mean_nats": o.mean().item(), "median_nats": o.median().item(),
+                     "p10_nats": o.quantile(0.1).item(), "min_nats": o.min().item()})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"lengths": args.lengths, "depths": args.depths, "steps": args.steps, "torch": torch.__version__}
+    (out / "certificate.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_markdown(out / "certificate.md", rows)
+    plot(out / "certificate.png", {s: (torch.cat(d), torch.cat(b)) for s, (d, b) in pairs.items()}, over)
+    print((out / "certificate.md").read_text())
+
+
+def write_markdown(path: Path, rows: list[dict]) -> None:
+    lines = ["# Certified bound against true dropped mass (SmolLM2-135M, passkey prompts)", "",
+             "| setting | records | mean δ | share δ < 0.05 | mean bound where δ < 0.05 | median bound | bound ≥ δ |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["section"] == "certificate":
+            lines.append(f"| `{r['setting']}` | {r['records']} | {r['delta_mean']:.3f} | {r['frac_delta_below_0.05']:.2f} | "
+                         f"{r['bound_mean_where_delta_below_0.05']:.3f} | {r['bound_median']:.3f} | {r['bound_ge_delta']:.3f} |")
+    lines += ["", "## Overshoot of page bounds over the page's best logit (nats, first decode step, every layer)", "",
+              "| bound | mean | median | p10 | min |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["section"] == "overshoot":
+            lines.append(f"| {r['setting']} | {r['mean_nats']:.2f} | {r['median_nats']:.2f} | {r['p10_nats']:.2f} | {r['min_nats']:.2f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, pairs: dict[str, tuple[Tensor, Tensor]], over: dict[str, list[Tensor]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    for spec, (d, b) in pairs.items():
+        ax.scatter(d.clamp_min(1e-6), b.clamp_min(1e-6), s=4, alpha=0.35, label=spec)
+    ax.plot([1e-6, 1], [1e-6, 1], color="gray", linewidth=0.8)
+    ax.axvline(0.05, color="gray", linestyle=":", linewidth=0.8)
+    ax.axhline(0.2, color="gray", linestyle=":", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("true dropped mass δ")
+    ax.set_ylabel("certified bound U/(Z_S+U)")
+    ax.set_title("every (layer, step, KV head); dotted: δ = 0.05, bound = 0.2", fontsize=9)
+    ax.legend(fontsize=8, markerscale=3)
+    for name, values in over.items():
+        ax2.hist(torch.cat(values).numpy(), bins=60, histtype="step", label=name, density=True)
+    ax2.set_xlabel("page bound − page's best logit (nats)")
+    ax2.set_title("overshoot of valid page bounds", fontsize=9)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
