@@ -58,6 +58,7 @@ def settings() -> dict[str, tuple]:
         "quest0.1p64": (lambda: Quest(0.1, page=64, window=64), None, 1.0, 0.1),
         "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
         "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
+        "quest0.1-rescore3": (lambda: Quest(0.1, page=PAGE, window=64, rescore=3), None, 1.0, 0.1),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
@@ -68,6 +69,24 @@ def settings() -> dict[str, tuple]:
         "threshold0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: Threshold(0.5), 0.5, 0.2),
         "topk-fast0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5, mode="fast"), 0.5, 0.2),
     }
+
+
+def selection_ratio(name: str) -> float:
+    """``r_select`` of setting ``name`` for the byte account (`policyzoo.bytes.selection_overhead`):
+    page summaries and a second stage's keys for page policies, every key for exact scorers."""
+    from policyzoo.bytes import selection_overhead
+    from policyzoo.kv import Certified
+
+    kv_f, _, _, r_kv = settings()[name]
+    policy = kv_f() if kv_f else None
+    while isinstance(policy, Certified):
+        policy = policy.policy
+    if policy is None or not policy.summaries:
+        exact = isinstance(policy, AttentionTopK) or (isinstance(policy, SSA) and policy.proxy == "exact")
+        return selection_overhead(None, rescore=1 / r_kv, r_kv=r_kv) if exact else 0.0
+    # fp32 mean and std (EntmaxKV's Gaussian) weigh twice the bf16 min and max
+    wide = 1.0 + (2.0 if "page_mean" in policy.summaries else 0.0)
+    return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide)
 
 
 def decoder(model, name: str) -> Decoder:

@@ -167,10 +167,11 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 if name == "dense":
                     dense_ms[n] = ms
                 union = None if batch == 1 or r_p == 1 else 1.0  # batched TopK: assume the union is all columns
-                floor = acct.floor_ms(n, bw, r_p, r_kv, batch=batch, union_keep=union)
-                bound = acct.bound(n, r_p, r_kv, batch=batch, union_keep=union)
+                sel = common.selection_ratio(name)  # summaries and second-stage keys read to choose
+                floor = acct.floor_ms(n, bw, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
+                bound = acct.bound(n, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
                 speedup = dense_ms.get(n, float("nan")) / ms
-                row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "floor_ms": floor, "ms/floor": ms / floor,
+                row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "r_select": sel, "floor_ms": floor, "ms/floor": ms / floor,
                             "bound": bound, "speedup": speedup, "speedup/bound": speedup / bound, "setup_s": setup_s})
                 row["capacity"] = dec.session.cache.capacity  # the kernels' grids follow it, not the context
                 if DEVICE == "cuda":
@@ -295,8 +296,9 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             row.update(e2e.measure(dec, b, n, new_tokens))
             row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
             union = None if b == 1 or r_p == 1 else 1.0
-            floor = acct.floor_ms(n, bw, r_p, r_kv, batch=b, union_keep=union)
-            row.update({"floor_ms": floor, "ms/floor": row["generate_ms"] / floor, "tok/s": b * 1e3 / row["generate_ms"]})
+            sel = common.selection_ratio(name)
+            floor = acct.floor_ms(n, bw, r_p, r_kv, batch=b, union_keep=union, r_select=sel)
+            row.update({"r_select": sel, "floor_ms": floor, "ms/floor": row["generate_ms"] / floor, "tok/s": b * 1e3 / row["generate_ms"]})
             print(f"generate b={b} n={n:>7} {name:<16} generate {row['generate_ms']:7.3f} ms/token (median {row['generate_median_ms']:.3f}), "
                   f"step {row['step_ms']:7.3f} ms, x{row['generate/step']:.3f}; floor {floor:.3f} ms; {row['tokens']} tokens; "
                   f"setup {row['setup_s']:.1f}s", flush=True)

@@ -100,28 +100,41 @@ class ByteAccount:
         """Elements read every step whatever the keep ratios: LM head and norms."""
         return self.vocab * self.hidden + (2 * self.layers + 1) * self.hidden
 
-    def step_bytes(self, n: int, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1, union_keep: float | None = None) -> float:
+    def step_bytes(
+        self, n: int, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1, union_keep: float | None = None,
+        r_select: float = 0.0,
+    ) -> float:
         """Bytes one decode step reads at context ``n``.
 
         With ``batch > 1`` the weights are read once for all rows (a sparse projection reads the
         union of the rows' kept columns, ``union_keep``, which defaults to ``r_p`` at batch 1 and
         must be given for larger batches when ``r_p < 1``) and each row reads its own KV.
+        ``r_select`` counts what a KV policy reads to choose, as a fraction of the cached tokens'
+        KV elements (`selection_overhead`: page summaries, a second stage's candidate keys).
         """
         _check_ratio(r_p, "r_p")
         _check_ratio(r_kv, "r_kv")
+        if isinstance(r_select, bool) or not isinstance(r_select, (int, float)) or not 0 <= r_select < math.inf:
+            raise ValueError(f"r_select must be a finite number >= 0, got {r_select!r}")
         if batch > 1 and r_p < 1 and union_keep is None:
             raise ValueError("union_keep: a batched sparse projection reads the union of the rows' columns; pass it")
         keep = _projection_keep(r_p, union_keep)
-        per_layer = self.proj * keep + batch * self.kv_per_token * n * r_kv
+        per_layer = self.proj * keep + batch * self.kv_per_token * n * (r_kv + r_select)
         return (self.layers * per_layer + self.fixed) * self.element_size
 
-    def bound(self, n: int, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1, union_keep: float | None = None) -> float:
+    def bound(
+        self, n: int, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1, union_keep: float | None = None,
+        r_select: float = 0.0,
+    ) -> float:
         """Ideal speedup over dense: dense bytes over the setting's bytes."""
-        return self.step_bytes(n, batch=batch) / self.step_bytes(n, r_p, r_kv, batch, union_keep)
+        return self.step_bytes(n, batch=batch) / self.step_bytes(n, r_p, r_kv, batch, union_keep, r_select)
 
-    def floor_ms(self, n: int, bandwidth: float, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1, union_keep: float | None = None) -> float:
+    def floor_ms(
+        self, n: int, bandwidth: float, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1,
+        union_keep: float | None = None, r_select: float = 0.0,
+    ) -> float:
         """The byte floor: step bytes over ``bandwidth`` (bytes/s), in milliseconds."""
-        return self.step_bytes(n, r_p, r_kv, batch, union_keep) / bandwidth * 1e3
+        return self.step_bytes(n, r_p, r_kv, batch, union_keep, r_select) / bandwidth * 1e3
 
     def crossover(self, r_p: float, r_kv: float, ff_only: bool = False, batch: int = 1, union_keep: float | None = None) -> float:
         """Context (tokens) where the projection and KV savings are equal.
@@ -139,6 +152,17 @@ class ByteAccount:
         if r_kv >= 1.0:
             return math.inf
         return (1.0 - keep) * p / ((1.0 - r_kv) * self.kv_per_token * batch)
+
+
+def selection_overhead(page: int | None = None, rescore: float = 0.0, r_kv: float = 1.0, summary_bytes: float = 1.0) -> float:
+    """``r_select`` of a KV policy: what it reads to choose, as a fraction of the KV elements of the
+    cached tokens. A page policy reads its pages' key min and max (``2·H_kv·h`` elements per page,
+    ``1/page`` of a token's keys and values; ``summary_bytes`` scales it for summaries stored wider
+    than the cache); a two-stage policy (``rescore``) also reads the keys (half of a token's
+    elements) of ``rescore·r_kv`` of the tokens. A token policy that scores every key exactly
+    (``page=None``, ``rescore=1/r_kv``) reads half the cache to choose."""
+    summaries = summary_bytes / page if page else 0.0
+    return summaries + 0.5 * min(1.0, rescore * r_kv)
 
 
 def _projection_keep(r_p: float, union_keep: float | None) -> float:

@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from policyzoo.bytes import ByteAccount
+from policyzoo.bytes import ByteAccount, selection_overhead
 
 
 def test_llama_8b_by_hand():
@@ -80,3 +80,21 @@ def test_union_keep_is_checked_and_never_shrinks_a_dense_projection():
     assert a.step_bytes(4096, r_p=1.0, batch=4, union_keep=0.5) == a.step_bytes(4096, batch=4)
     with pytest.raises(ValueError, match="union_keep .* cannot be below r_p"):
         a.step_bytes(4096, r_p=0.5, batch=4, union_keep=0.3)
+
+
+def test_selection_bytes_of_page_and_two_stage_policies():
+    """A page policy reads its pages' min and max (1/page of a token's KV elements); a second stage
+    reads the candidates' keys (half their elements); both lower the bound."""
+    acct = ByteAccount.from_config("llama-3.1-8b")
+    n = 131072
+    assert selection_overhead(16) == 1 / 16
+    assert selection_overhead(16, rescore=3, r_kv=0.1) == pytest.approx(1 / 16 + 0.15)
+    assert selection_overhead(None, rescore=10, r_kv=0.1) == 0.5  # every key scored exactly
+    plain = acct.bound(n, r_kv=0.1)
+    quest = acct.bound(n, r_kv=0.1, r_select=selection_overhead(16))
+    two = acct.bound(n, r_kv=0.1, r_select=selection_overhead(16, rescore=3, r_kv=0.1))
+    assert plain > quest > two > 1
+    extra = acct.step_bytes(n, r_kv=0.1, r_select=0.25) - acct.step_bytes(n, r_kv=0.1)
+    assert extra == pytest.approx(acct.layers * acct.kv_per_token * n * 0.25 * acct.element_size)
+    with pytest.raises(ValueError, match="r_select"):
+        acct.step_bytes(n, r_select=-0.1)
