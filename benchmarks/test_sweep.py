@@ -144,5 +144,5 @@ def test_selection_bytes_of_each_setting():
     assert common.selection_ratio("quest0.1") == common.selection_ratio("ssa0.05+0.05") == 1 / 16
     assert common.selection_ratio("quest0.1p64") == 1 / 64
     assert common.selection_ratio("entmax-kv0.1") == 3 / 16
-    assert common.selection_ratio("quest0.1-rescore3") == 1 / 16 + 0.5 * 0.3
+    assert common.selection_ratio("quest0.1-rescore3") == pytest.approx(1 / 16 + 0.5 * 0.3)
     assert common.selection_ratio("attn-topk0.1") == common.selection_ratio("topk0.5+attn-topk0.2") == 0.5
