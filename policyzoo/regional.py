@@ -19,7 +19,7 @@ values and its own tensors, which Dynamo takes as graph inputs.
 So a policy compiles by layer only when its ``select`` depends on its layer through these tensors
 alone (`layer_invariant`): the built-in policies and `TopK` do; a policy that reads the step context
 (``previous``, ``below``, ``hidden``) or indexes something of its own by ``state.layer``, and a
-sparsifier with per-projection constants (`Threshold`), compile the whole step (`Decoder.compile`'s
+sparsifier with per-projection constants (`Threshold`, fast `TopK`), compile the whole step (`Decoder.compile`'s
 ``regional=False``, the default for them).
 """
 
@@ -64,6 +64,8 @@ def layer_invariant(kv: KVSelector | None, proj: Any) -> tuple[bool, str, bool]:
         return False, f"{type(policy).__name__} is not a built-in KV policy (its select may depend on state.layer)", True
     if proj is not None and type(proj) is not TopK:
         return False, f"{type(proj).__name__} is not TopK (its projections may differ by layer)", True
+    if proj is not None and proj.mode != "exact":
+        return False, f"TopK(mode={proj.mode!r}) keeps a calibrated ratio per projection and layer", True
     return True, "", True
 
 

@@ -314,3 +314,24 @@ def test_topk_kernel_path_decodes_like_the_reference_at_batch_above_one(monkeypa
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
     _, got = _decode_logits(model, ids, mask, make())
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_fast_topk_compiles_into_one_graph_and_recalibrates_in_place():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 10)
+    ratios = {f"{i}.{t}": 0.5 + 0.05 * j for i in range(2) for j, t in enumerate(("q", "k", "v", "o", "gate", "up", "down"))}
+    expected = Decoder(copy.deepcopy(model), proj=TopK(0.5, mode="fast", ratios=dict(ratios))).generate(ids, 6, attention_mask=mask)
+    proj = TopK(0.5, mode="fast", ratios=dict(ratios))
+    torch._dynamo.reset()
+    counters.clear()
+    dec = Decoder(model, proj=proj, compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(dec.generate(ids, 6, attention_mask=mask), expected)
+        texts = [torch.randint(1, 128, (40,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        proj.calibrate(model, texts)  # new values, the same tensors: no recompile
+        recalibrated = dec.generate(ids, 6, attention_mask=mask)
+    fresh = Decoder(copy.deepcopy(model), proj=TopK(0.5, mode="fast", ratios=dict(proj.ratios))).generate(ids, 6, attention_mask=mask)
+    assert torch.equal(recalibrated, fresh)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -87,5 +87,7 @@ def test_what_cannot_compile_by_layer_compiles_the_whole_step():
     thresholds = Decoder(tiny_model("llama", layers=2), proj=Threshold(0.5)).compile(backend="aot_eager")
     assert not isinstance(thresholds.session._compiled, RegionalStep)
     assert layer_invariant(None, Threshold(0.5))[2]  # ... unless asked for: it may hold per-layer constants
+    ok, why, _ = layer_invariant(None, TopK(0.5, mode="fast"))
+    assert not ok and "ratio per projection" in why and layer_invariant(None, TopK(0.5))[0]
     whole = Decoder(tiny_model("llama", layers=2), kv=Quest(0.5, page=4)).compile(regional=False)
     assert not isinstance(whole.session._compiled, RegionalStep)
