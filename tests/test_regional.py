@@ -24,8 +24,9 @@ POLICIES = {
     "entmax-kv-entmax": (lambda: EntmaxKV(0.5, page=4, attention="entmax"), lambda: None),
     "certified-quest": (lambda: Certified(Quest(0.2, page=4), eps=0.1), lambda: None),
     "topk": (lambda: None, lambda: TopK(0.5)),
+    "quest-rescore": (lambda: Quest(0.3, page=4, rescore=2), lambda: None),
 }
-INDUCTOR = ("quest", "ssa", "certified-quest", "topk")  # the rest on aot_eager: the views' logic, faster
+INDUCTOR = ("quest", "ssa", "certified-quest", "topk", "quest-rescore")  # the rest on aot_eager: the views' logic, faster
 
 
 def _pair(name: str, layers: int = 3):
