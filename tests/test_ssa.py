@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from policyzoo.cache import PagedKVCache
 from policyzoo.kernels import reference
+from policyzoo.selection import Selection
 from policyzoo.kv import SSA, AttentionTopK, Dense, KVState, Quest
 from policyzoo.kv.ssa import hash_uniform
 
@@ -35,10 +36,12 @@ def ssa_args(draw, schemes=("with_replacement", "gumbel_topk"), temperatures=(0.
             return draw(st.integers(lo, 40))
         return draw(st.floats(1e-3, 1.0))
 
+    proxy = draw(st.sampled_from(["page", "exact"]))
     return dict(
         budget=amount(0),
         sample=amount(min_sample),
-        proxy=draw(st.sampled_from(["page", "exact"])),
+        proxy=proxy,
+        rescore=draw(st.sampled_from([0, 0, 2])) if proxy == "page" else 0,
         temperature=draw(st.sampled_from(temperatures)),
         sinks=draw(st.integers(0, 6)),
         window=draw(st.integers(0, 12)),
@@ -423,22 +426,30 @@ def test_page_proxy_needs_matching_cache(make_case):
 
 
 @SETTINGS
-@given(data=st.data(), args=ssa_args(), factor=st.sampled_from([1, 2]))
-def test_rescored_deterministic_stratum(data, cases, contract, args, factor):
-    """``rescore`` re-ranks the page proxy's deterministic stratum by exact scores, in pages: the
-    strata keep their units, the contract holds, and a factor of 1 (candidates = the stratum)
-    changes nothing."""
+@given(data=st.data(), args=ssa_args(), factor=st.sampled_from([1, 3]))
+def test_rescored_strata_rank_pages_by_their_log_mass(data, cases, contract, args, factor):
+    """With ``rescore`` the page proxy is each page's log softmax numerator: exact on the candidate
+    pages, ``u_p + log n_p`` (an upper bound) elsewhere. Every proxy value bounds the exact one from
+    above, candidates match it, and the deterministic stratum is the top pages on it."""
     if args["proxy"] != "page":
         return
+    from policyzoo.kv.base import page_bound_scores, page_log_mass
+
     case = data.draw(cases())
     state = case.state()
-    det = SSA(**{**args, "sample": 0}, page=case.page).select(state, case.q)
-    re_det = SSA(**{**args, "sample": 0}, page=case.page, rescore=factor).select(state, case.q)
-    assert re_det.block == case.page and torch.equal(re_det.count, det.count)
-    contract.check_entries(re_det, case, args["sinks"], args["window"], pages=True)
-    if factor == 1:
-        for r in range(case.b):
-            for hk in range(case.h_kv):
-                assert contract.selected(re_det, r, hk) == contract.selected(det, r, hk)
-    sel = SSA(page=case.page, rescore=factor, **args).select(state, case.q)
+    policy = SSA(page=case.page, **{**args, "rescore": factor})
+    sel = policy.select(state, case.q)
     contract.check_entries(sel, case, args["sinks"], args["window"], pages=True)
+    c = case.cache
+    every = Selection(torch.arange(c.num_pages, dtype=torch.int32).expand(case.b, case.h_kv, -1).contiguous(),
+                      torch.full((case.b, case.h_kv), c.num_pages, dtype=torch.int32), block=case.page)
+    bounds = page_bound_scores(state, case.q)
+    exact = page_log_mass(state, case.q, bounds, every)  # every page a candidate
+    z = torch.einsum("bkgd,bknd->bkgn", case.q.double().view(case.b, case.h_kv, case.g, -1), c.keys[0].double()) * case.scale
+    z = z.masked_fill(~c.token_valid()[:, None, None, :], -torch.inf).view(case.b, case.h_kv, case.g, c.num_pages, case.page)
+    torch.testing.assert_close(exact, torch.logsumexp(z, -1).reshape(case.b, case.h, -1).float(), rtol=1e-4, atol=1e-4)
+    half = Selection(every.indices[..., ::2].contiguous(), torch.full_like(every.count, (c.num_pages + 1) // 2), block=case.page)
+    mixed = page_log_mass(state, case.q, bounds, half)
+    finite = exact > -torch.inf
+    assert bool((mixed[finite] >= exact[finite] - 1e-4 * (1 + exact[finite].abs())).all())  # never below the truth
+    torch.testing.assert_close(mixed[..., ::2], exact[..., ::2], rtol=1e-5, atol=1e-5)  # the candidates are exact

@@ -365,66 +365,72 @@ def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> 
     return wide, torch.ceil(count * factor).long().clamp(max=wide)
 
 
-def rescore_pages(
-    state: KVState, q: Tensor, pages: Selection, count: Tensor, k_max: int, sinks: int, window: int,
-    aggregate: Aggregate = "max", unit: str = "token",
-) -> Selection:
-    """Stage two of a page policy: exact logits over the tokens of its candidate ``pages``, then the
-    forced entries (sinks, window) and the best others, ``count`` at most (``k_max`` wide).
-
-    ``unit="token"`` keeps tokens (a token selection; ``count`` and ``k_max`` in tokens);
-    ``unit="page"`` keeps candidate pages ranked by their best token (a page selection; ``count``
-    and ``k_max`` in pages), for policies whose other parts work in pages (`SSA`'s strata).
-
-    It reads the candidates' keys, not their values: `AttentionTopK`'s exact scores, over the
-    candidates only. A page bound ranks pages by how high a key *could* score; here they compete on
-    how high their keys do, so a page holding one needle among noise competes on the needle.
-    ``aggregate`` folds the GQA group as `aggregate_groups` does.
-    """
-    if unit not in ("token", "page"):
-        raise ValueError(f"unit must be 'token' or 'page', got {unit!r}")
+def _candidate_logits(state: KVState, q: Tensor, pages: Selection) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logits float32[B, H_kv, G, N], slots int64[B, H_kv, N], valid bool[B, H_kv, N])``: the exact
+    ``scale·q·k`` of every token of the candidate ``pages`` (ascending slots; ``-inf`` where invalid).
+    Reads the candidates' keys, not their values."""
     b, h, d = q.shape
-    h_kv, cap, page = state.keys.shape[1], state.cache.capacity, pages.block
-    slots, entry = pages.token_positions()  # [B, H_kv, N] ascending: pages come in ascending order
+    h_kv, cap = state.keys.shape[1], state.cache.capacity
+    slots, entry = pages.token_positions()  # ascending: pages come in ascending order
     slots = slots.clamp(max=cap - 1)
     valid = entry & torch.gather(state.token_valid()[:, None, :].expand(-1, h_kv, -1), 2, slots)
     keys = torch.gather(state.keys, 2, slots[..., None].expand(-1, -1, -1, d))
     logits = torch.einsum("bkgd,bknd->bkgn", q.view(b, h_kv, h // h_kv, d).float(), keys.float()) * state.scale
-    logits = logits.masked_fill(~valid[:, :, None, :], -torch.inf)
+    return logits.masked_fill(~valid[:, :, None, :], -torch.inf), slots, valid
+
+
+def rescore_pages(
+    state: KVState, q: Tensor, pages: Selection, count: Tensor, k_max: int, sinks: int, window: int,
+    aggregate: Aggregate = "max",
+) -> Selection:
+    """Stage two of a page policy: exact logits over the tokens of its candidate ``pages``, then the
+    forced tokens (sinks, window, the step's own token) and the best others, ``count`` tokens at most
+    (``k_max`` wide), as a token selection.
+
+    It reads the candidates' keys, not their values: `AttentionTopK`'s exact scores, over the
+    candidates only. A page bound ranks pages by how high a key *could* score; here the tokens
+    compete on how high they do. ``aggregate`` folds the GQA group as `aggregate_groups` does.
+    """
+    h_kv = state.keys.shape[1]
+    logits, slots, valid = _candidate_logits(state, q, pages)
     if aggregate == "max":
         scores = logits.amax(2)
     else:
         scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
     scores = scores.masked_fill(~valid, -torch.inf)
-    if unit == "token":
-        # The step's own token is always kept, as a page policy always keeps the last page.
-        forced = forced_tokens(state, sinks, max(window, 1))
-        forced = torch.gather(forced[:, None, :].expand(-1, h_kv, -1), 2, slots) & valid
-        chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count)
-        return Selection(torch.gather(slots, 2, chosen.indices.long()).int(), chosen.count, block=1)
-    per_page = scores.view(b, h_kv, pages.k_max, page)
-    if aggregate == "max":
-        scores = per_page.amax(-1)
-    else:  # the page's share of the group's mass; pages without a visible token stay -inf
-        scores = per_page.clamp_min(0).sum(-1).masked_fill(~valid.view_as(per_page).any(-1), -torch.inf)
-    scores = scores.masked_fill(~pages.entry_valid(), -torch.inf)
-    ids = pages.indices.long()
-    forced = torch.gather(forced_pages(state, sinks, window)[:, None, :].expand(-1, h_kv, -1), 2, ids)
-    chosen = choose_topk(scores, forced, min(k_max, pages.k_max), count)
-    return Selection(torch.gather(ids, 2, chosen.indices.long()).int(), chosen.count, block=page)
+    # The step's own token is always kept, as a page policy always keeps the last page.
+    forced = forced_tokens(state, sinks, max(window, 1))
+    forced = torch.gather(forced[:, None, :].expand(-1, h_kv, -1), 2, slots) & valid
+    chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count)
+    return Selection(torch.gather(slots, 2, chosen.indices.long()).int(), chosen.count, block=1)
+
+
+def page_log_mass(state: KVState, q: Tensor, bounds: Tensor, pages: Selection) -> Tensor:
+    """``float32[B, H, P]``: per query head, the log of each page's softmax numerator
+    ``log Σ_{t∈p} e^{z_t}``: exact for the candidate ``pages`` (from their keys), and its upper bound
+    ``u_p + log n_p`` from the page ``bounds [B, H, P]`` elsewhere (``-inf`` on empty pages). One
+    scale for both, so a policy can rank and sample pages on it."""
+    b, h, n_pages = bounds.shape
+    h_kv, page = state.keys.shape[1], pages.block
+    logits, _, _ = _candidate_logits(state, q, pages)
+    exact = torch.logsumexp(logits.view(b, h_kv, h // h_kv, pages.k_max, page), dim=-1)  # [B, H_kv, G, K]
+    counts = state.cache.page_counts()[:, None, :].float()  # [B, 1, P]
+    mass = (bounds + counts.log()).view(b, h_kv, h // h_kv, n_pages)
+    ids = torch.where(pages.entry_valid(), pages.indices.long(), n_pages)[:, :, None, :].expand_as(exact)
+    spare = torch.cat([mass, mass.new_zeros(b, h_kv, h // h_kv, 1)], dim=-1)  # invalid entries land in slot P
+    return spare.scatter(3, ids, exact)[..., :n_pages].reshape(b, h, n_pages)
 
 
 def choose_pages(
     state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_max: int, count: Tensor, *,
-    rescore: float = 0.0, sinks: int = 0, window: int = 0, aggregate: Aggregate = "max", unit: str = "token",
+    rescore: float = 0.0, sinks: int = 0, window: int = 0, aggregate: Aggregate = "max",
 ) -> Selection:
     """A page policy's choice from its page ``scores``: the top pages (`choose_topk`), or with
-    ``rescore`` >= 1 that many times the pages as candidates, then `rescore_pages` keeps the best
-    tokens (``unit="token"``, the same token budget) or pages by exact score."""
+    ``rescore`` >= 1 that many times the pages as candidates, of which `rescore_pages` keeps the
+    best tokens (the same token budget)."""
     page = state.page_size
     if not rescore:
         return choose_topk(scores, forced, k_max, count, block=page)
     wide, wide_count = candidate_budget(k_max, count, rescore, state.cache.num_pages)
     candidates = choose_topk(scores, forced, wide, wide_count, block=page)
-    scale = page if unit == "token" else 1
-    return rescore_pages(state, q, candidates, count * scale, k_max * scale, sinks, window, aggregate, unit)
+    return rescore_pages(state, q, candidates, count * page, k_max * page, sinks, window, aggregate)

@@ -75,13 +75,15 @@ from .base import (
     aggregate_groups,
     check_budget,
     check_count,
+    candidate_budget,
     check_rescore,
-    choose_pages,
     choose_topk,
     exact_scores,
     forced_pages,
     forced_tokens,
+    group_page_bounds,
     page_bound_scores,
+    page_log_mass,
 )
 
 Scheme = Literal["with_replacement", "gumbel_topk"]
@@ -109,9 +111,10 @@ class SSA(KVSelector):
         scheme: ``"with_replacement"`` (marginal π) or ``"gumbel_topk"`` (conditional π, see module).
         seed: seed of the counter-based hash generator (an int >= 0).
         generator: a `torch.Generator` to draw from instead (eager decoding only).
-        rescore: page proxy only: 0, or a candidate factor >= 1: the deterministic stratum is chosen
-            from that many times its pages by their best exact key score (`kv.base.rescore_pages`,
-            whole pages, so the strata stay in pages); the sampled stratum is unchanged.
+        rescore: page proxy only: 0, or a candidate factor >= 1: that many times the pages of both
+            strata are candidates by bound, and the proxy becomes each page's log softmax numerator,
+            exact for the candidates (from their keys) and bounded (``u_p + log n_p``) for the rest
+            (`kv.base.page_log_mass`); both strata rank and sample on it.
     """
 
     budget: int | float = 0.1
@@ -233,11 +236,13 @@ class SSA(KVSelector):
         ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
         k_det, count_det = self._widths(self.budget, unit, n_units, n_valid)
         k_det = max(k_det, min(n_units, n_forced))
-        if self.proxy == "page":
-            det = choose_pages(state, q, ranking, forced, k_det, count_det, rescore=self.rescore, sinks=self.sinks,
-                               window=self.window, aggregate=self.aggregate, unit="page")
-        else:
-            det = choose_topk(ranking, forced, k_det, count_det, block=unit)
+        if self.rescore:  # both strata on the pages' log-mass: exact for the candidates
+            m_max, m_count = self._widths(self.sample, unit, n_units, n_valid)
+            wide, wide_count = candidate_budget(k_det + m_max, count_det + m_count, self.rescore, n_units)
+            candidates = choose_topk(group_page_bounds(state, q), forced, wide, wide_count, block=unit)
+            raw = page_log_mass(state, q, raw, candidates)
+            ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
+        det = choose_topk(ranking, forced, k_det, count_det, block=unit)
         if self.sample == 0:
             return det
 
