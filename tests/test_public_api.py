@@ -97,6 +97,9 @@ BAD_NUMBER = st.sampled_from([NAN, INF, -INF, "1", None, True, [1.0], torch.tens
 BAD_FLAG = st.sampled_from([1, 0, "yes", "", None, 1.0, torch.tensor(True), torch.tensor([True, False])])
 
 
+RESCORE = st.one_of(st.just(0), st.floats(1.0, 1e6))  # off, or a candidate factor
+BAD_RESCORE = st.one_of(BAD_NUMBER, st.sampled_from([0.5, -1.0, 1e-9]))
+
 # ------------------------------------------------------------------------------ constructors
 # One entry per constructor argument: (class, argument, base kwargs, good values, bad values).
 QUEST = Quest(0.1, page=4)
@@ -112,6 +115,7 @@ CONSTRUCTOR_ARGS: list[tuple[type, str, dict, st.SearchStrategy, st.SearchStrate
     (Quest, "sinks", {}, COUNT0, BAD_COUNT0),
     (Quest, "window", {}, COUNT0, BAD_COUNT0),
     (Quest, "aggregate", {}, AGGREGATE, BAD_NAME),
+    (Quest, "rescore", {}, RESCORE, BAD_RESCORE),
     (SSA, "budget", {}, BUDGET0, BAD_BUDGET0),
     (SSA, "sample", {}, BUDGET0, BAD_BUDGET0),
     (SSA, "proxy", {}, st.sampled_from(["page", "exact"]), BAD_NAME),
@@ -123,6 +127,7 @@ CONSTRUCTOR_ARGS: list[tuple[type, str, dict, st.SearchStrategy, st.SearchStrate
     (SSA, "scheme", {}, st.sampled_from(["with_replacement", "gumbel_topk"]), BAD_NAME),
     (SSA, "seed", {}, st.integers(0, 2**70), st.sampled_from([-1, *NOT_INT])),  # a seed, not a count: any size
     (SSA, "generator", {}, st.one_of(st.none(), st.builds(torch.Generator)), st.sampled_from([0, "cpu", torch.tensor(0)])),
+    (SSA, "rescore", {}, RESCORE, BAD_RESCORE),
     (EntmaxKV, "budget", {}, BUDGET, BAD_BUDGET),
     (EntmaxKV, "alpha", {}, st.just(1.5), st.one_of(BAD_NUMBER, st.sampled_from([2.0, 1.0, torch.tensor(1.5)]))),
     (EntmaxKV, "mode", {}, st.sampled_from(["gaussian", "topk"]), BAD_NAME),
@@ -132,6 +137,7 @@ CONSTRUCTOR_ARGS: list[tuple[type, str, dict, st.SearchStrategy, st.SearchStrate
     (EntmaxKV, "window", {}, COUNT0, BAD_COUNT0),
     (EntmaxKV, "z", {}, st.floats(-10, 10), BAD_NUMBER),
     (EntmaxKV, "iters", {}, st.integers(1, 10**6), BAD_COUNT1),
+    (EntmaxKV, "rescore", {}, RESCORE, BAD_RESCORE),
     (Certified, "policy", {}, st.sampled_from([QUEST, AttentionTopK(0.2), EntmaxKV(64)]),
      st.sampled_from([Window(), Dense(), TopK(0.5), Certified(QUEST), Quest, "quest", None])),  # fmt: skip
     (Certified, "eps", {"policy": QUEST}, st.floats(0.0, 1.0), st.one_of(BAD_NUMBER, st.sampled_from([-0.1, 1.5]))),
@@ -139,6 +145,9 @@ CONSTRUCTOR_ARGS: list[tuple[type, str, dict, st.SearchStrategy, st.SearchStrate
      st.one_of(BAD_BUDGET, st.integers(1, 35))),  # fmt: skip
     (Certified, "slack", {"policy": QUEST}, st.floats(0.0, 1e3), st.one_of(BAD_NUMBER, st.just(-1e-5))),
     (TopK, "keep", {}, RATIO, BAD_RATIO),
+    (TopK, "mode", {}, st.sampled_from(["exact", "fast"]), BAD_NAME),
+    (TopK, "ratios", {"mode": "fast"}, st.dictionaries(st.text(max_size=6), st.floats(allow_nan=False, allow_infinity=False), max_size=3),
+     st.sampled_from([{"0.q": NAN}, {"0.q": INF}, {"0.q": "1"}, {0: 1.0}, None, "0.q"])),  # fmt: skip
     (TopK, "targets", {}, TARGETS, st.sampled_from(["q", "down", "qkv", (), ("q", "mlp"), (["q"],), ("q", None), {"q": 1}, None, 3])),
     (Threshold, "keep", {}, RATIO, BAD_RATIO),
     (Threshold, "targets", {}, TARGETS, st.sampled_from(["up", (), ("gate", 3), None])),
@@ -182,7 +191,8 @@ def valid_policies(draw):
             b = sinks + window if sinks + window <= MAX_COUNT else 0.5
         return AttentionTopK(b, sinks=sinks, window=window, aggregate=draw(AGGREGATE))
     if kind == "quest":
-        return Quest(draw(budget), page=page, sinks=sinks, window=window, aggregate=draw(AGGREGATE))
+        return Quest(draw(budget), page=page, sinks=sinks, window=window, aggregate=draw(AGGREGATE),
+                     rescore=draw(st.sampled_from([0, 1, 2.5])))
     if kind == "ssa":
         return SSA(
             draw(st.one_of(budget, st.just(0))), draw(st.one_of(budget, st.just(0))), proxy=draw(st.sampled_from(["page", "exact"])),
@@ -191,7 +201,7 @@ def valid_policies(draw):
         )  # fmt: skip
     if kind == "entmax":
         return EntmaxKV(draw(budget), mode=draw(st.sampled_from(["gaussian", "topk"])), page=page, sinks=sinks, window=window,
-                        z=draw(st.floats(-5, 5)), iters=draw(st.integers(1, 12)))  # fmt: skip
+                        z=draw(st.floats(-5, 5)), iters=draw(st.integers(1, 12)), rescore=draw(st.sampled_from([0, 2])))  # fmt: skip
     inner = draw(st.sampled_from([Quest(0.1, page=page), EntmaxKV(0.1, page=page, mode="topk"), AttentionTopK(0.1, sinks=2, window=2)]))
     max_budget = draw(st.one_of(RATIO, st.integers(4, 64)))
     return Certified(inner, eps=draw(st.floats(0.0, 1.0)), max_budget=max_budget, slack=draw(st.floats(0, 1)))
