@@ -406,19 +406,26 @@ def rescore_pages(
 
 
 def page_log_mass(state: KVState, q: Tensor, bounds: Tensor, pages: Selection) -> Tensor:
-    """``float32[B, H, P]``: per query head, the log of each page's softmax numerator
-    ``log Σ_{t∈p} e^{z_t}``: exact for the candidate ``pages`` (from their keys), and its upper bound
-    ``u_p + log n_p`` from the page ``bounds [B, H, P]`` elsewhere (``-inf`` on empty pages). One
-    scale for both, so a policy can rank and sample pages on it."""
+    """``float32[B, H, P]``: per query head, each page's log softmax numerator ``log Σ_{t∈p} e^{z_t}``:
+    exact for the candidate ``pages`` (from their keys), estimated elsewhere (``-inf`` on empty pages).
+
+    The estimate starts from the bound ``u_p + log n_p`` (``bounds [B, H, P]``) and subtracts how far
+    that bound overshot the exact value on this head's candidates (their mean). The bound alone
+    overshoots by many nats on real models, so next to exact values it would outrank every
+    candidate. Outside the candidates this is an estimate, not a bound: fine for ranking and for a
+    sampling distribution, which any positive probabilities keep unbiased."""
     b, h, n_pages = bounds.shape
     h_kv, page = state.keys.shape[1], pages.block
     logits, _, _ = _candidate_logits(state, q, pages)
     exact = torch.logsumexp(logits.view(b, h_kv, h // h_kv, pages.k_max, page), dim=-1)  # [B, H_kv, G, K]
     counts = state.cache.page_counts()[:, None, :].float()  # [B, 1, P]
     mass = (bounds + counts.log()).view(b, h_kv, h // h_kv, n_pages)
-    ids = torch.where(pages.entry_valid(), pages.indices.long(), n_pages)[:, :, None, :].expand_as(exact)
-    spare = torch.cat([mass, mass.new_zeros(b, h_kv, h // h_kv, 1)], dim=-1)  # invalid entries land in slot P
-    return spare.scatter(3, ids, exact)[..., :n_pages].reshape(b, h, n_pages)
+    ok = pages.entry_valid()[:, :, None, :] & (exact > -torch.inf)
+    ids = torch.where(ok, pages.indices.long()[:, :, None, :], n_pages)  # invalid entries land in spare slot P
+    bound_at = torch.gather(mass, 3, ids.clamp(max=n_pages - 1))
+    over = torch.where(ok, bound_at - exact, 0.0).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp(min=1)
+    spare = torch.cat([mass - over, mass.new_zeros(b, h_kv, h // h_kv, 1)], dim=-1)
+    return spare.scatter(3, ids, torch.where(ok, exact, 0.0))[..., :n_pages].reshape(b, h, n_pages)
 
 
 def choose_pages(

@@ -113,8 +113,9 @@ class SSA(KVSelector):
         generator: a `torch.Generator` to draw from instead (eager decoding only).
         rescore: page proxy only: 0, or a candidate factor >= 1: that many times the pages of both
             strata are candidates by bound, and the proxy becomes each page's log softmax numerator,
-            exact for the candidates (from their keys) and bounded (``u_p + log n_p``) for the rest
-            (`kv.base.page_log_mass`); both strata rank and sample on it.
+            exact for the candidates (from their keys) and estimated for the rest from their bound
+            and the bound's overshoot on the candidates (`kv.base.page_log_mass`); both strata rank
+            and sample on it.
     """
 
     budget: int | float = 0.1
