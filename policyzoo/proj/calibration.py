@@ -108,13 +108,15 @@ class DeviceScalars:
 
     def install(self, device: torch.device, groups: Sequence[tuple[tuple[str, ...], tuple[int, ...]]] = ()) -> None:
         """Make the device tensors of every known value, and of each group ``(names, sizes)`` whose
-        members all have one."""
+        members all have one, where not made yet (made ones keep their identity: `refresh` updates
+        their values)."""
         for name in self.values:
             t = self._scalars.get(name)
             if t is None or t.device != device:
                 self._scalars[name] = _static(torch.tensor(self.values[name], device=device, dtype=torch.float32))
         for names, sizes in groups:
-            if all(n in self.values for n in names):
+            made = self._columns.get(names)
+            if all(n in self.values for n in names) and (made is None or made[1].device != device):
                 self._columns[names] = (sizes, _static(self._expand(names, sizes, device)))
 
     def refresh(self) -> None:
