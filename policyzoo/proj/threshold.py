@@ -43,6 +43,7 @@ class Threshold(ProjectionSparsifier):
         self.targets = check_targets(self.targets)
         check_values(self.thresholds, "thresholds")
         self._device = DeviceScalars(self.thresholds, "threshold", "call calibrate() or load() first")
+        self._groups: list[tuple[tuple[str, ...], tuple[int, ...]]] = []  # (names, sizes) of installed groups
 
     def threshold(self, name: str, device: torch.device) -> Tensor:
         """Projection ``name``'s threshold as a 0-dim fp32 tensor on ``device``: the one `install`
@@ -88,7 +89,7 @@ class Threshold(ProjectionSparsifier):
                 m = m[torch.randperm(m.numel(), generator=g)[:_SAMPLES_PER_PROJECTION]]
             self.thresholds[name] = float(torch.quantile(m, 1.0 - self.keep)) if self.keep < 1 else 0.0
         self._device.refresh()  # an installed, compiled step keeps reading the same tensors
-        if getattr(self, "_groups", None) is not None:
+        if self._groups:  # groups installed before their thresholds existed get their columns now
             self._device.install(next(model.parameters()).device, self._groups)
         return self
 
