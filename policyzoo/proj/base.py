@@ -211,6 +211,7 @@ class SharedInput:
 
     def __init__(self, members: list[SparseLinear]) -> None:
         self.members = members
+        self.names = [m.name for m in members]
         self.sizes = [m.w_t.shape[1] for m in members]
         self.w_t = torch.cat([m.w_t for m in members], dim=1).contiguous()
         biases = [m.linear.bias for m in members]
@@ -233,8 +234,7 @@ class SharedInput:
         if self._input is not x:
             first = self.members[0]
             if member.sparse_now():
-                names = [m.name for m in self.members]
-                y = first.sparsifier.project_group(names, self.sizes, x2, self.w_t, self.bias)
+                y = first.sparsifier.project_group(self.names, self.sizes, x2, self.w_t, self.bias)
                 if y is None:  # the sparsifier cannot serve the group in one pass
                     return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias)
             else:

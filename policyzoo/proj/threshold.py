@@ -54,7 +54,7 @@ class Threshold(ProjectionSparsifier):
         """Wrap the projections, then make every calibrated threshold (and each q|k|v or gate|up
         group's per-column thresholds) a device tensor, once; `calibrate` later updates them in place."""
         super().install(model, runtime)
-        groups = [(tuple(m.name for m in g.members), tuple(g.sizes)) for g in shared_groups(model, self)]
+        groups = [(tuple(g.names), tuple(g.sizes)) for g in shared_groups(model, self)]
         self._device.install(next(model.parameters()).device, groups)
         self._groups = groups
 
