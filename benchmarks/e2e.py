@@ -100,7 +100,9 @@ def check_generate(make: Callable[[], Decoder], batch: int = 3, context: int = 2
     Tokens are compared exactly, but a compiled step's fused kernels round differently from the eager
     ones, so on bf16 weights a near-tie can flip a token: ``logit_err`` (the largest difference of
     first decode step's logits, relative to their spread) says whether a mismatch is rounding. Each
-    call of ``make`` must wrap a model of its own (a Decoder takes over the model it wraps)."""
+    call of ``make`` must wrap a model of its own (a Decoder takes over the model it wraps). A third
+    Decoder compiled with a dynamic cache capacity (as `Decoder.generate` benchmarks compile) must
+    give the static build's tokens."""
     eager, compiled = make(), make().compile()
     device = eager.device
 
@@ -119,6 +121,7 @@ def check_generate(make: Callable[[], Decoder], batch: int = 3, context: int = 2
     want, want_logits = run(eager, **kwargs)
     first, first_logits = run(compiled, **kwargs)  # compiles, warms up, captures
     again, _ = run(compiled, **kwargs)  # replays
+    dynamic, _ = run(make().compile(dynamic_capacity=True), **kwargs)
     sample = dict(attention_mask=mask, do_sample=True, temperature=0.8, top_p=0.9)
     s_eager = run(eager, generator=torch.Generator(device=device).manual_seed(3), **sample)
     s1 = run(compiled, generator=torch.Generator(device=device).manual_seed(3), **sample)
@@ -128,6 +131,7 @@ def check_generate(make: Callable[[], Decoder], batch: int = 3, context: int = 2
     return {
         "same_tokens_as_eager": bool(torch.equal(first, want)),
         "same_on_replay": bool(torch.equal(first, again)),
+        "dynamic_same_as_static": bool(torch.equal(first, dynamic)),
         "sampling_reproducible": bool(torch.equal(s1, s2)),
         "sampled_same_as_eager": bool(torch.equal(s1, s_eager)),
         "stopped_early": first.shape[1] < context + new_tokens,

@@ -179,15 +179,19 @@ def _rotating(fns: list) -> Callable[[], object]:
 
 
 def gemv_grid(batch: int) -> list[dict]:
-    """Launch parameters the fused-threshold probe tries (fp32 accumulators of 128 registers per
-    thread at most)."""
+    """Tile shapes the fused-threshold probe tries first: 8 to 64 fp32 accumulators per thread at
+    batch 1 (``block_k x block_n`` products over the warps' threads), the tl.dot tiles at batch > 1."""
     if batch == 1:
-        grid = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (32, 64, 128) for w in (4, 8)
-                if bn * bk <= 128 * 32 * w]
-    else:
-        grid = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128) for bk in (32, 64) for w in (4, 8)]
-    grid += [dict(g, target_programs=1024) for g in grid[:2]]
-    return grid
+        return [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
+                for w in (2, 4, 8) if 8 <= bn * bk // (32 * w) <= 64]
+    return [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (16, 32, 64) for w in (4, 8)
+            if bn * bk // (32 * w) <= 64]
+
+
+def gemv_refinements(best: dict) -> list[dict]:
+    """Second pass around the best tile shape: pipelining depth and the split of the features."""
+    return [dict(best, num_stages=st) for st in (1, 2, 4, 5)] + [
+        dict(best, target_programs=tp, min_tiles_per_split=mt) for tp in (256, 1024, 2048) for mt in (1, 4)]
 
 
 def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 16), tune: bool = True):
@@ -226,12 +230,8 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             dense_us = common.graph_time_ms(_rotating([lambda w=w: F.linear(x, w.t()) for w in ws])) * 1e3
             base = {"section": "gemvfused", "shape": label, "batch": b, "union": union, "cublas_us": dense_us,
                     "cublas_TB/s": wbytes / (dense_us * 1e-6) / 1e12}
-            configs = {"default": {}}
-            if tune:
-                grid = gemv_grid(b)[: 1 if dev == "cpu" else None]
-                configs.update({" ".join(f"{k}={v}" for k, v in c.items()): c for c in grid})
-            for name, c in configs.items():
-                row = dict(base, setting=f"threshold GEMV {name}")
+            def run_config(name: str, c: dict) -> None:
+                row = dict(base, setting=f"threshold GEMV {name}", config=c)
                 try:
                     with override(gemv=replace(current(GemvConfig), **c)):
                         yc = gemv_module.sparse_gemv_threshold(x, t, ws[0], None, seg)
@@ -245,6 +245,17 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
                     row["error"] = f"{type(exc).__name__}: {exc}"[:200]
                     print(f"gemvfused {label} B={b} {name}: FAILED {row['error']}", flush=True)
                 rows.append(row)
+
+            run_config("default", {})
+            if tune:
+                first = len(rows)
+                for c in gemv_grid(b)[: 1 if dev == "cpu" else None]:
+                    run_config(" ".join(f"{k}={v}" for k, v in c.items()), c)
+                timed = [r for r in rows[first:] if "us" in r]
+                if timed:
+                    best = min(timed, key=lambda r: r["us"])["config"]
+                    for c in gemv_refinements(best)[: 1 if dev == "cpu" else None]:
+                        run_config(" ".join(f"{k}={v}" for k, v in c.items()), c)
             assert err < 2e-2, f"gemvfused {label} B={b}: rel err {err:.1e}"
 
 

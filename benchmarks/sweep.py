@@ -56,6 +56,7 @@ from torch._dynamo.utils import counters
 
 from policyzoo import kernels
 from policyzoo.bytes import BUILTIN, ByteAccount
+from policyzoo.kv.base import two_stage
 from policyzoo.proj.base import uninstall as uninstall_projections
 from policyzoo.selection import Selection
 
@@ -278,7 +279,8 @@ def generate_items(spec: str, known: set[str]) -> list[tuple[str, int, int]]:
 
 def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64):
     """`Decoder.generate` per-token time as users see it, beside the compiled step alone, per
-    ``(setting, context, batch)``: one compile per (setting, batch), with a dynamic cache capacity."""
+    ``(setting, context, batch)``: one compile per (setting, batch), with a dynamic cache capacity
+    (two-stage settings: a fixed one, `Decoder.compile` refuses them a dynamic one on CUDA)."""
     decoders: dict[tuple[str, int], object] = {}
     for name, n, b in items:
         if time.perf_counter() > deadline:
@@ -290,7 +292,10 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             if key not in decoders:
                 decoders.clear()  # one Decoder (and cache) at a time
                 free_memory()
-                decoders[key] = common.decoder(model, name).compile(dynamic_capacity=True)
+                dec = common.decoder(model, name)
+                dynamic = not (dec.device.type == "cuda" and two_stage(dec.kv))
+                decoders[key] = dec.compile(dynamic_capacity=dynamic)
+            row["dynamic_capacity"] = dynamic
             dec = decoders[key]
             graphs = counters["stats"]["unique_graphs"]
             row.update(e2e.measure(dec, b, n, new_tokens))

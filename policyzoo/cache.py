@@ -113,6 +113,12 @@ class PagedKVCache:
         """``bool[B, capacity]``: slot ``t`` of row ``b`` holds a real, visible token."""
         return visible(self.start, self.length, self.capacity)
 
+    def visible_at(self, slots: Tensor) -> Tensor:
+        """``bool``, shaped as ``slots int64[B, ...]``: whether each slot holds a visible token, from
+        the row's span alone (no tensor the size of the capacity is built or gathered from)."""
+        shape = (self.batch,) + (1,) * (slots.dim() - 1)
+        return (slots >= self.start.view(shape)) & (slots < self.length.reshape(-1, *shape[1:]))
+
     def page_spans(self) -> tuple[Tensor, Tensor]:
         """``(first, last) int64[B, pages]``: page ``p`` of row ``b`` holds visible slots
         ``first .. last-1`` (none when ``first >= last``)."""

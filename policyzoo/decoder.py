@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import _compat, kernels
-from .kv.base import KVSelector, check_count
+from .kv.base import KVSelector, check_count, two_stage
 from .kv.context import check_parts
 from .kv.dense import Dense
 from .proj.base import ProjectionSparsifier, fuse_shared_inputs
@@ -206,6 +206,12 @@ class Decoder:
         policy that reads the step context.
         """
         _check_compile_args(mode, dynamic_capacity, cuda_graphs, backend, regional)
+        if dynamic_capacity and backend == "inductor" and self.device.type == "cuda" and two_stage(self.kv):
+            raise ValueError(
+                "dynamic_capacity=True with a two-stage policy (rescore > 0): on CUDA, torch 2.11's Inductor fails to "
+                "generate code for its second stage under a symbolic cache capacity; compile with a fixed capacity "
+                "(the default) instead"
+            )
         ok, why, forceable = layer_invariant(self.kv, self.proj)
         if regional and not (ok or forceable):
             raise ValueError(f"regional=True: {why}; compile the whole step (regional=False)")

@@ -194,6 +194,17 @@ def test_decode_step_compiles_once_and_does_not_recompile():
     assert sum(counters["recompiles"].values()) == 0
 
 
+def test_a_two_stage_policy_is_refused_a_dynamic_capacity_on_cuda():
+    """Inductor's CUDA code for the second stage fails under a symbolic capacity (torch 2.11): a
+    clear error at compile, not an internal one at the first step. The check runs before anything
+    touches the device, so a CPU Decoder posing as a CUDA one shows it."""
+    dec = Decoder(tiny_model("llama", layers=1), kv=Quest(0.25, page=4, rescore=2))
+    dec.device = torch.device("cuda")
+    with pytest.raises(ValueError, match="two-stage policy"):
+        dec.compile(dynamic_capacity=True)
+    dec.compile(dynamic_capacity=True, backend="eager")  # the failing code generation is Inductor's
+
+
 def test_dynamic_capacity_reuses_the_compiled_step_for_larger_caches():
     """Three cache capacities, one compiled graph, the same tokens as eager (without
     ``dynamic_capacity`` each capacity compiles its own graph)."""

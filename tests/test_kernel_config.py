@@ -65,6 +65,8 @@ def test_configs_are_frozen_values(kind):
         (SelectTopConfig, dict(num_warps=3), "num_warps must be a power of two or 0"),
         (SelectTopConfig, dict(interp_steps=-1), "interp_steps must be an int >= 0"),
         (GemvConfig, dict(block_k=100), "block_k must be a power of two"),
+        (GemvConfig, dict(wide_d_out=0), "wide_d_out must be a positive int"),
+        (GemvConfig, dict(block_n=-64), "block_n must be a power of two or 0"),
         (GemvConfig, dict(split=-2), "split must be an int >= 0"),
         (GemvConfig, dict(min_fused_split=0), "min_fused_split must be a positive int"),
         (GemvConfig, dict(fuse_epilogue=1), "fuse_epilogue must be a bool"),
@@ -240,6 +242,29 @@ def test_select_top_under_an_override_matches_the_reference():
         with override(select_top=cfg):
             assert torch.equal(dispatch.select_top(s, count, 299, absolute=True), want), cfg
     assert all(int(b.abs().sum()) == 0 for b in scratch.buffers().values())  # histograms zero again
+
+
+@pytest.mark.parametrize(
+    "d_out, dot, gather, tiles",
+    [
+        (6144, False, False, (64, 128)),  # one row, few outputs (q|k|v)
+        (28672, False, False, (64, 64)),  # one row, wide (gate|up)
+        (28672, False, True, (64, 128)),  # the index kernel keeps its tiles
+        (4096, True, False, (128, 32)),  # row blocks, few outputs
+        (28672, True, False, (256, 16)),  # row blocks, wide
+    ],
+)
+def test_gemv_tiles_follow_the_shapes_unless_set(d_out, dot, gather, tiles):
+    cfg = dispatch._gemv.gemv_config(4096, d_out, 1, dot=dot, gather=gather)
+    assert (cfg.block_n, cfg.block_k) == tiles
+    with override(gemv=GemvConfig(block_n=32, block_k=16)):  # set tiles are used as they are
+        cfg = dispatch._gemv.gemv_config(4096, d_out, 1, dot=dot, gather=gather)
+        assert (cfg.block_n, cfg.block_k) == (32, 16)
+    with override(gemv=GemvConfig(wide_d_out=1 << 30)):  # nothing is wide
+        cfg = dispatch._gemv.gemv_config(4096, d_out, 1, dot=dot, gather=gather)
+        assert (cfg.block_n, cfg.block_k) == ((128, 32) if dot else (64, 128))
+    # a segment of per-column thresholds caps the outputs per block
+    assert dispatch._gemv.gemv_config(4096, d_out, 1, align=48, dot=dot).block_n == 16
 
 
 @pytest.mark.parametrize("fuse", [True, False])

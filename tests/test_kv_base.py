@@ -10,19 +10,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyzoo.kernels import reference
-from policyzoo.kv import Dense, KVSelector
+from policyzoo.kv import Certified, Dense, KVSelector, Quest
 from policyzoo.kv.base import (
     Budget,
     aggregate_groups,
+    candidate_budget,
+    candidate_logits,
     check_budget,
     check_count,
     choose_topk,
     exact_scores,
+    forced_at,
     forced_pages,
     forced_tokens,
     group_page_bounds,
     page_bound_scores,
     round_for_ranking,
+    two_stage,
 )
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -261,6 +265,46 @@ def test_forced_tokens_and_pages(data, cases, sinks, window):
         assert set(torch.nonzero(ft[r]).flatten().tolist()) == case.forced_tokens(r, sinks, window)
         assert set(torch.nonzero(fp[r]).flatten().tolist()) == case.forced_pages(r, sinks, window)
         assert (case.length - 1) // case.page in case.forced_pages(r, sinks, window)
+
+
+@SETTINGS
+@given(data=st.data(), sinks=st.integers(0, 10), window=st.integers(0, 30), picks=st.integers(1, 40))
+def test_flags_at_slots_equal_the_full_rows(data, cases, sinks, window, picks):
+    """`visible_at` and `forced_at` read a few slots without a capacity-sized tensor: the same flags
+    as gathering from `token_valid` and `forced_tokens`."""
+    case = data.draw(cases())
+    state = case.state()
+    g = torch.Generator().manual_seed(picks)
+    slots = torch.randint(case.cache.capacity, (case.b, case.h_kv, picks), generator=g)
+    rows = lambda full: torch.gather(full[:, None, :].expand(-1, case.h_kv, -1), 2, slots)  # noqa: E731
+    assert torch.equal(case.cache.visible_at(slots), rows(state.token_valid()))
+    assert torch.equal(forced_at(state, slots, sinks, window), rows(forced_tokens(state, sinks, window)))
+
+
+@SETTINGS
+@given(data=st.data(), picks=st.integers(1, 40))
+def test_candidate_logits_are_the_exact_logits_at_the_slots(data, cases, picks):
+    case = data.draw(cases())
+    state = case.state()
+    slots = torch.randint(case.cache.capacity, (case.b, case.h_kv, picks), generator=torch.Generator().manual_seed(picks))
+    got = candidate_logits(case.q, state.keys, slots, state.scale)
+    full = exact_scores(state, case.q).view(case.b, case.h_kv, case.g, -1)
+    want = torch.gather(full, 3, slots[:, :, None, :].expand(-1, -1, case.g, -1))
+    assert got.dtype == torch.float32 and got.shape == (case.b, case.h_kv, case.g, picks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 3, 2.5])
+def test_candidate_budget_widens_by_the_factor_within_the_pages(factor):
+    count = torch.tensor([[0, 1, 4], [7, 10, 3]])
+    wide, wide_count = candidate_budget(10, count, factor, n_pages=24)
+    assert wide == min(24, math.ceil(factor * 10)) and wide_count.dtype == torch.int64
+    assert wide_count.tolist() == [[min(wide, math.ceil(factor * c)) for c in row] for row in count.tolist()]
+
+
+def test_two_stage_sees_through_wrappers():
+    assert two_stage(Quest(0.1, rescore=2)) and two_stage(Certified(Quest(0.1, rescore=2)))
+    assert not two_stage(Quest(0.1)) and not two_stage(Dense()) and not two_stage(None)
 
 
 @SETTINGS

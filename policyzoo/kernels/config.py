@@ -158,16 +158,27 @@ class SelectTopConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemvConfig:
-    """Launch parameters of the sparse GEMV (`sparse_gemv.py`). With these, batch 1 and half the
-    inputs kept read ~2.3-2.6 TB/s of the kept weight rows (4096x14336, 14336x4096, 4096x4096),
-    1.2-1.3x faster than the dense cuBLAS GEMV."""
+    """Launch parameters of the sparse GEMV (`sparse_gemv.py`). With the tiles from the shapes,
+    batch 1 and half the inputs kept read 1.7-2.9 TB/s of the kept weight rows on an H200 (q|k|v,
+    o, gate|up and down of Llama-3.1-8B), 1.3-1.4x faster than the dense cuBLAS GEMV; row blocks
+    (batch 4 and 16) read 1.7-3.8 TB/s of the union of their rows' kept rows."""
 
-    block_n: int = 64
-    """Outputs per program."""
-    block_k: int = 128
-    """Input features per tile of a program's loop."""
+    # Tiles from the shapes, at batch 1 / in row blocks: 64x128 / 128x32 where the outputs are few,
+    # 64x64 / 256x16 from `wide_d_out` outputs. Over 37 tile shapes and 2-8 warps, these were the
+    # fastest or within 3% on every Llama-3.1-8B group, at batch 1, 4 and 16 (the results README).
+    block_n: int = 0
+    """Outputs per program; 0: from the shapes (64 for one row, 128 for row blocks, 256 for row
+    blocks of `wide_d_out` outputs or more)."""
+    block_k: int = 0
+    """Input features per tile of a program's loop; 0: from the shapes (128 for one row, 32 for
+    row blocks, half of those from `wide_d_out` outputs)."""
+    wide_d_out: int = 16384
+    """Outputs from which the tiles from the shapes take half the features per tile (and row blocks
+    twice the outputs): gate|up of an 8B model, whose output blocks alone nearly fill the GPU."""
     num_warps: int = 4
     """Warps per program."""
+    # The weight loads' masks depend on the activations loaded in the same iteration: depths 1 to 5
+    # measured within 4% of each other at batch 1.
     num_stages: int = 3
     """Software pipelining of the tile loop."""
     split: int = 0
@@ -194,7 +205,9 @@ class GemvConfig:
     least: tl.dot's size). A program reads each weight row once for the union of its rows."""
 
     def __post_init__(self) -> None:
-        _powers_of_two(self, "block_n", "block_k", "num_warps", "sum_block", "block_b")
+        _powers_of_two(self, "num_warps", "sum_block", "block_b")
+        _powers_of_two(self, "block_n", "block_k", zero=True)
+        _positive(self, "wide_d_out")
         if self.block_b < 16:
             raise ValueError(f"GemvConfig.block_b must be 16 at least (tl.dot's size), got {self.block_b}")
         _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split")

@@ -199,24 +199,32 @@ def row_block(rows: int, cfg: GemvConfig) -> int:
     return 1 if rows <= 1 else cfg.block_b
 
 
-def gemv_config(k: int, d_out: int, rows: int, align: int = 0, dot: bool = False) -> GemvConfig:
+def gemv_config(k: int, d_out: int, rows: int, align: int = 0, dot: bool = False, gather: bool = False) -> GemvConfig:
     """The launch parameters of a call over ``k`` kept features (all ``d_in`` for the scanning
     kernels), ``d_out`` outputs and ``rows`` programs' worth of batch rows (batch rows for the index
     kernel, row blocks for the scanning ones): the config in force (`config.current`) with `split`
     settled and `fuse_epilogue` true only where the epilogue is fused for it.
 
-    ``split`` 0 splits the features until about `target_programs` programs (one program per output
+    `block_n` and `block_k` 0 take the tiles from the shapes (see `GemvConfig`; the index kernel,
+    ``gather``, always takes 64x128: smaller tiles made `TopK` 6% slower end to end). ``split`` 0 splits
+    the features until about `target_programs` programs (one program per output
     block and row is too few for a GPU's memory system when d_out is small), each slice keeping
     `min_tiles_per_split` tiles at least; a split is then rounded to whole tiles per slice, which
     can leave fewer slices. The epilogue is fused from `min_fused_split` slices. ``align`` > 0 caps
     `block_n` at the largest power of two dividing it, so that no block straddles a multiple of it;
     ``dot`` (row blocks through tl.dot) raises `block_n` and `block_k` to 16 at least.
     """
-    return _choose(current(GemvConfig), k, d_out, rows, align, dot)
+    return _choose(current(GemvConfig), k, d_out, rows, align, dot, gather)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int, align: int = 0, dot: bool = False) -> GemvConfig:
+def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int, align: int = 0, dot: bool = False,
+            gather: bool = False) -> GemvConfig:
+    wide = d_out >= cfg.wide_d_out and not gather
+    if not cfg.block_n:
+        cfg = dataclasses.replace(cfg, block_n=(256 if wide else 128) if dot else 64)
+    if not cfg.block_k:
+        cfg = dataclasses.replace(cfg, block_k=(16 if wide else 32) if dot else (64 if wide else 128))
     if align:
         cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, align & -align))
     if dot:
@@ -235,7 +243,7 @@ def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, block_b=0, align=
     the index kernel (``block_b`` 0), row blocks of ``block_b`` for the scanning kernel."""
     b, d_out = x.shape[0], w_t.shape[1]
     row_programs = b if block_b == 0 else triton.cdiv(b, block_b)
-    cfg = gemv_config(k, d_out, row_programs, align, dot=block_b > 1)
+    cfg = gemv_config(k, d_out, row_programs, align, dot=block_b > 1, gather=block_b == 0)
     split, n_blocks = cfg.split, triton.cdiv(d_out, cfg.block_n)
     y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
     part = done = None

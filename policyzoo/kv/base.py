@@ -280,6 +280,14 @@ def forced_tokens(state: KVState, sinks: int, window: int) -> Tensor:
     return state.token_valid() & ((pos < start + sinks) | (pos >= length - window))
 
 
+def forced_at(state: KVState, slots: Tensor, sinks: int, window: int) -> Tensor:
+    """`forced_tokens` at ``slots int64[B, ...]`` only (the same shape): the flags of a few slots
+    without building, or gathering from, a tensor the size of the cache."""
+    shape = (slots.shape[0],) + (1,) * (slots.dim() - 1)
+    start, length = state.cache.start.view(shape), state.cache.length.reshape(-1, *shape[1:])
+    return state.cache.visible_at(slots) & ((slots < start + sinks) | (slots >= length - window))
+
+
 def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
     """``bool[B, P]``: pages holding any forced token (the last page is always forced).
 
@@ -352,6 +360,13 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
 
 
 # ------------------------------------------------------------------------------- second stage
+def two_stage(policy: object) -> bool:
+    """Whether ``policy`` (or the policy a wrapper such as `Certified` holds) rescores candidates."""
+    while hasattr(policy, "policy"):
+        policy = policy.policy
+    return bool(getattr(policy, "rescore", 0))
+
+
 def check_rescore(value: object) -> None:
     """A page policy's ``rescore``: 0 (one stage) or a candidate factor of at least 1."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or 1 <= value < math.inf):
@@ -362,20 +377,38 @@ def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> 
     """``(k_max, count)`` of the candidate pages of a two-stage selection: ``factor`` times the kept
     pages, within the cache's pages."""
     wide = min(n_pages, math.ceil(factor * k_max))
-    return wide, torch.ceil(count * factor).long().clamp(max=wide)
+    # In floats: Inductor's Triton code has no ceil of an int64 (count times an int factor).
+    return wide, torch.ceil(count * float(factor)).long().clamp(max=wide)
+
+
+@torch.library.custom_op("policyzoo::candidate_logits", mutates_args=())
+def candidate_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
+    """``float32[B, H_kv, G, N]``: ``scale·q·k`` of query heads ``q [B, H, D]`` against the keys at
+    ``slots int64[B, H_kv, N]`` of ``keys [B, H_kv, capacity, D]``.
+
+    An opaque op, so that `torch.compile` runs it as written (a gather and a batched matmul): torch
+    2.11's Inductor generated no Triton code for the fused gather on CUDA (an internal error).
+    """
+    b, h, d = q.shape
+    h_kv = keys.shape[1]
+    picked = torch.gather(keys, 2, slots[..., None].expand(-1, -1, -1, d))
+    return torch.einsum("bkgd,bknd->bkgn", q.view(b, h_kv, h // h_kv, d).float(), picked.float()) * scale
+
+
+@candidate_logits.register_fake
+def _(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
+    b, h, _ = q.shape
+    return q.new_empty(b, keys.shape[1], h // keys.shape[1], slots.shape[-1], dtype=torch.float32)
 
 
 def _candidate_logits(state: KVState, q: Tensor, pages: Selection) -> tuple[Tensor, Tensor, Tensor]:
     """``(logits float32[B, H_kv, G, N], slots int64[B, H_kv, N], valid bool[B, H_kv, N])``: the exact
     ``scale·q·k`` of every token of the candidate ``pages`` (ascending slots; ``-inf`` where invalid).
     Reads the candidates' keys, not their values."""
-    b, h, d = q.shape
-    h_kv, cap = state.keys.shape[1], state.cache.capacity
     slots, entry = pages.token_positions()  # ascending: pages come in ascending order
-    slots = slots.clamp(max=cap - 1)
-    valid = entry & torch.gather(state.token_valid()[:, None, :].expand(-1, h_kv, -1), 2, slots)
-    keys = torch.gather(state.keys, 2, slots[..., None].expand(-1, -1, -1, d))
-    logits = torch.einsum("bkgd,bknd->bkgn", q.view(b, h_kv, h // h_kv, d).float(), keys.float()) * state.scale
+    slots = slots.clamp(max=state.cache.capacity - 1)
+    valid = entry & state.cache.visible_at(slots)
+    logits = candidate_logits(q, state.keys, slots, state.scale)
     return logits.masked_fill(~valid[:, :, None, :], -torch.inf), slots, valid
 
 
@@ -391,7 +424,6 @@ def rescore_pages(
     candidates only. A page bound ranks pages by how high a key *could* score; here the tokens
     compete on how high they do. ``aggregate`` folds the GQA group as `aggregate_groups` does.
     """
-    h_kv = state.keys.shape[1]
     logits, slots, valid = _candidate_logits(state, q, pages)
     if aggregate == "max":
         scores = logits.amax(2)
@@ -399,8 +431,7 @@ def rescore_pages(
         scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
     scores = scores.masked_fill(~valid, -torch.inf)
     # The step's own token is always kept, as a page policy always keeps the last page.
-    forced = forced_tokens(state, sinks, max(window, 1))
-    forced = torch.gather(forced[:, None, :].expand(-1, h_kv, -1), 2, slots) & valid
+    forced = forced_at(state, slots, sinks, max(window, 1)) & valid
     chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count)
     return Selection(torch.gather(slots, 2, chosen.indices.long()).int(), chosen.count, block=1)
 
