@@ -60,9 +60,14 @@ class Row:
 
     @property
     def order(self) -> tuple:
-        """Newer runs sort later: the run's date, its folder, then its file (call2 after call1)."""
-        natural = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", self.path.name)]
-        return (str(self.meta.get("date", "")), self.path.parent.name, natural)
+        """Newer runs sort later: the run's date, its folder, then its file, folder and file names in
+        natural order (run10 after run9, call2 after call1)."""
+        return (str(self.meta.get("date", "")), _natural(self.path.parent.name), _natural(self.path.name))
+
+
+def _natural(name: str) -> list:
+    """``name`` split into text and numbers, so that numbers compare as numbers."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def load_rows(results: Path = RESULTS) -> list[Row]:

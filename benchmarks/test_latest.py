@@ -30,6 +30,13 @@ def test_the_newest_run_wins_per_setting_and_rows_link_to_their_run(tmp_path):
     assert "[2026-01-02-run2/call2](2026-01-02-run2/call2.json)" in text and "OOM" not in text
 
 
+def test_run_folders_of_one_day_compare_their_numbers_as_numbers(tmp_path):
+    _run(tmp_path / "2026-01-02-h200-run9", "call2.json", "2026-01-02", [_row("dense", 4096, 5.0)])
+    _run(tmp_path / "2026-01-02-h200-run10", "call1.json", "2026-01-02", [_row("dense", 4096, 4.0)])
+    (row,) = latest.newest(latest.load_rows(tmp_path))
+    assert row.data["ms"] == 4.0 and row.path.parent.name == "2026-01-02-h200-run10"
+
+
 def test_generate_rows_make_the_readme_block_between_its_markers():
     row = latest.Row({"section": "generate", "setting": "dense", "context": 4096, "batch": 1, "generate_ms": 5.0, "step_ms": 4.9,
                       "generate/step": 1.02, "floor_ms": 3.6}, {"gpu": "GPU X", "date": "2026-01-01", "model": "llama-3.1-8b"},

@@ -165,7 +165,7 @@ class GemvConfig:
 
     # Tiles from the shapes, at batch 1 / in row blocks: 64x128 / 128x32 where the outputs are few,
     # 64x64 / 256x16 from `wide_d_out` outputs. Over 37 tile shapes and 2-8 warps, these were the
-    # fastest or within 3% on every Llama-3.1-8B group, at batch 1, 4 and 16 (the results README).
+    # fastest or within 1% on every Llama-3.1-8B group, at batch 1, 4 and 16 (the results README).
     block_n: int = 0
     """Outputs per program; 0: from the shapes (64 for one row, 128 for row blocks, 256 for row
     blocks of `wide_d_out` outputs or more)."""
