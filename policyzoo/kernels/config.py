@@ -181,6 +181,11 @@ class GemvConfig:
     # measured within 4% of each other at batch 1.
     num_stages: int = 3
     """Software pipelining of the tile loop."""
+    # The weight loads wait on the compare of activations loaded in the same iteration, which is why
+    # pipelining depth changed nothing; off until timed on a GPU.
+    prefetch: bool = False
+    """Scanning kernels: load the next tile's activations, and decide which of its features are
+    kept, while this tile's weights are in flight."""
     split: int = 0
     """Slices of the kept features per output block (split-K); 0: from the shapes (`target_programs`,
     `min_tiles_per_split`)."""
@@ -212,8 +217,9 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.block_b must be 16 at least (tl.dot's size), got {self.block_b}")
         _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split")
         _non_negative(self, "split")
-        if not isinstance(self.fuse_epilogue, bool):
-            raise ValueError(f"GemvConfig.fuse_epilogue must be a bool, got {self.fuse_epilogue!r}")
+        for name in ("fuse_epilogue", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GemvConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -108,12 +108,28 @@ def _gemv_index_kernel(
 
 
 @triton.jit
+def _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0, k_end, s_xb, s_kb,
+               FROM_MASK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of the scan: ``(offs_k, x [rows, BLOCK_K], kept [rows, BLOCK_K])``, the activations
+    at features ``k0 ..`` and whether each row keeps each of them (outside the slice: not kept)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    xm = r_mask[:, None] & (offs_k < k_end)[None, :]
+    x_raw = tl.load(x_ptr + rows[:, None] * s_xb + offs_k[None, :], mask=xm, other=0.0)
+    if FROM_MASK:
+        kept = xm & (tl.load(keep_ptr + rows[:, None] * s_kb + offs_k[None, :], mask=xm, other=0) != 0)
+    else:
+        kept = xm & (tl.abs(x_raw.to(tl.float32)) >= t[:, None])
+    return offs_k, x_raw, kept
+
+
+@triton.jit
 def _gemv_scan_kernel(
     x_ptr, keep_ptr, t_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, done_ptr,
     n_rows, d_in, d_out, k_per,
     s_xb, s_kb, s_tb, s_tn, s_wk, s_wn, s_yb,
     FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -122,6 +138,7 @@ def _gemv_scan_kernel(
     n_mask = offs_n < d_out
     rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     r_mask = rows < n_rows
+    t = tl.zeros([BLOCK_B], tl.float32)
     if not FROM_MASK:
         # fp32, as in Threshold.keep_mask: one threshold per row for this block of outputs (the
         # launcher makes every block lie inside one run of equal column thresholds).
@@ -131,15 +148,13 @@ def _gemv_scan_kernel(
         acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
     else:
         acc = tl.zeros([BLOCK_B, BLOCK_N], tl.float32)
+    # With PREFETCH the next tile's activations are loaded (and its keep decided) while this tile's
+    # weights are in flight: the weight loads, masked by the decision, then need not wait for them.
+    if PREFETCH:
+        offs_k, x_raw, kept = _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, s * k_per, k_end, s_xb, s_kb, FROM_MASK, BLOCK_K)
     for k0 in range(s * k_per, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        xm = r_mask[:, None] & k_mask[None, :]
-        x_raw = tl.load(x_ptr + rows[:, None] * s_xb + offs_k[None, :], mask=xm, other=0.0)
-        if FROM_MASK:
-            kept = xm & (tl.load(keep_ptr + rows[:, None] * s_kb + offs_k[None, :], mask=xm, other=0) != 0)
-        else:
-            kept = xm & (tl.abs(x_raw.to(tl.float32)) >= t[:, None])
+        if not PREFETCH:
+            offs_k, x_raw, kept = _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0, k_end, s_xb, s_kb, FROM_MASK, BLOCK_K)
         # A weight row is fetched once for the block's rows, when any of them keeps its feature
         # (the union); the rows of features no row keeps are never fetched (a masked-off load
         # issues no memory transaction).
@@ -150,6 +165,9 @@ def _gemv_scan_kernel(
             other=0.0,
         )
         xv = tl.where(kept, x_raw.to(tl.float32), 0.0)
+        if PREFETCH:
+            offs_k, x_raw, kept = _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0 + BLOCK_K, k_end, s_xb, s_kb, FROM_MASK,
+                                             BLOCK_K)
         if BLOCK_B == 1:
             acc += tl.sum(xv, 0)[:, None] * w.to(tl.float32)
         elif IEEE:
@@ -254,7 +272,7 @@ def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, block_b=0, align=
         # fp32 operands take the exact fp32 dot (not tf32). So does the interpreter, whose tl.dot
         # computes bf16 operands on their raw bits.
         ieee = INTERPRET or x.dtype == torch.float32 or w_t.dtype == torch.float32
-        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee)
+        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee, PREFETCH=cfg.prefetch)
     kernel[(n_blocks, split, row_programs)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,
