@@ -276,8 +276,7 @@ def aggregate_groups(scores: Tensor, valid: Tensor, num_kv_heads: int, how: Aggr
 def forced_tokens(state: KVState, sinks: int, window: int) -> Tensor:
     """``bool[B, N]``: the first ``sinks`` and the last ``window`` visible tokens of each row."""
     pos = torch.arange(state.cache.capacity, device=state.keys.device)
-    start, length = state.cache.start[:, None], state.cache.length
-    return state.token_valid() & ((pos < start + sinks) | (pos >= length - window))
+    return forced_at(state, pos.expand(state.cache.batch, -1), sinks, window)
 
 
 def forced_at(state: KVState, slots: Tensor, sinks: int, window: int) -> Tensor:
