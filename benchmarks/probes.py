@@ -180,10 +180,16 @@ def _rotating(fns: list) -> Callable[[], object]:
 
 def gemv_grid(batch: int) -> list[dict]:
     """Tile shapes the fused-threshold probe tries first: 8 to 64 fp32 accumulators per thread at
-    batch 1 (``block_k x block_n`` products over the warps' threads), the tl.dot tiles at batch > 1."""
+    batch 1 (``block_k x block_n`` products over the warps' threads), then TEAL's layout (small tiles
+    summed at once, `GemvConfig.tile_sum`, one or a few tiles per program); the tl.dot tiles at
+    batch > 1."""
     if batch == 1:
-        return [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
+        loop = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
                 for w in (2, 4, 8) if 8 <= bn * bk // (32 * w) <= 64]
+        teal = [dict(block_n=bn, block_k=bk, num_warps=w, tile_sum=True, target_programs=tp, min_tiles_per_split=1)
+                for bn, bk, w in ((128, 32, 4), (256, 16, 4), (256, 32, 4), (512, 16, 4), (512, 32, 8), (1024, 16, 8))
+                for tp in (512, 4096)]
+        return loop + teal
     return [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (16, 32, 64) for w in (4, 8)
             if bn * bk // (32 * w) <= 64]
 

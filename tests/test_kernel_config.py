@@ -71,6 +71,7 @@ def test_configs_are_frozen_values(kind):
         (GemvConfig, dict(min_fused_split=0), "min_fused_split must be a positive int"),
         (GemvConfig, dict(fuse_epilogue=1), "fuse_epilogue must be a bool"),
         (GemvConfig, dict(prefetch="yes"), "prefetch must be a bool"),
+        (GemvConfig, dict(tile_sum=0), "tile_sum must be a bool"),
         (PageScoreConfig, dict(method="broadcast"), "method must be one of"),
         (PageScoreConfig, dict(block_p=2.0), "block_p must be a power of two"),
         (EntmaxThresholdConfig, dict(block_p=1000), "block_p must be a power of two"),
@@ -268,23 +269,25 @@ def test_gemv_tiles_follow_the_shapes_unless_set(d_out, dot, gather, tiles):
     assert dispatch._gemv.gemv_config(4096, d_out, 1, align=48, dot=dot).block_n == 16
 
 
-@pytest.mark.parametrize("fuse, prefetch", [(True, False), (False, False), (True, True)])
-def test_sparse_gemv_under_an_override_matches_the_reference(fuse, prefetch):
+@pytest.mark.parametrize("fuse, prefetch, tile_sum", [(True, False, False), (False, False, False), (True, True, True)])
+def test_sparse_gemv_under_an_override_matches_the_reference(fuse, prefetch, tile_sum):
     """Blocks of 16 outputs, tiles of 16 features, 3 slices (48 kept features, or all 90 scanned):
     the epilogue in the last program or launched (in blocks of 32); the scan with its activations
-    loaded a tile ahead or not."""
+    loaded a tile ahead or not, and at one row with each tile summed at once or not."""
     g = torch.Generator().manual_seed(2)
     x, w_t, bias = torch.randn(2, 90, generator=g), torch.randn(90, 40, generator=g), torch.randn(40, generator=g)
     idx = torch.stack([torch.randperm(90, generator=g)[:48] for _ in range(2)]).int()
     x, w_t, bias, idx = (t.to(DEVICE) for t in (x, w_t, bias, idx))
     cfg = GemvConfig(block_n=16, block_k=16, num_warps=2, split=3, sum_block=32, fuse_epilogue=fuse, min_fused_split=2,
-                     prefetch=prefetch)
+                     prefetch=prefetch, tile_sum=tile_sum)
     with override(gemv=cfg):
         assert dispatch._gemv.gemv_config(48, 40, 2) == cfg and dispatch._gemv.gemv_config(90, 40, 2).split == 3
         got = dispatch.sparse_gemv_index(x, idx, w_t, bias)
         got_t = dispatch.sparse_gemv_threshold(x, 0.5, w_t, bias)
+        got_1 = dispatch.sparse_gemv_threshold(x[:1], 0.5, w_t, bias)  # one row: the loop without tl.dot
     torch.testing.assert_close(got, reference.sparse_gemv_index(x, idx, w_t, bias), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_t, reference.sparse_gemv_threshold(x, 0.5, w_t, bias), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_1, reference.sparse_gemv_threshold(x[:1], 0.5, w_t, bias), rtol=1e-4, atol=1e-4)
     assert all(int(b.abs().sum()) == 0 for b in scratch.buffers().values())  # arrival counters zero again
 
 

@@ -379,16 +379,17 @@ def gemv_cases(draw):
     split = draw(st.sampled_from([0, 1, 2, 5]))  # slices of the inputs (split-K); 0: by shape
     fuse = draw(st.booleans())  # split-K epilogue in the last program of each block, or a launch of its own
     prefetch = draw(st.booleans())  # scanning kernels: activations loaded a tile ahead
+    tile_sum = draw(st.booleans())  # scanning kernels at one row: each tile summed at once
     return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse, segment=segment,
-                prefetch=prefetch)
+                prefetch=prefetch, tile_sum=tile_sum)
 
 
 @contextmanager
 def epilogue(case):
     """Run with the case's split, split-K epilogue (fused from 2 slices up, so small cases reach it
-    too) and prefetch; the arrival counters must be back to zero after."""
+    too), prefetch and tile sums; the arrival counters must be back to zero after."""
     with override(gemv=GemvConfig(split=case["split"], fuse_epilogue=case["fuse"], min_fused_split=2,
-                                  prefetch=case["prefetch"])):
+                                  prefetch=case["prefetch"], tile_sum=case["tile_sum"])):
         yield
     for (name, _), buf in kernels.scratch.buffers().items():
         assert int(buf.abs().sum()) == 0, f"{name} was left set"

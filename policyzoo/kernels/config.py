@@ -186,6 +186,12 @@ class GemvConfig:
     prefetch: bool = False
     """Scanning kernels: load the next tile's activations, and decide which of its features are
     kept, while this tile's weights are in flight."""
+    # A [block_k, block_n] fp32 accumulator takes most of a thread's registers (4 programs per SM at
+    # 64x128): few loads in flight. Summing each tile at once needs a cross-thread reduction per
+    # iteration, but leaves room for many more programs (TEAL's layout); off until timed on a GPU.
+    tile_sum: bool = False
+    """Scanning kernels at one row: sum each tile's products over its features at once (an
+    accumulator of `block_n` floats) rather than once after the loop."""
     split: int = 0
     """Slices of the kept features per output block (split-K); 0: from the shapes (`target_programs`,
     `min_tiles_per_split`)."""
@@ -217,7 +223,7 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.block_b must be 16 at least (tl.dot's size), got {self.block_b}")
         _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split")
         _non_negative(self, "split")
-        for name in ("fuse_epilogue", "prefetch"):
+        for name in ("fuse_epilogue", "prefetch", "tile_sum"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name} must be a bool, got {getattr(self, name)!r}")
 

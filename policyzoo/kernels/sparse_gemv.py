@@ -129,7 +129,7 @@ def _gemv_scan_kernel(
     s_xb, s_kb, s_tb, s_tn, s_wk, s_wn, s_yb,
     FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, TILE_SUM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -144,7 +144,9 @@ def _gemv_scan_kernel(
         # launcher makes every block lie inside one run of equal column thresholds).
         t = tl.load(t_ptr + rows * s_tb + (pid_n * BLOCK_N) * s_tn, mask=r_mask, other=float("inf"))
     k_end = tl.minimum((s + 1) * k_per, d_in)
-    if BLOCK_B == 1:
+    if BLOCK_B == 1 and TILE_SUM:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+    elif BLOCK_B == 1:
         acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
     else:
         acc = tl.zeros([BLOCK_B, BLOCK_N], tl.float32)
@@ -168,13 +170,17 @@ def _gemv_scan_kernel(
         if PREFETCH:
             offs_k, x_raw, kept = _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0 + BLOCK_K, k_end, s_xb, s_kb, FROM_MASK,
                                              BLOCK_K)
-        if BLOCK_B == 1:
+        if BLOCK_B == 1 and TILE_SUM:
+            acc += tl.sum(tl.sum(xv, 0)[:, None] * w.to(tl.float32), 0)
+        elif BLOCK_B == 1:
             acc += tl.sum(xv, 0)[:, None] * w.to(tl.float32)
         elif IEEE:
             acc = tl.dot(xv, w.to(tl.float32), acc, input_precision="ieee")
         else:  # bf16/fp16: x is exact in w's dtype, the products exact in fp32
             acc = tl.dot(xv.to(w.dtype), w, acc)
-    if BLOCK_B == 1:
+    if BLOCK_B == 1 and TILE_SUM:
+        out = acc[None, :]
+    elif BLOCK_B == 1:
         out = tl.sum(acc, 0)[None, :]
     else:
         out = acc
@@ -272,7 +278,7 @@ def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, block_b=0, align=
         # fp32 operands take the exact fp32 dot (not tf32). So does the interpreter, whose tl.dot
         # computes bf16 operands on their raw bits.
         ieee = INTERPRET or x.dtype == torch.float32 or w_t.dtype == torch.float32
-        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee, PREFETCH=cfg.prefetch)
+        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee, PREFETCH=cfg.prefetch, TILE_SUM=cfg.tile_sum)
     kernel[(n_blocks, split, row_programs)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,
