@@ -36,8 +36,9 @@ def gemv_summary(rows: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| group | batch | union read | cuBLAS µs (TB/s) | default µs (TB/s) | best µs (TB/s) | best vs cuBLAS | best parameters |",
-             "|---|---|---|---|---|---|---|---|"]
+    head = ["group", "batch", "union read", "cuBLAS µs (TB/s)", "default µs (TB/s)", "best µs (TB/s)", "best vs cuBLAS",
+            "best parameters"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summary:
         default = f"{s['default_us']:.1f} ({s['default_TB/s']:.2f})" if "default_us" in s else "—"
         shape = s["shape"].replace("|", "\\|")  # q|k|v inside a table cell
