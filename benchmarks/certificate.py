@@ -12,7 +12,10 @@ Two measurements on passkey prompts (the essays, needle depths spread over the h
    so it is informative only when the overshoot is small. Kinds, each a valid upper bound:
    ``box`` (Quest's per-channel min/max, what the cache keeps), ``ball`` (centroid plus radius:
    ``q·c + |q|·r``), ``pca-box8+ball`` (a per-head PCA rotation from the prompt's keys, a box on the
-   top 8 directions and a ball on the rest), and ``box`` on pages of 8.
+   top 8 directions and a ball on the rest), and ``box`` on pages of 8. And a bound that needs an
+   earlier exact score (``drift``): a page's exact best logit for the query ``lag`` decode steps
+   earlier, plus the box bound of the query's change since, ``m_p(q0) + scale·max_t (q−q0)·k_t`` (what
+   a policy that reuses a selection, and rescored it exactly when it made it, could certify).
 
 Run:
 
@@ -38,18 +41,20 @@ from policyzoo.spec import parse_kv
 
 
 class KeyProbe(AttentionTopK):
-    """Dense decoding (a full token budget) that keeps, per layer, the first decode step's query and
-    visible keys for the overshoot analysis."""
+    """Dense decoding (a full token budget) that keeps, per layer, the first decode step's visible
+    keys and every step's query for the overshoot analysis."""
 
     def __init__(self) -> None:
         super().__init__(budget=1.0)
         self.seen: dict[int, tuple[Tensor, Tensor, float]] = {}
+        self.queries: dict[int, list[Tensor]] = {}
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         if state.layer not in self.seen:
             c = state.cache
             start, length = int(c.start[0]), int(c.length)
             self.seen[state.layer] = (q[0].detach().double(), state.keys[0, :, start:length].detach().double(), state.scale)
+        self.queries.setdefault(state.layer, []).append(q[0].detach().double())
         return super().select(state, q)
 
 
@@ -93,6 +98,30 @@ def overshoot(q: Tensor, keys: Tensor, scale: float, kind: str, page: int = 16) 
     return (u * scale - best)[:, :, valid.any(-1)]
 
 
+def drift_overshoot(q0: Tensor, q: Tensor, keys: Tensor, scale: float, page: int = 16) -> Tensor:
+    """``u_p − max_t z_t`` per query head and page (nats) for the bound from an earlier query ``q0``:
+    ``u_p = max_t scale·q0·k_t + scale·(Δ·c_p + Σ_i max(Δ_i·lo_i, Δ_i·hi_i))`` with ``Δ = q − q0``
+    and the page's centre ``c_p`` and per-channel deviations ``lo, hi`` (the box of the change)."""
+    h, d = q.shape
+    h_kv = keys.shape[0]
+    kp, valid = _pages(keys, page)
+    vm = valid[None, :, :, None]
+
+    def best(query: Tensor) -> Tensor:  # [H_kv, G, P], nats
+        z = torch.einsum("kgd,kpnd->kgpn", query.view(h_kv, h // h_kv, d), kp) * scale
+        return z.masked_fill(~valid, -math.inf).amax(-1)
+
+    delta = (q - q0).view(h_kv, h // h_kv, d)
+    count = valid.sum(-1).clamp(min=1)[None, :, None]
+    centre = (kp * vm).sum(2) / count
+    dev = kp - centre[:, :, None]
+    huge = torch.finfo(dev.dtype).max
+    lo, hi = dev.masked_fill(~vm, huge).amin(2), dev.masked_fill(~vm, -huge).amax(2)
+    box = torch.maximum(delta[:, :, None] * lo[:, None], delta[:, :, None] * hi[:, None]).sum(-1)
+    u = best(q0) + scale * (torch.einsum("kgd,kpd->kgp", delta, centre) + box)
+    return (u - best(q))[:, :, valid.any(-1)]
+
+
 def _pca(keys: Tensor) -> Tensor:
     centred = keys - keys.mean(1, keepdim=True)
     cov = torch.einsum("knd,kne->kde", centred, centred) / keys.shape[1]
@@ -102,6 +131,8 @@ def _pca(keys: Tensor) -> Tensor:
 
 KINDS = {"box (page 16)": ("box", 16), "ball (page 16)": ("ball", 16), "pca-box8+ball (page 16)": ("pca", 16),
          "box (page 8)": ("box", 8)}
+DRIFT_LAGS = (1, 4)  # decode steps between the exact score and the query it bounds
+
 
 
 def main(argv=None) -> None:
@@ -124,12 +155,17 @@ def main(argv=None) -> None:
             bounds.append(dec.last_audit.per_layer("certified_bound").flatten())
         print(f"{spec}: {sum(len(d) for d in deltas)} (layer, step, head) records", flush=True)
     over: dict[str, list[Tensor]] = {k: [] for k in KINDS}
+    over.update({f"drift: exact {lag} step{'s' if lag > 1 else ''} earlier + box of the change (page 16)": [] for lag in DRIFT_LAGS})
     for ids in prompts:
         probe = KeyProbe()
-        Decoder(model, kv=probe).generate(ids, 2)
+        Decoder(model, kv=probe).generate(ids, max(DRIFT_LAGS) + 2)  # the prefill's step, then decode steps
         for layer, (q, keys, scale) in probe.seen.items():
             for name, (kind, page) in KINDS.items():
                 over[name].append(overshoot(q, keys, scale, kind, page).flatten().float())
+            steps = probe.queries[layer]
+            for lag in DRIFT_LAGS:  # the step-0 keys bound both queries: later tokens are pages of their own
+                name = f"drift: exact {lag} step{'s' if lag > 1 else ''} earlier + box of the change (page 16)"
+                over[name].append(drift_overshoot(steps[0], steps[lag], keys, scale).flatten().float())
     rows = []
     for spec, (deltas, bounds) in pairs.items():
         d, b = torch.cat(deltas), torch.cat(bounds)
