@@ -291,15 +291,27 @@ def test_candidate_logits_are_the_exact_logits_at_the_slots(data, cases, picks):
     full = exact_scores(state, case.q).view(case.b, case.h_kv, case.g, -1)
     want = torch.gather(full, 3, slots[:, :, None, :].expand(-1, -1, case.g, -1))
     assert got.dtype == torch.float32 and got.shape == (case.b, case.h_kv, case.g, picks)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # two fp32 matmul orders
 
 
-@pytest.mark.parametrize("factor", [1, 2, 3, 2.5])
+@pytest.mark.parametrize("factor", [1, 2, 3, 2.5, 1.25, 3.0])
 def test_candidate_budget_widens_by_the_factor_within_the_pages(factor):
     count = torch.tensor([[0, 1, 4], [7, 10, 3]])
     wide, wide_count = candidate_budget(10, count, factor, n_pages=24)
     assert wide == min(24, math.ceil(factor * 10)) and wide_count.dtype == torch.int64
     assert wide_count.tolist() == [[min(wide, math.ceil(factor * c)) for c in row] for row in count.tolist()]
+
+
+@SETTINGS
+@given(factor=st.floats(1.0, 8.0), k_max=st.integers(1, 500), n_pages=st.integers(1, 2000))
+def test_candidate_budget_keeps_at_least_the_kept_pages(factor, k_max, n_pages):
+    """Any factor >= 1 (taken as a fraction of denominator <= 64): never fewer candidates than kept
+    pages, never more than the cache's pages, and within 2% of ``factor`` times the budget."""
+    k_max = min(k_max, n_pages)
+    count = torch.arange(k_max + 1)
+    wide, wide_count = candidate_budget(k_max, count, factor, n_pages)
+    assert k_max <= wide <= n_pages and bool((wide_count >= count).all()) and bool((wide_count <= wide).all())
+    assert wide >= min(n_pages, math.ceil(factor * k_max / 1.02))
 
 
 def test_two_stage_sees_through_wrappers():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -374,10 +375,15 @@ def check_rescore(value: object) -> None:
 
 def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> tuple[int, Tensor]:
     """``(k_max, count)`` of the candidate pages of a two-stage selection: ``factor`` times the kept
-    pages, within the cache's pages."""
-    wide = min(n_pages, math.ceil(factor * k_max))
-    # In floats: Inductor's Triton code has no ceil of an int64 (count times an int factor).
-    return wide, torch.ceil(count * float(factor)).long().clamp(max=wide)
+    pages (rounded up), within the cache's pages.
+
+    ``factor`` is taken as the nearest fraction ``p/q`` with ``q <= 64`` (exact for whole numbers and
+    halves), so that the counts are integer arithmetic: Inductor's Triton code failed on the float
+    ``ceil`` of an int64 count on CUDA (torch 2.11)."""
+    ratio = Fraction(factor).limit_denominator(64)
+    p, q = ratio.numerator, ratio.denominator
+    wide = min(n_pages, -(-k_max * p // q))
+    return wide, torch.div(count * p + (q - 1), q, rounding_mode="floor").clamp(max=wide)
 
 
 @torch.library.custom_op("policyzoo::candidate_logits", mutates_args=())
