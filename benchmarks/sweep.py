@@ -56,7 +56,7 @@ from torch._dynamo.utils import counters
 
 from policyzoo import kernels
 from policyzoo.bytes import BUILTIN, ByteAccount
-from policyzoo.kv.base import two_stage
+from policyzoo.decoder import dynamic_capacity_refused
 from policyzoo.proj.base import uninstall as uninstall_projections
 from policyzoo.selection import Selection
 
@@ -293,10 +293,9 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
                 decoders.clear()  # one Decoder (and cache) at a time
                 free_memory()
                 dec = common.decoder(model, name)
-                dynamic = not (dec.device.type == "cuda" and two_stage(dec.kv))
-                decoders[key] = dec.compile(dynamic_capacity=dynamic)
-            row["dynamic_capacity"] = dynamic
+                decoders[key] = dec.compile(dynamic_capacity=dynamic_capacity_refused(dec) is None)
             dec = decoders[key]
+            row["dynamic_capacity"] = dynamic_capacity_refused(dec) is None
             graphs = counters["stats"]["unique_graphs"]
             row.update(e2e.measure(dec, b, n, new_tokens))
             row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs

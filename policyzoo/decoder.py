@@ -206,12 +206,8 @@ class Decoder:
         policy that reads the step context.
         """
         _check_compile_args(mode, dynamic_capacity, cuda_graphs, backend, regional)
-        if dynamic_capacity and backend == "inductor" and self.device.type == "cuda" and two_stage(self.kv):
-            raise ValueError(
-                "dynamic_capacity=True with a two-stage policy (rescore > 0): on CUDA, torch 2.11's Inductor fails to "
-                "generate code for its second stage under a symbolic cache capacity; compile with a fixed capacity "
-                "(the default) instead"
-            )
+        if dynamic_capacity and (why := dynamic_capacity_refused(self, backend)):
+            raise ValueError(f"dynamic_capacity=True: {why}")
         ok, why, forceable = layer_invariant(self.kv, self.proj)
         if regional and not (ok or forceable):
             raise ValueError(f"regional=True: {why}; compile the whole step (regional=False)")
@@ -368,6 +364,14 @@ def _device(device: object) -> torch.device:
         return torch.device(device)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"device={device!r} is not a usable device: {e}") from None
+
+
+def dynamic_capacity_refused(decoder: Decoder, backend: object = "inductor") -> str | None:
+    """Why `Decoder.compile` refuses ``dynamic_capacity=True`` for ``decoder`` and ``backend``, or None."""
+    if backend == "inductor" and decoder.device.type == "cuda" and two_stage(decoder.kv):
+        return ("a two-stage policy (rescore > 0) on CUDA: torch 2.11's Inductor fails to generate code for its "
+                "second stage under a symbolic cache capacity; compile with a fixed capacity (the default) instead")
+    return None
 
 
 def _check_compile_args(mode: object, dynamic_capacity: object, cuda_graphs: object, backend: object, regional: object) -> None:
