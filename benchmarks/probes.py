@@ -181,15 +181,20 @@ def _rotating(fns: list) -> Callable[[], object]:
 def gemv_grid(batch: int) -> list[dict]:
     """Tile shapes the fused-threshold probe tries first: 8 to 64 fp32 accumulators per thread at
     batch 1 (``block_k x block_n`` products over the warps' threads), then TEAL's layout (small tiles
-    summed at once, `GemvConfig.tile_sum`, one or a few tiles per program); the tl.dot tiles at
-    batch > 1."""
+    summed at once, `GemvConfig.tile_sum`, one or a few tiles per program, the slices' sums written
+    as partials or added atomically, `GemvConfig.atomic_sum`); the tl.dot tiles at batch > 1."""
     if batch == 1:
         loop = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
                 for w in (2, 4, 8) if 8 <= bn * bk // (32 * w) <= 64]
+        small = ((128, 32, 4), (256, 16, 4), (256, 32, 4), (512, 16, 4), (512, 32, 8), (1024, 16, 8), (64, 64, 2),
+                 (128, 64, 4))
         teal = [dict(block_n=bn, block_k=bk, num_warps=w, tile_sum=True, target_programs=tp, min_tiles_per_split=1)
-                for bn, bk, w in ((128, 32, 4), (256, 16, 4), (256, 32, 4), (512, 16, 4), (512, 32, 8), (1024, 16, 8))
-                for tp in (512, 4096)]
-        return loop + teal
+                for bn, bk, w in small for tp in (512, 4096)]
+        # 1 << 20 programs: one tile per program, as TEAL's kernel.
+        atomic = [dict(block_n=bn, block_k=bk, num_warps=w, tile_sum=ts, atomic_sum=True, target_programs=tp,
+                       min_tiles_per_split=1)
+                  for bn, bk, w in small for tp in (2048, 1 << 20) for ts in (True, False)]
+        return loop + teal + atomic
     return [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (16, 32, 64) for w in (4, 8)
             if bn * bk // (32 * w) <= 64]
 
@@ -238,6 +243,8 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             base = {"section": "gemvfused", "shape": label, "batch": b, "union": union, "cublas_us": dense_us,
                     "cublas_TB/s": wbytes / (dense_us * 1e-6) / 1e12}
             def run_config(name: str, c: dict) -> None:
+                if time.perf_counter() > deadline:  # a group's grid is long: stop between configs
+                    raise common.Deadline
                 row = dict(base, setting=f"threshold GEMV {name}", config=c)
                 try:
                     with override(gemv=replace(current(GemvConfig), **c)):
@@ -492,6 +499,9 @@ def select_policies(keep: float = 0.1) -> dict:
         f"attn-topk{keep}": lambda: AttentionTopK(keep, window=64),
         f"ssa{keep / 2}+{keep / 2}": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64),
         f"entmax-kv{keep} (softmax)": lambda: EntmaxKV(keep, page=PAGE, window=64),
+        # Two stages: the candidates' exact logits (`kernels.gathered_logits`), then tokens.
+        f"quest{keep}-rescore3": lambda: Quest(keep, page=PAGE, window=64, rescore=3),
+        f"ssa{keep / 2}+{keep / 2}-rescore5": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64, rescore=5),
     }
 
 

@@ -402,6 +402,7 @@ def main(argv=None) -> None:
                    help="setting@context pairs for the profile section")
     p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
     p.add_argument("--variants", default="select_top,merge,page_bound,attention_pages", help="groups of the variants section")
+    p.add_argument("--gemv-batches", default="1,4,16", help="batch sizes of the gemvfused section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
     p.add_argument("--compile-policies", default=",".join(compile_time.policies()),
                    help="policies of the compile section (benchmarks.compile_time.policies)")
@@ -482,7 +483,7 @@ def main(argv=None) -> None:
         "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
-        "gemvfused": lambda: probes.section_gemv_fused(rows, deadline),
+        "gemvfused": lambda: probes.section_gemv_fused(rows, deadline, batches=[int(b) for b in args.gemv_batches.split(",")]),
         "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline),
         "profile": run_profile,
         "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline),

@@ -17,6 +17,7 @@ from policyzoo.kernels import config, dispatch, reference, scratch
 from policyzoo.kernels.config import (
     AttentionConfig,
     EntmaxThresholdConfig,
+    GatheredLogitsConfig,
     GemvConfig,
     PageScoreConfig,
     SelectTopConfig,
@@ -25,7 +26,7 @@ from policyzoo.kernels.config import (
 from policyzoo.selection import Selection
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-CONFIGS = (AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig)
+CONFIGS = (AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig, GatheredLogitsConfig)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,8 +73,11 @@ def test_configs_are_frozen_values(kind):
         (GemvConfig, dict(fuse_epilogue=1), "fuse_epilogue must be a bool"),
         (GemvConfig, dict(prefetch="yes"), "prefetch must be a bool"),
         (GemvConfig, dict(tile_sum=0), "tile_sum must be a bool"),
+        (GemvConfig, dict(atomic_sum=1), "atomic_sum must be a bool"),
         (PageScoreConfig, dict(method="broadcast"), "method must be one of"),
         (PageScoreConfig, dict(block_p=2.0), "block_p must be a power of two"),
+        (GatheredLogitsConfig, dict(method="gather"), "method must be one of"),
+        (GatheredLogitsConfig, dict(block_t=48), "block_t must be a power of two"),
         (EntmaxThresholdConfig, dict(block_p=1000), "block_p must be a power of two"),
     ],
 )
@@ -123,6 +127,14 @@ def test_gemv_config_by_shape():
     # slices of 128.
     with override(gemv=GemvConfig(split=5)):
         assert rule(300, 64, 1).split == 3
+
+
+def test_gathered_logits_config_by_shape():
+    assert dispatch._gathered.gathered_logits_config(128) == GatheredLogitsConfig()
+    assert dispatch._gathered.gathered_logits_config(8).method == "loop"  # tl.dot needs 16
+    with override(gathered_logits=GatheredLogitsConfig(block_t=8)):
+        assert dispatch._gathered.gathered_logits_config(64).block_t == 16
+        assert dispatch._gathered.gathered_logits_config(8).block_t == 8
 
 
 def test_page_score_and_entmax_threshold_configs_by_shape():
@@ -269,17 +281,20 @@ def test_gemv_tiles_follow_the_shapes_unless_set(d_out, dot, gather, tiles):
     assert dispatch._gemv.gemv_config(4096, d_out, 1, align=48, dot=dot).block_n == 16
 
 
-@pytest.mark.parametrize("fuse, prefetch, tile_sum", [(True, False, False), (False, False, False), (True, True, True)])
-def test_sparse_gemv_under_an_override_matches_the_reference(fuse, prefetch, tile_sum):
+@pytest.mark.parametrize("fuse, prefetch, tile_sum, atomic_sum",
+                         [(True, False, False, False), (False, False, False, False), (True, True, True, False),
+                          (True, False, True, True)])
+def test_sparse_gemv_under_an_override_matches_the_reference(fuse, prefetch, tile_sum, atomic_sum):
     """Blocks of 16 outputs, tiles of 16 features, 3 slices (48 kept features, or all 90 scanned):
     the epilogue in the last program or launched (in blocks of 32); the scan with its activations
-    loaded a tile ahead or not, and at one row with each tile summed at once or not."""
+    loaded a tile ahead or not, at one row with each tile summed at once or not, and with the
+    slices added atomically into one sum."""
     g = torch.Generator().manual_seed(2)
     x, w_t, bias = torch.randn(2, 90, generator=g), torch.randn(90, 40, generator=g), torch.randn(40, generator=g)
     idx = torch.stack([torch.randperm(90, generator=g)[:48] for _ in range(2)]).int()
     x, w_t, bias, idx = (t.to(DEVICE) for t in (x, w_t, bias, idx))
     cfg = GemvConfig(block_n=16, block_k=16, num_warps=2, split=3, sum_block=32, fuse_epilogue=fuse, min_fused_split=2,
-                     prefetch=prefetch, tile_sum=tile_sum)
+                     prefetch=prefetch, tile_sum=tile_sum, atomic_sum=atomic_sum)
     with override(gemv=cfg):
         assert dispatch._gemv.gemv_config(48, 40, 2) == cfg and dispatch._gemv.gemv_config(90, 40, 2).split == 3
         got = dispatch.sparse_gemv_index(x, idx, w_t, bias)
@@ -321,13 +336,13 @@ OLD_KNOBS = {
     "entmax_threshold": ("BLOCK_P", "NUM_WARPS"),
 }
 MODULES = {m.__name__.rsplit(".", 1)[1]: m for m in (dispatch._attn, dispatch._select, dispatch._gemv, dispatch._page,
-                                                    dispatch._entmax, dispatch._append, scratch, config)}
+                                                    dispatch._entmax, dispatch._append, dispatch._gathered, scratch, config)}
 
 
 def test_the_old_knobs_are_gone():
     left = {name: [a for a in attrs if hasattr(MODULES[name], a)] for name, attrs in OLD_KNOBS.items()}
     assert left == {name: [] for name in OLD_KNOBS}
-    assert set(scratch.SIZES) == {"gemv_counters", "select_histograms"}  # the fused merge's counters went with it
+    assert set(scratch.SIZES) == {"gemv_counters", "gemv_sums", "select_histograms"}  # the fused merge's counters went with it
 
 
 def _constants() -> dict:

@@ -44,6 +44,7 @@ from policyzoo.kernels import dispatch  # noqa: E402
 from policyzoo.kernels import reference as ref  # noqa: E402
 from policyzoo.kernels.config import (  # noqa: E402
     AttentionConfig,
+    GatheredLogitsConfig,
     GemvConfig,
     PageScoreConfig,
     SelectTopConfig,
@@ -359,6 +360,38 @@ def test_quest_page_bound_grouped_negative(group, method):
 
 
 # --------------------------------------------------------------------------------------------------
+# Exact logits of gathered keys
+
+
+@here
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    d=st.sampled_from([8, 64, 80, 128]),  # 8: the loop; 80: channels padded to 128
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 2),
+    group=st.integers(1, 6),
+    capacity=st.integers(1, 70),
+    n=st.integers(0, 150),  # slots may repeat and come in any order
+    method=st.sampled_from(GatheredLogitsConfig.METHODS),
+    block_t=st.sampled_from([16, 64]),
+)
+def test_gathered_logits(seed, dtype, d, b, h_kv, group, capacity, n, method, block_t):
+    g_rand = gen(seed)
+    q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
+    keys = randn(g_rand, b, h_kv, capacity, d, dtype=dtype)
+    slots = torch.randint(capacity, (b, h_kv, n), generator=g_rand).to(DEVICE)
+    scale = d**-0.5
+    with poisoned(), override(gathered_logits=GatheredLogitsConfig(method=method, block_t=block_t)):
+        got = dispatch.gathered_logits(q, keys, slots, scale)
+    expected = ref.gathered_logits(q, keys, slots, scale)
+    assert got.dtype == torch.float32 and got.shape == (b, h_kv, group, n)
+    # fp32 sums of exact (bf16 -> fp32) products, in another order.
+    assert_close(got, expected, torch.float32, scale=expected.abs().max().item() + 1 if n else 1)
+
+
+# --------------------------------------------------------------------------------------------------
 # Sparse GEMV
 
 
@@ -380,16 +413,18 @@ def gemv_cases(draw):
     fuse = draw(st.booleans())  # split-K epilogue in the last program of each block, or a launch of its own
     prefetch = draw(st.booleans())  # scanning kernels: activations loaded a tile ahead
     tile_sum = draw(st.booleans())  # scanning kernels at one row: each tile summed at once
+    atomic_sum = draw(st.booleans())  # scanning kernels: slices added atomically into one fp32 sum
     return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse, segment=segment,
-                prefetch=prefetch, tile_sum=tile_sum)
+                prefetch=prefetch, tile_sum=tile_sum, atomic_sum=atomic_sum)
 
 
 @contextmanager
 def epilogue(case):
     """Run with the case's split, split-K epilogue (fused from 2 slices up, so small cases reach it
-    too), prefetch and tile sums; the arrival counters must be back to zero after."""
+    too), prefetch, tile sums and atomic sums; the arrival counters and sums must be back to zero
+    after."""
     with override(gemv=GemvConfig(split=case["split"], fuse_epilogue=case["fuse"], min_fused_split=2,
-                                  prefetch=case["prefetch"], tile_sum=case["tile_sum"])):
+                                  prefetch=case["prefetch"], tile_sum=case["tile_sum"], atomic_sum=case["atomic_sum"])):
         yield
     for (name, _), buf in kernels.scratch.buffers().items():
         assert int(buf.abs().sum()) == 0, f"{name} was left set"

@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policyzoo import kernels
 from policyzoo.kernels import reference
 from policyzoo.kv import Certified, Dense, KVSelector, Quest
 from policyzoo.kv.base import (
     Budget,
     aggregate_groups,
     candidate_budget,
-    candidate_logits,
     check_budget,
     check_count,
     choose_topk,
@@ -283,11 +283,11 @@ def test_flags_at_slots_equal_the_full_rows(data, cases, sinks, window, picks):
 
 @SETTINGS
 @given(data=st.data(), picks=st.integers(1, 40))
-def test_candidate_logits_are_the_exact_logits_at_the_slots(data, cases, picks):
+def test_gathered_logits_are_the_exact_logits_at_the_slots(data, cases, picks):
     case = data.draw(cases())
     state = case.state()
     slots = torch.randint(case.cache.capacity, (case.b, case.h_kv, picks), generator=torch.Generator().manual_seed(picks))
-    got = candidate_logits(case.q, state.keys, slots, state.scale)
+    got = kernels.gathered_logits(case.q, state.keys, slots, state.scale)
     full = exact_scores(state, case.q).view(case.b, case.h_kv, case.g, -1)
     want = torch.gather(full, 3, slots[:, :, None, :].expand(-1, -1, case.g, -1))
     assert got.dtype == torch.float32 and got.shape == (case.b, case.h_kv, case.g, picks)

@@ -72,6 +72,14 @@ def gaussian_entmax_threshold(m, s, n, cap=None, iters=12):
     return reference.gaussian_entmax_threshold(m, s, n, cap, iters)
 
 
+def gathered_logits(q, keys, slots, scale):
+    """Exact ``scale·q·k`` of each query head against the keys at ``slots`` → ``float32[B, H_kv, G,
+    N]`` (a two-stage policy's candidates); see `reference.gathered_logits`."""
+    if dispatch.use_triton(q):
+        return dispatch.gathered_logits(q, keys, slots, scale)
+    return reference.gathered_logits(q, keys, slots, scale)
+
+
 def sparse_linear(x, weight, bias, keep):
     """``F.linear`` over the kept input features only; see `reference.sparse_linear`."""
     if dispatch.use_triton(x):
@@ -104,6 +112,7 @@ __all__ = [
     "decode_attention_entmax15",
     "dense_probs",
     "gaussian_entmax_threshold",
+    "gathered_logits",
     "quest_page_bound",
     "quest_page_bound_grouped",
     "select_top",

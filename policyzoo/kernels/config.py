@@ -2,11 +2,12 @@
 
 Each kernel module reads its launch parameters from one frozen dataclass here: `AttentionConfig`
 (`decode_attention.py`), `SelectTopConfig` (`select_top.py`), `GemvConfig` (`sparse_gemv.py`),
-`PageScoreConfig` (`page_score.py`) and `EntmaxThresholdConfig` (`entmax_threshold.py`).
+`PageScoreConfig` (`page_score.py`), `EntmaxThresholdConfig` (`entmax_threshold.py`) and
+`GatheredLogitsConfig` (`gathered_logits.py`).
 (`cache_append.py` takes its warps from the page size and head dim alone: it has no config.) A
 launch takes its config from its module's shape rule (`attention_config`, `select_top_config`,
-`gemv_config`, `page_score_config`, `entmax_threshold_config`): the config in force for that kernel
-(`current`), completed for the call. Fields that leave the choice to the shapes (a 0,
+`gemv_config`, `page_score_config`, `entmax_threshold_config`, `gathered_logits_config`): the
+config in force for that kernel (`current`), completed for the call. Fields that leave the choice to the shapes (a 0,
 ``method="auto"``) are chosen, and a choice the call cannot take is adapted (no tl.dot for head dims
 under 16, no histograms for rows that are not bf16, no page block longer than the row). Every other
 field is used as it is.
@@ -192,6 +193,13 @@ class GemvConfig:
     tile_sum: bool = False
     """Scanning kernels at one row: sum each tile's products over its features at once (an
     accumulator of `block_n` floats) rather than once after the loop."""
+    # TEAL's kernel: one small tile per program, its sum added atomically into the output. Partials
+    # summed by the last program cost a serial loop over the slices, too long from some 16 slices.
+    atomic_sum: bool = False
+    """Scanning kernels: the slices of the features add their sums into one fp32 sum per output
+    with atomic adds (the last program to arrive casts it), rather than each writing its partial.
+    The order of the adds varies between launches, so the outputs are not bitwise reproducible.
+    Needs the reserved scratch buffers (`kernels.scratch`); without them, partials."""
     split: int = 0
     """Slices of the kept features per output block (split-K); 0: from the shapes (`target_programs`,
     `min_tiles_per_split`)."""
@@ -223,7 +231,7 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.block_b must be 16 at least (tl.dot's size), got {self.block_b}")
         _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split")
         _non_negative(self, "split")
-        for name in ("fuse_epilogue", "prefetch", "tile_sum"):
+        for name in ("fuse_epilogue", "prefetch", "tile_sum", "atomic_sum"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -263,8 +271,29 @@ class EntmaxThresholdConfig:
         _powers_of_two(self, "block_p", "num_warps")
 
 
-Config = AttentionConfig | SelectTopConfig | GemvConfig | PageScoreConfig | EntmaxThresholdConfig
-C = TypeVar("C", AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatheredLogitsConfig:
+    """Launch parameters of the exact logits of gathered keys (`gathered_logits.py`), the second
+    stage of a two-stage page policy."""
+
+    METHODS: ClassVar[tuple[str, ...]] = ("dot", "loop")
+
+    method: str = "dot"
+    """``"dot"``: the G query heads against a tile of keys with tl.dot (head dims under 16 take the
+    loop); ``"loop"``: the heads in turn over the tile held in registers."""
+    block_t: int = 64
+    """Slots (key rows) per program (16 at least with tl.dot)."""
+    num_warps: int = 4
+    """Warps per program."""
+
+    def __post_init__(self) -> None:
+        _one_of(self, "method", self.METHODS)
+        _powers_of_two(self, "block_t", "num_warps")
+
+
+Config = AttentionConfig | SelectTopConfig | GemvConfig | PageScoreConfig | EntmaxThresholdConfig | GatheredLogitsConfig
+C = TypeVar("C", AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig,
+            GatheredLogitsConfig)
 
 # The keyword of each kernel's config in `override` (and in the sweep's records).
 KERNELS: Mapping[str, type] = MappingProxyType({
@@ -273,6 +302,7 @@ KERNELS: Mapping[str, type] = MappingProxyType({
     "gemv": GemvConfig,
     "page_score": PageScoreConfig,
     "entmax_threshold": EntmaxThresholdConfig,
+    "gathered_logits": GatheredLogitsConfig,
 })
 
 _DEFAULTS: Mapping[type, Config] = MappingProxyType({kind: kind() for kind in KERNELS.values()})
@@ -320,6 +350,7 @@ __all__ = [
     "GemvConfig",
     "PageScoreConfig",
     "EntmaxThresholdConfig",
+    "GatheredLogitsConfig",
     "KERNELS",
     "override",
     "current",

@@ -34,13 +34,14 @@ try:
     from . import cache_append as _append
     from . import decode_attention as _attn
     from . import entmax_threshold as _entmax
+    from . import gathered_logits as _gathered
     from . import page_score as _page
     from . import select_top as _select
     from . import sparse_gemv as _gemv
 
     HAS_TRITON = True
 except Exception:  # no triton, or a triton that cannot load here: the references serve every call
-    _append = _attn = _entmax = _page = _gemv = _select = None
+    _append = _attn = _entmax = _gathered = _page = _gemv = _select = None
     HAS_TRITON = False
 
 
@@ -179,6 +180,27 @@ def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scal
 
 
 # --------------------------------------------------------------------------------------------------
+# Exact logits of gathered keys (a two-stage policy's second stage)
+
+
+@torch.library.custom_op("policyzoo::gathered_logits", mutates_args=())
+def _gathered_logits_op(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
+    _need_triton()
+    return _gathered.gathered_logits(q, keys, slots, scale)
+
+
+@_gathered_logits_op.register_fake
+def _(q, keys, slots, scale):
+    b, h, _ = q.shape
+    return q.new_empty(b, keys.shape[1], h // keys.shape[1], slots.shape[-1], dtype=torch.float32)
+
+
+def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
+    """`reference.gathered_logits` on Triton: ``float32[B, H_kv, G, N]``."""
+    return torch.ops.policyzoo.gathered_logits(q, keys, slots, float(scale))
+
+
+# --------------------------------------------------------------------------------------------------
 # Top-count selection
 
 
@@ -296,6 +318,7 @@ __all__ = [
     "cache_append",
     "decode_attention",
     "gaussian_entmax_threshold",
+    "gathered_logits",
     "quest_page_bound",
     "quest_page_bound_grouped",
     "sparse_gemv_index",

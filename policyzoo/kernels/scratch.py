@@ -1,6 +1,6 @@
 """Scratch buffers that kernels keep per device, zero between launches (the launch that used them
-leaves them zero), so a call needs no memset: the arrival counters of the sparse GEMV and
-`select_top`'s histograms.
+leaves them zero), so a call needs no memset: the arrival counters of the sparse GEMV, its
+fp32 sums (`GemvConfig.atomic_sum`) and `select_top`'s histograms.
 
 They are made eagerly by `reserve`, never inside a decode step: made during torch.compile's
 CUDA-graph warm-up, a buffer would sit untracked in the graph's memory pool, which cudagraph trees
@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 # int32 entries reserved per device: output blocks x batch rows of the GEMV (gate|up has 448 blocks
-# of 64, so up to batch 146), and 512 bins x rows of `select_top` (up to 512 rows).
-SIZES = {"gemv_counters": 65536, "select_histograms": 512 * 512}
+# of 64, so up to batch 146), its fp32 sums with `GemvConfig.atomic_sum` (outputs x batch rows:
+# gate|up of an 8B model up to batch 16), and 512 bins x rows of `select_top` (up to 512 rows).
+SIZES = {"gemv_counters": 65536, "gemv_sums": 16 * 28672, "select_histograms": 512 * 512}
 
 _BUFFERS: dict[tuple[str, torch.device], Tensor] = {}
 _OUTGROWN: list[Tensor] = []  # buffers a larger one replaced: a recorded CUDA graph may still use them

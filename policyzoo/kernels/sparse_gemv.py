@@ -48,22 +48,32 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 @triton.jit
 def _store_tile(acc, rows, r_mask, y_ptr, part_ptr, bias_ptr, done, s, n_split, d_out, s_yb, offs_n, n_mask,
-                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr, ATOMIC: tl.constexpr):
     """Store ``acc [rows, BLOCK_N]`` (fp32): the outputs, or with ``SPLIT`` this slice's partials,
-    summed by the last program of the output block to arrive (its counter ``done``) when ``FUSE``."""
+    summed by the last program of the output block to arrive (its counter ``done``) when ``FUSE``.
+    With ``ATOMIC`` the slices add into one fp32 sum per output (``part_ptr [rows, d_out]``, zero on
+    entry) instead, and the last program casts it and zeroes it again."""
     mask = r_mask[:, None] & n_mask[None, :]
-    if SPLIT:  # fp32 partial of this slice of the inputs; bias and cast after the sum over slices
-        tl.store(part_ptr + (rows[:, None] * n_split + s) * d_out + offs_n[None, :], acc, mask=mask)
+    if SPLIT:
+        if ATOMIC:
+            tl.atomic_add(part_ptr + rows[:, None] * d_out + offs_n[None, :], acc, mask=mask, sem="relaxed", scope="gpu")
+        else:  # fp32 partial of this slice of the inputs; bias and cast after the sum over slices
+            tl.store(part_ptr + (rows[:, None] * n_split + s) * d_out + offs_n[None, :], acc, mask=mask)
         if FUSE:
             # The barrier orders every thread's partial stores before the counter's release, the
             # counter's acquire orders them before the last program's reads (.cg: past this SM's
             # L1). That program resets the counter, so the buffer is zero again for the next launch.
             tl.debug_barrier()
             if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-                total = tl.zeros_like(acc)
-                for t in range(0, n_split):
-                    total += tl.load(part_ptr + (rows[:, None] * n_split + t) * d_out + offs_n[None, :], mask=mask,
-                                     other=0.0, cache_modifier=".cg")
+                if ATOMIC:
+                    total = tl.load(part_ptr + rows[:, None] * d_out + offs_n[None, :], mask=mask, other=0.0,
+                                    cache_modifier=".cg")
+                    tl.store(part_ptr + rows[:, None] * d_out + offs_n[None, :], tl.zeros_like(acc), mask=mask)
+                else:
+                    total = tl.zeros_like(acc)
+                    for t in range(0, n_split):
+                        total += tl.load(part_ptr + (rows[:, None] * n_split + t) * d_out + offs_n[None, :],
+                                         mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
                 tl.store(y_ptr + rows[:, None] * s_yb + offs_n[None, :], total, mask=mask)
@@ -104,7 +114,7 @@ def _gemv_index_kernel(
     rows = b + tl.arange(0, 1)
     _store_tile(tl.sum(acc, 0)[None, :], rows, rows == b, y_ptr, part_ptr, bias_ptr,
                 done_ptr + b * tl.num_programs(0) + pid_n, s, tl.num_programs(1), d_out, s_yb, offs_n, n_mask,
-                HAS_BIAS, SPLIT, FUSE)
+                HAS_BIAS, SPLIT, FUSE, False)
 
 
 @triton.jit
@@ -129,7 +139,7 @@ def _gemv_scan_kernel(
     s_xb, s_kb, s_tb, s_tn, s_wk, s_wn, s_yb,
     FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr, TILE_SUM: tl.constexpr,
+    PREFETCH: tl.constexpr, TILE_SUM: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -185,7 +195,7 @@ def _gemv_scan_kernel(
     else:
         out = acc
     _store_tile(out, rows, r_mask, y_ptr, part_ptr, bias_ptr, done_ptr + pid_b * tl.num_programs(0) + pid_n, s,
-                tl.num_programs(1), d_out, s_yb, offs_n, n_mask, HAS_BIAS, SPLIT, FUSE)
+                tl.num_programs(1), d_out, s_yb, offs_n, n_mask, HAS_BIAS, SPLIT, FUSE, ATOMIC)
 
 
 @triton.jit
@@ -258,8 +268,9 @@ def _choose(cfg: GemvConfig, k: int, d_out: int, rows: int, align: int = 0, dot:
         programs = triton.cdiv(d_out, cfg.block_n) * max(rows, 1)
         split = max(1, min(triton.cdiv(cfg.target_programs, programs), k // (cfg.min_tiles_per_split * cfg.block_k)))
     split = triton.cdiv(max(k, 1), _slice_len(k, split, cfg.block_k))
-    fuse = cfg.fuse_epilogue and split > 1 and split >= cfg.min_fused_split
-    return dataclasses.replace(cfg, split=split, fuse_epilogue=fuse)
+    atomic = cfg.atomic_sum and split > 1 and not gather
+    fuse = cfg.fuse_epilogue and split > 1 and (split >= cfg.min_fused_split or atomic)
+    return dataclasses.replace(cfg, split=split, fuse_epilogue=fuse, atomic_sum=atomic and fuse)
 
 
 def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, block_b=0, align=0, **meta):
@@ -272,13 +283,19 @@ def _launch(kernel, x, w_t, bias, k, args_before, strides_mid, block_b=0, align=
     y = _alloc(b, d_out, dtype=x.dtype, device=x.device)
     part = done = None
     if split > 1:
-        part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
         done = scratch.zeroed("gemv_counters", n_blocks * row_programs, x.device) if cfg.fuse_epilogue else None
+        sums = scratch.zeroed("gemv_sums", b * d_out, x.device) if cfg.atomic_sum and done is not None else None
+        if sums is not None:  # one fp32 sum per output, zero between launches (int32 zeros are 0.0f)
+            part = sums[: b * d_out].view(torch.float32)
+        else:
+            cfg = dataclasses.replace(cfg, atomic_sum=False, fuse_epilogue=done is not None and split >= cfg.min_fused_split)
+            done = done if cfg.fuse_epilogue else None
+            part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
     if block_b:
         # fp32 operands take the exact fp32 dot (not tf32). So does the interpreter, whose tl.dot
         # computes bf16 operands on their raw bits.
         ieee = INTERPRET or x.dtype == torch.float32 or w_t.dtype == torch.float32
-        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee, PREFETCH=cfg.prefetch, TILE_SUM=cfg.tile_sum)
+        meta = dict(meta, BLOCK_B=block_b, IEEE=ieee, PREFETCH=cfg.prefetch, TILE_SUM=cfg.tile_sum, ATOMIC=cfg.atomic_sum)
     kernel[(n_blocks, split, row_programs)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         done if done is not None else y,

@@ -386,26 +386,6 @@ def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> 
     return wide, torch.div(count * p + (q - 1), q, rounding_mode="floor").clamp(max=wide)
 
 
-@torch.library.custom_op("policyzoo::candidate_logits", mutates_args=())
-def candidate_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
-    """``float32[B, H_kv, G, N]``: ``scale·q·k`` of query heads ``q [B, H, D]`` against the keys at
-    ``slots int64[B, H_kv, N]`` of ``keys [B, H_kv, capacity, D]``.
-
-    An opaque op, so that `torch.compile` runs it as written (a gather and a batched matmul): torch
-    2.11's Inductor generated no Triton code for the fused gather on CUDA (an internal error).
-    """
-    b, h, d = q.shape
-    h_kv = keys.shape[1]
-    picked = torch.gather(keys, 2, slots[..., None].expand(-1, -1, -1, d))
-    return torch.einsum("bkgd,bknd->bkgn", q.view(b, h_kv, h // h_kv, d).float(), picked.float()) * scale
-
-
-@candidate_logits.register_fake
-def _(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
-    b, h, _ = q.shape
-    return q.new_empty(b, keys.shape[1], h // keys.shape[1], slots.shape[-1], dtype=torch.float32)
-
-
 def _candidate_logits(state: KVState, q: Tensor, pages: Selection) -> tuple[Tensor, Tensor, Tensor]:
     """``(logits float32[B, H_kv, G, N], slots int64[B, H_kv, N], valid bool[B, H_kv, N])``: the exact
     ``scale·q·k`` of every token of the candidate ``pages`` (ascending slots; ``-inf`` where invalid).
@@ -413,7 +393,7 @@ def _candidate_logits(state: KVState, q: Tensor, pages: Selection) -> tuple[Tens
     slots, entry = pages.token_positions()  # ascending: pages come in ascending order
     slots = slots.clamp(max=state.cache.capacity - 1)
     valid = entry & state.cache.visible_at(slots)
-    logits = candidate_logits(q, state.keys, slots, state.scale)
+    logits = kernels.gathered_logits(q, state.keys, slots, state.scale)
     return logits.masked_fill(~valid[:, :, None, :], -torch.inf), slots, valid
 
 
