@@ -796,6 +796,38 @@ def test_select_top_rows_longer_than_the_registers():
             assert torch.equal(kernels.select_top(s, count, 20), ref.select_top(s, count, 20))
 
 
+@here
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(65, 700), rows=st.integers(1, 3), absolute=st.booleans(),
+       chunk=st.sampled_from([16, 64]), levels=st.sampled_from([0, 3]))
+def test_select_top_long_bf16_rows_by_histograms(seed, n, rows, absolute, chunk, levels):
+    """bf16 rows longer than one program holds take the histogram method whatever the config says
+    (here rows over 64 entries, chunks of 16 or 64; ``levels`` 3: three distinct values, ties across
+    chunks)."""
+    g = gen(seed)
+    s = torch.randn(rows, n, generator=g)
+    if levels:
+        s = s.mul(levels / 2).round()
+    s = s.to(torch.bfloat16).to(DEVICE)
+    k_max = int(torch.randint(1, n + 1, (1,), generator=g))
+    count = torch.randint(0, k_max + 1, (rows,), generator=g).to(DEVICE)
+    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64), \
+            override(select_top=SelectTopConfig(method="program", hist_chunk=chunk)), poisoned():
+        got = dispatch._select.select_top(s, count, k_max, absolute)
+    assert torch.equal(got, ref.select_top(s, count, k_max, absolute))
+    assert all(int(b.abs().sum()) == 0 for b in kernels.scratch.buffers().values())
+
+
+@here
+def test_select_top_keeps_more_than_2_to_the_15_entries():
+    """A row of 40,000 bf16 scores keeping 39,000: the emit launch's running counts pass 2^15 (they
+    must not be packed into 16 bits)."""
+    s = torch.randn(1, 40000, generator=gen(4)).to(torch.bfloat16).to(DEVICE)
+    count = torch.tensor([39000], device=DEVICE)
+    got = kernels.select_top(s, count, 39500) if DEVICE.type == "cuda" else dispatch._select.select_top(s, count, 39500)
+    assert torch.equal(got, ref.select_top(s, count, 39500))
+
+
 def _hard_rows(g, n):
     """Score rows that defeat a naive interpolation search: a few forced +inf above finite scores,
     two far-apart clusters, powers of two over 200 binades (few distinct keys), all equal."""

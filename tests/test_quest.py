@@ -42,7 +42,8 @@ def test_quest_contract(data, cases, contract, args):
 @SETTINGS
 @given(data=st.data(), args=quest_args())
 def test_quest_keeps_the_best_bounds(data, cases, contract, args):
-    """Every kept non-forced page has a (group-aggregated) bound at least that of every dropped page."""
+    """Every kept non-forced page has a (group-aggregated) bound at least that of every dropped page,
+    up to the ranking's bf16 precision (`choose_topk`: scores within 2^-8 of each other tie)."""
     case = data.draw(cases())
     policy = Quest(page=case.page, **args)
     sel = policy.select(case.state(), case.q)
@@ -61,7 +62,7 @@ def test_quest_keeps_the_best_bounds(data, cases, contract, args):
             if free_kept and dropped:
                 lo = min(score[p] for p in free_kept)
                 hi = max(score[p] for p in dropped)
-                assert lo >= hi - 1e-5 * (1 + abs(hi)), f"kept page bound {lo} < dropped {hi}"
+                assert lo >= hi - 2**-8 * abs(hi) - 1e-6, f"kept page bound {lo} < dropped {hi}"
 
 
 @SETTINGS

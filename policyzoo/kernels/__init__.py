@@ -55,11 +55,15 @@ def quest_page_bound_grouped(q, page_min, page_max, scale, agg="max"):
     return reference.quest_page_bound_grouped(q, page_min, page_max, scale, agg)
 
 
+# Entries of a `select_top` row one program holds; longer rows are taken in bf16 only (by histograms).
+SELECT_TOP_ROW = dispatch._select.MAX_BLOCK_N if dispatch.HAS_TRITON else 16384
+
+
 def select_top(scores, count, k_max, absolute=False):
     """Positions of each row's ``count`` largest scores, ascending → ``int32[R, k_max]``; see
-    `reference.select_top`. Rows longer than the kernel keeps in registers go to the reference
-    (a sort), which is the faster of the two there."""
-    if dispatch.use_triton(scores) and scores.shape[-1] <= dispatch._select.MAX_BLOCK_N:
+    `reference.select_top`. Rows the kernel does not take (over `SELECT_TOP_ROW` entries, unless
+    bf16) go to the reference, a sort."""
+    if dispatch.use_triton(scores) and dispatch._select.takes(scores.shape[-1], scores.dtype):
         return dispatch.select_top(scores, count, k_max, absolute)
     return reference.select_top(scores, count, k_max, absolute)
 
@@ -116,6 +120,7 @@ __all__ = [
     "quest_page_bound",
     "quest_page_bound_grouped",
     "select_top",
+    "SELECT_TOP_ROW",
     "sparse_gemv_index",
     "sparse_gemv_threshold",
     "sparse_linear",

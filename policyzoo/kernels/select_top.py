@@ -35,7 +35,10 @@ chooses the method and the warps per call.
 Rows of up to 16384 entries (`MAX_BLOCK_N`: every activation vector and the pages of a 256K context)
 are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a power of
 two would otherwise double the tile (8,203 pages in one 16,384-entry tile measured 39–46 µs against
-18 µs for 8,192). Longer rows are refused; `kernels.select_top` sends them to the torch reference.
+18 µs for 8,192). Longer bf16 rows, up to `MAX_HIST_N` entries (a two-stage policy's candidate
+tokens), always take the histograms (`takes`); other rows are refused, and `kernels.select_top` sends
+them to the torch reference, a sort (on an H200 the sort cost about 110 µs per layer for 8 rows of
+39,322 candidate tokens).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from . import scratch
 from .config import SelectTopConfig, current
 
 MAX_BLOCK_N = 16384  # entries a row may have to stay in registers (and counts fit 16 bits in `_emit`)
+# Entries of a bf16 row by histograms: each program of the emit launch reads every earlier chunk's
+# counts, a few KB at this length (a two-stage policy's candidate tokens: 39,322 at keep 0.1 of 128K).
+MAX_HIST_N = 1 << 18
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -165,6 +171,21 @@ def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, c):
     out = (before >> 16) + tl.minimum(inside_before, wanted)
     tl.store(i_row + out, pos.to(tl.int32), mask=keep)
     return seen + tl.sum(flags, axis=0)
+
+
+@triton.jit
+def _emit_after(i_row, key, pos, valid, lo, hi, wanted, above_seen, inside_seen, c):
+    """`_emit` for one chunk of a long row: the earlier chunks' counts of keys >= hi and of bracket
+    keys come as two int32s (a row of the histogram method may pass 2^16 keys), only the chunk's own
+    prefix sum is packed."""
+    above = valid & (key >= hi)
+    inside = valid & (key >= lo) & (key < hi)
+    flags = inside.to(tl.int32) + (above.to(tl.int32) << 16)
+    before = tl.cumsum(flags, axis=0) - flags
+    inside_before = inside_seen + (before & 0xFFFF)
+    keep = (above | (inside & (inside_before < wanted))) & (tl.zeros_like(flags) < c)  # count 0: none
+    out = above_seen + (before >> 16) + tl.minimum(inside_before, wanted)
+    tl.store(i_row + out, pos.to(tl.int32), mask=keep)
 
 
 @triton.jit
@@ -291,7 +312,7 @@ def _hist_emit_kernel(s_ptr, cnt_ptr, hist_ptr, part_ptr, idx_ptr, n, k_max, s_r
     ties_before = tl.sum(tl.load(part + 1, mask=before, other=0), 0)
     key, _, offs, valid = _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS, CHUNK)
     i_row = idx_ptr + row * i_row_stride
-    _emit(i_row, key, offs, valid, t, t + 1, c - n_above, ties_before + (above_before << 16), c)
+    _emit_after(i_row, key, offs, valid, t, t + 1, c - n_above, above_before, ties_before, c)
     pad = c + offs  # positions count..k_max-1 hold 0; chunk i writes CHUNK of them
     tl.store(i_row + pad, tl.zeros((CHUNK,), tl.int32), mask=pad < k_max)
     if chunk == 0:
@@ -314,6 +335,12 @@ def _select_by_histograms(
     _chunk_counts_kernel[grid](bits, count, hist, part, n, k_max, stride, **meta)
     _hist_emit_kernel[grid](bits, count, hist, part, idx, n, k_max, stride, idx.stride(0),
                             CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)), **meta)
+
+
+def takes(n: int, dtype: torch.dtype) -> bool:
+    """Whether `select_top` takes rows of ``n`` entries of ``dtype``: up to `MAX_BLOCK_N`, held by one
+    program, and bf16 rows up to `MAX_HIST_N` by histograms."""
+    return n <= MAX_BLOCK_N or (dtype == torch.bfloat16 and n <= MAX_HIST_N)
 
 
 def tiles(n: int) -> tuple[int, int]:
@@ -348,7 +375,7 @@ def _choose(cfg: SelectTopConfig, n: int, dtype: torch.dtype) -> SelectTopConfig
 
 
 def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
-    """``int32[R, k_max]``: per row of ``scores [R, N]`` (``N <= MAX_BLOCK_N``), the positions of its
+    """``int32[R, k_max]``: per row of ``scores [R, N]`` (`takes`), the positions of its
     ``count[r]`` largest entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros
     (`reference.select_top`). Launch parameters: `select_top_config`."""
     from .decode_attention import INTERPRET
@@ -358,20 +385,24 @@ def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False
     if scores.dim() != 2 or count.shape != scores.shape[:1]:
         raise ValueError(f"expected scores [R, N] and count [R], got {tuple(scores.shape)} and {tuple(count.shape)}")
     r, n = scores.shape
-    if n > MAX_BLOCK_N:
-        raise ValueError(f"select_top holds a row in registers: at most {MAX_BLOCK_N} entries, got {n} "
-                         "(kernels.select_top sends longer rows to the torch reference)")
+    if not takes(n, scores.dtype):
+        raise ValueError(f"select_top takes rows of at most {MAX_BLOCK_N} entries ({MAX_HIST_N} in bf16), got {n} "
+                         f"{scores.dtype} (kernels.select_top sends longer rows to the torch reference)")
     idx = _alloc(r, k_max, dtype=torch.int32, device=scores.device)
     if r == 0 or k_max == 0:
         return idx
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
     cfg = select_top_config(n, scores.dtype)
-    if cfg.method == "histogram":
+    if cfg.method == "histogram" or n > MAX_BLOCK_N:
         hist = scratch.zeroed("select_histograms", r * 512, scores.device)
         if hist is not None:  # else (none reserved, or too many rows): one program per row
             _select_by_histograms(scores, count, k_max, absolute, hist, idx, cfg.hist_chunk)
             return idx
+        if n > MAX_BLOCK_N:  # too long for one program
+            from .reference import select_top as by_sorting
+
+            return by_sorting(scores, count, k_max, absolute)
     block, tail = tiles(n)
     bf16 = scores.dtype == torch.bfloat16
     _select_top_kernel[(r,)](

@@ -351,6 +351,8 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
     valid = scores > -torch.inf
     forced = (forced if forced.dim() == 3 else forced[:, None, :]) & valid
     ranked = round_for_ranking(torch.where(forced, torch.inf, scores))
+    if n > kernels.SELECT_TOP_ROW:  # too long for one program: the kernel takes it in bf16 (exact here)
+        ranked = ranked.to(torch.bfloat16)
     n_forced = forced.sum(-1)
     n_valid = valid.sum(-1)
     want = torch.maximum(count if count.dim() == 2 else count[:, None], n_forced).clamp(max=k_max)
