@@ -376,19 +376,37 @@ def test_quest_page_bound_grouped_negative(group, method):
     n=st.integers(0, 150),  # slots may repeat and come in any order
     method=st.sampled_from(GatheredLogitsConfig.METHODS),
     block_t=st.sampled_from([16, 64]),
+    agg=st.sampled_from(["none", "max"]),
 )
-def test_gathered_logits(seed, dtype, d, b, h_kv, group, capacity, n, method, block_t):
+def test_gathered_logits(seed, dtype, d, b, h_kv, group, capacity, n, method, block_t, agg):
     g_rand = gen(seed)
     q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
     keys = randn(g_rand, b, h_kv, capacity, d, dtype=dtype)
     slots = torch.randint(capacity, (b, h_kv, n), generator=g_rand).to(DEVICE)
     scale = d**-0.5
     with poisoned(), override(gathered_logits=GatheredLogitsConfig(method=method, block_t=block_t)):
-        got = dispatch.gathered_logits(q, keys, slots, scale)
-    expected = ref.gathered_logits(q, keys, slots, scale)
-    assert got.dtype == torch.float32 and got.shape == (b, h_kv, group, n)
+        got = dispatch.gathered_logits(q, keys, slots, scale, agg)
+    expected = ref.gathered_logits(q, keys, slots, scale, agg)
+    assert got.dtype == torch.float32 and got.shape == ((b, h_kv, group, n) if agg == "none" else (b, h_kv, n))
     # fp32 sums of exact (bf16 -> fp32) products, in another order.
     assert_close(got, expected, torch.float32, scale=expected.abs().max().item() + 1 if n else 1)
+
+
+@here
+@pytest.mark.parametrize("method", GatheredLogitsConfig.METHODS)
+def test_gathered_logits_max_ignores_the_padding_heads(method):
+    """Groups of 3 padded to 16 rows: with every logit negative, a padding head's 0 must not win."""
+    q = torch.rand(1, 6, 64, device=DEVICE) + 0.1
+    keys = -torch.rand(1, 2, 9, 64, device=DEVICE) - 0.1
+    slots = torch.arange(9, device=DEVICE).expand(1, 2, 9)
+    with poisoned(), override(gathered_logits=GatheredLogitsConfig(method=method)):
+        got = dispatch.gathered_logits(q, keys, slots, 0.125, "max")
+    expected = ref.gathered_logits(q, keys, slots, 0.125, "max")
+    assert (expected < 0).all()
+    assert_close(got, expected, torch.float32)
+    for fn in (dispatch.gathered_logits, ref.gathered_logits):
+        with pytest.raises(ValueError, match="agg must be"):
+            fn(q, keys, slots, 0.125, "sum")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -76,12 +76,13 @@ def gaussian_entmax_threshold(m, s, n, cap=None, iters=12):
     return reference.gaussian_entmax_threshold(m, s, n, cap, iters)
 
 
-def gathered_logits(q, keys, slots, scale):
+def gathered_logits(q, keys, slots, scale, agg="none"):
     """Exact ``scale·q·k`` of each query head against the keys at ``slots`` → ``float32[B, H_kv, G,
-    N]`` (a two-stage policy's candidates); see `reference.gathered_logits`."""
+    N]``, or the group's max ``[B, H_kv, N]`` with ``agg="max"`` (a two-stage policy's candidates);
+    see `reference.gathered_logits`."""
     if dispatch.use_triton(q):
-        return dispatch.gathered_logits(q, keys, slots, scale)
-    return reference.gathered_logits(q, keys, slots, scale)
+        return dispatch.gathered_logits(q, keys, slots, scale, agg)
+    return reference.gathered_logits(q, keys, slots, scale, agg)
 
 
 def sparse_linear(x, weight, bias, keep):

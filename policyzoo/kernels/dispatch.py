@@ -184,20 +184,24 @@ def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scal
 
 
 @torch.library.custom_op("policyzoo::gathered_logits", mutates_args=())
-def _gathered_logits_op(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
+def _gathered_logits_op(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: str = "none") -> Tensor:
     _need_triton()
-    return _gathered.gathered_logits(q, keys, slots, scale)
+    return _gathered.gathered_logits(q, keys, slots, scale, agg)
 
 
 @_gathered_logits_op.register_fake
-def _(q, keys, slots, scale):
+def _(q, keys, slots, scale, agg="none"):
     b, h, _ = q.shape
-    return q.new_empty(b, keys.shape[1], h // keys.shape[1], slots.shape[-1], dtype=torch.float32)
+    h_kv = keys.shape[1]
+    return q.new_empty(b, h_kv, *((h // h_kv,) if agg == "none" else ()), slots.shape[-1], dtype=torch.float32)
 
 
-def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
-    """`reference.gathered_logits` on Triton: ``float32[B, H_kv, G, N]``."""
-    return torch.ops.policyzoo.gathered_logits(q, keys, slots, float(scale))
+def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: str = "none") -> Tensor:
+    """`reference.gathered_logits` on Triton: ``float32[B, H_kv, G, N]``, or ``[B, H_kv, N]`` with
+    ``agg="max"``."""
+    if agg not in ("none", "max"):  # before the op: a bad value fails here, not in a compiled graph
+        raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
+    return torch.ops.policyzoo.gathered_logits(q, keys, slots, float(scale), agg)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Exact logits of gathered keys (Triton): ``scale·q·k`` of each query head against the keys at
 given cache slots, the second stage of a two-stage page policy.
 
-``out[b, kv, g, n] = scale · q[b, kv·G + g] · keys[b, kv, slots[b, kv, n]]`` in fp32 (specification:
-`reference.gathered_logits`). Each key row (``D`` contiguous values) is read once for the G query
-heads of its GQA group, and nothing else is written: in torch the same result took a gather that
+``out[b, kv, g, n] = scale · q[b, kv·G + g] · keys[b, kv, slots[b, kv, n]]`` in fp32, or with
+``agg="max"`` its maximum over the group, ``[B, H_kv, N]`` (specification:
+`reference.gathered_logits`), which is what a KV-head-level choice by the group's best logit needs.
+Each key row (``D`` contiguous values) is read once for the G query heads of its GQA group, and
+nothing else is written: in torch the same result took a gather that
 copied the keys, an fp32 copy of that copy and a batched matmul, four passes over the candidates'
 keys.
 
@@ -35,7 +37,7 @@ def _gathered_logits_kernel(
     s_qb, s_qh, s_kb, s_kh, s_kt, s_sb, s_sh, s_ob, s_oh, s_og,
     n, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, MAX: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     kv = tl.program_id(1)
@@ -58,13 +60,23 @@ def _gathered_logits_kernel(
             acc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:  # q and the keys share a 16-bit dtype: its products are exact in the fp32 accumulator
             acc = tl.dot(q.to(k.dtype), tl.trans(k))
-        tl.store(out_group + offs_g[:, None] * s_og + offs_t[None, :], acc * scale,
-                 mask=g_mask[:, None] & t_mask[None, :])
+        acc = acc * scale
+        if MAX:  # the group's best logit; padding heads must not enter it
+            tl.store(out_group + offs_t, tl.max(tl.where(g_mask[:, None], acc, -float("inf")), 0), mask=t_mask)
+        else:
+            tl.store(out_group + offs_g[:, None] * s_og + offs_t[None, :], acc, mask=g_mask[:, None] & t_mask[None, :])
     else:
         k = k.to(tl.float32)
+        best = tl.full([BLOCK_T], -float("inf"), tl.float32)
         for g in tl.static_range(G):
             q = tl.load(q_group + g * s_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-            tl.store(out_group + g * s_og + offs_t, tl.sum(k * q[None, :], 1) * scale, mask=t_mask)
+            logit = tl.sum(k * q[None, :], 1) * scale
+            if MAX:
+                best = tl.maximum(best, logit)
+            else:
+                tl.store(out_group + g * s_og + offs_t, logit, mask=t_mask)
+        if MAX:
+            tl.store(out_group + offs_t, best, mask=t_mask)
 
 
 def gathered_logits_config(d: int) -> GatheredLogitsConfig:
@@ -81,9 +93,11 @@ def _choose(cfg: GatheredLogitsConfig, d: int) -> GatheredLogitsConfig:
     return dataclasses.replace(cfg, method="loop")
 
 
-def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Tensor:
-    """``float32[B, H_kv, G, N]`` from ``q [B, H, D]``, ``keys [B, H_kv, capacity, D]`` and
-    ``slots int[B, H_kv, N]`` (each in ``[0, capacity)``)."""
+def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: str = "none") -> Tensor:
+    """``float32[B, H_kv, G, N]`` (``agg="none"``) or ``[B, H_kv, N]`` (``"max"``) from ``q [B, H, D]``,
+    ``keys [B, H_kv, capacity, D]`` and ``slots int[B, H_kv, N]`` (each in ``[0, capacity)``)."""
+    if agg not in ("none", "max"):
+        raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
     if q.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     b, h, d = q.shape
@@ -93,17 +107,17 @@ def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float) -> Ten
                          f"got {tuple(q.shape)}, {tuple(keys.shape)}, {tuple(slots.shape)}")
     g = h // h_kv
     q, keys, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, slots))
-    out = torch.empty(b, h_kv, g, n, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h_kv, *((g,) if agg == "none" else ()), n, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     cfg = gathered_logits_config(d)
     _gathered_logits_kernel[(triton.cdiv(n, cfg.block_t), h_kv, b)](
         q, keys, slots, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), slots.stride(0), slots.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2) if agg == "none" else 0,
         n, float(scale),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
-        BLOCK_T=cfg.block_t, DOT=cfg.method == "dot",
+        BLOCK_T=cfg.block_t, DOT=cfg.method == "dot", MAX=agg == "max",
         # fp32 dots where a dtype is fp32 or they differ, and under the interpreter, whose tl.dot
         # multiplies bf16 operands as raw bits (see decode_attention.INTERPRET).
         IEEE=INTERPRET or q.dtype != keys.dtype or keys.dtype == torch.float32, num_warps=cfg.num_warps,

@@ -388,15 +388,16 @@ def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> 
     return wide, torch.div(count * p + (q - 1), q, rounding_mode="floor").clamp(max=wide)
 
 
-def _candidate_logits(state: KVState, q: Tensor, pages: Selection) -> tuple[Tensor, Tensor, Tensor]:
+def _candidate_logits(state: KVState, q: Tensor, pages: Selection, agg: str = "none") -> tuple[Tensor, Tensor, Tensor]:
     """``(logits float32[B, H_kv, G, N], slots int64[B, H_kv, N], valid bool[B, H_kv, N])``: the exact
-    ``scale·q·k`` of every token of the candidate ``pages`` (ascending slots; ``-inf`` where invalid).
-    Reads the candidates' keys, not their values."""
+    ``scale·q·k`` of every token of the candidate ``pages`` (ascending slots; ``-inf`` where invalid),
+    or with ``agg="max"`` the group's best, ``[B, H_kv, N]``. Reads the candidates' keys, not their
+    values."""
     slots, entry = pages.token_positions()  # ascending: pages come in ascending order
     slots = slots.clamp(max=state.cache.capacity - 1)
     valid = entry & state.cache.visible_at(slots)
-    logits = kernels.gathered_logits(q, state.keys, slots, state.scale)
-    return logits.masked_fill(~valid[:, :, None, :], -torch.inf), slots, valid
+    logits = kernels.gathered_logits(q, state.keys, slots, state.scale, agg)
+    return logits.masked_fill(~(valid if agg == "max" else valid[:, :, None, :]), -torch.inf), slots, valid
 
 
 def rescore_pages(
@@ -411,12 +412,11 @@ def rescore_pages(
     candidates only. A page bound ranks pages by how high a key *could* score; here the tokens
     compete on how high they do. ``aggregate`` folds the GQA group as `aggregate_groups` does.
     """
-    logits, slots, valid = _candidate_logits(state, q, pages)
-    if aggregate == "max":
-        scores = logits.amax(2)
+    if aggregate == "max":  # the group's max inside the kernel: the per-head logits are never written
+        scores, slots, valid = _candidate_logits(state, q, pages, "max")
     else:
-        scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
-    scores = scores.masked_fill(~valid, -torch.inf)
+        logits, slots, valid = _candidate_logits(state, q, pages)
+        scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2).masked_fill(~valid, -torch.inf)
     # The step's own token is always kept, as a page policy always keeps the last page.
     forced = forced_at(state, slots, sinks, max(window, 1)) & valid
     chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count)
