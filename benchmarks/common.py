@@ -62,6 +62,8 @@ def settings() -> dict[str, tuple]:
         "quest0.1-rescore3": (lambda: Quest(0.1, page=PAGE, window=64, rescore=3), None, 1.0, 0.1),
         "quest0.1-rescore5": (lambda: Quest(0.1, page=PAGE, window=64, rescore=5), None, 1.0, 0.1),
         "ssa0.05+0.05-rescore5": (lambda: SSA(0.05, 0.05, page=PAGE, window=64, rescore=5), None, 1.0, 0.1),
+        "quest0.1p64-rescore3": (lambda: Quest(0.1, page=64, window=64, rescore=3), None, 1.0, 0.1),
+        "quest0.1p64-rescore5": (lambda: Quest(0.1, page=64, window=64, rescore=5), None, 1.0, 0.1),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
