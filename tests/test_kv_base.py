@@ -126,6 +126,25 @@ def test_choose_topk_forced_invalid_entry_is_not_selected():
     assert _sel_sets(sel) == [[{2}]]
 
 
+def test_choose_topk_ranks_rows_longer_than_one_program_in_bf16_exactly(monkeypatch):
+    """Rows over `kernels.SELECT_TOP_ROW` entries go to `select_top` in bf16: the same entries as
+    ranking the fp32 scores, since both are ranked at bf16 precision (ties by position)."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 3, 300, generator=g) * 4
+    scores[0, 1, ::7] = -INF
+    forced = torch.zeros(2, 300, dtype=torch.bool)
+    forced[:, :4] = True
+    count = torch.tensor([40, 120])
+    seen = []
+    real = kernels.select_top
+    monkeypatch.setattr(kernels, "select_top", lambda s, *a: seen.append(s.dtype) or real(s, *a))
+    short = choose_topk(scores, forced, 128, count)
+    monkeypatch.setattr(kernels, "SELECT_TOP_ROW", 64)
+    long = choose_topk(scores, forced, 128, count)
+    assert seen == [torch.float32, torch.bfloat16]
+    assert torch.equal(long.indices, short.indices) and torch.equal(long.count, short.count)
+
+
 def test_choose_topk_count_capped_by_valid_and_width():
     scores = torch.tensor([[[-INF, 4.0, -INF, 1.0, -INF, -INF]]])
     none = torch.zeros(1, 6, dtype=torch.bool)
