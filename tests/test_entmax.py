@@ -247,6 +247,7 @@ def test_budget_adapts_to_the_score_distribution(make_case):
         (dict(window=0.5), TypeError, "window"),
         (dict(z=float("nan")), ValueError, "z"),
         (dict(iters=0), ValueError, "iters"),
+        (dict(aggregate="mean"), ValueError, "aggregate"),
     ],
 )
 def test_entmaxkv_rejects_bad_args(kwargs, exc, name):
@@ -435,15 +436,19 @@ def test_threshold_kernel_torch_compile_traces_through(monkeypatch):
 
 
 @SETTINGS
-@given(data=st.data(), args=entmax_args(), factor=st.sampled_from([1, 3]))
-def test_rescored_entmaxkv_keeps_tokens_of_its_candidate_pages(data, cases, contract, args, factor):
-    """With ``rescore`` the chosen pages are candidates for an exact token ranking: a token
-    selection inside them, no larger than the pages' tokens, holding the forced tokens; the entmax
-    path stays exact on its support and bounded otherwise."""
+@given(data=st.data(), args=entmax_args(), factor=st.sampled_from([1, 3]), aggregate=st.sampled_from(["max", "sum"]))
+def test_rescored_entmaxkv_keeps_tokens_of_its_candidate_pages(data, cases, contract, args, factor, aggregate):
+    """With ``rescore`` the chosen pages are candidates for an exact token ranking (the group folded
+    by its max logit or its summed softmax mass): a token selection inside them, no larger than the
+    pages' tokens, holding the forced tokens; the entmax path stays exact on its support and
+    bounded otherwise. Without ``rescore`` the aggregate changes nothing."""
     case = data.draw(cases(page_sizes=(1, 4, 16)))
     state = case.state()
     pages = EntmaxKV(page=case.page, **args).select(state, case.q)
-    sel = EntmaxKV(page=case.page, rescore=factor, **args).select(state, case.q)
+    other = "sum" if aggregate == "max" else "max"
+    same = EntmaxKV(page=case.page, aggregate=other, **args).select(state, case.q)
+    assert torch.equal(same.indices, pages.indices) and torch.equal(same.count, pages.count)
+    sel = EntmaxKV(page=case.page, rescore=factor, aggregate=aggregate, **args).select(state, case.q)
     assert sel.block == 1 and sel.log_weight is None
     contract.check_entries(sel, case, args["sinks"], args["window"], pages=False)
     assert bool((sel.count <= pages.count * case.page).all())

@@ -52,6 +52,7 @@ from ..kernels.reference import (  # noqa: F401  (re-exported: the references li
 )
 from ..selection import Selection
 from .base import (
+    Aggregate,
     Budget,
     KVSelector,
     KVState,
@@ -92,6 +93,9 @@ class EntmaxKV(KVSelector):
         iters: Newton steps of the threshold estimate (`gaussian_entmax_threshold`).
         rescore: 0, or a candidate factor >= 1: that many times the chosen pages are candidates and
             the best tokens by exact score are kept (`kv.base.rescore_pages`; as `Quest`'s).
+        aggregate: how the second stage folds a GQA group's exact logits: ``"max"`` (the group's
+            best logit) or ``"sum"`` (its summed softmax mass). Pages are always ranked by the
+            group's max.
     """
 
     budget: int | float = 0.25
@@ -104,9 +108,12 @@ class EntmaxKV(KVSelector):
     z: float = 3.0
     iters: int = 12
     rescore: float = 0.0
+    aggregate: Aggregate = "max"
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
+        if self.aggregate not in ("sum", "max"):
+            raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha != 1.5:
             raise ValueError(f"alpha must be 1.5 (the only α the entmax kernel implements), got {self.alpha!r}")
         if self.mode not in ("gaussian", "topk"):
@@ -154,4 +161,4 @@ class EntmaxKV(KVSelector):
             f = forced[:, None, :] & valid[:, None, :]
             count = torch.minimum(count[:, None], (f | (scores > 0)).sum(-1))  # per KV head
         return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, sinks=self.sinks,
-                            window=self.window)
+                            window=self.window, aggregate=self.aggregate)
