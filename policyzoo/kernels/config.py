@@ -125,8 +125,9 @@ class AttentionConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SelectTopConfig:
-    """Launch parameters of `select_top.py`. Its row-length limit, `select_top.MAX_BLOCK_N`, is a
-    hard limit of the kernel (a row held in registers), not a choice."""
+    """Launch parameters of `select_top.py`. Its row-length limits are hard limits of the kernel, not
+    choices: `select_top.MAX_BLOCK_N` for a row held in registers; longer bf16 rows, up to
+    `select_top.MAX_HIST_N`, always take the histograms."""
 
     METHODS: ClassVar[tuple[str, ...]] = ("auto", "program", "histogram")
 

@@ -37,7 +37,7 @@ are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row
 two would otherwise double the tile (8,203 pages in one 16,384-entry tile measured 39–46 µs against
 18 µs for 8,192). Longer bf16 rows, up to `MAX_HIST_N` entries (a two-stage policy's candidate
 tokens), always take the histograms (`takes`); other rows are refused, and `kernels.select_top` sends
-them to the torch reference, a sort (on an H200 the sort cost about 110 µs per layer for 8 rows of
+them to the torch reference, a sort (on an H200 the sorts cost about 135 µs per layer for 8 rows of
 39,322 candidate tokens).
 """
 
@@ -176,7 +176,7 @@ def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, c):
 @triton.jit
 def _emit_after(i_row, key, pos, valid, lo, hi, wanted, above_seen, inside_seen, c):
     """`_emit` for one chunk of a long row: the earlier chunks' counts of keys >= hi and of bracket
-    keys come as two int32s (a row of the histogram method may pass 2^16 keys), only the chunk's own
+    keys come as two int32s (packed, the keys >= hi would overflow past 2^15), only the chunk's own
     prefix sum is packed."""
     above = valid & (key >= hi)
     inside = valid & (key >= lo) & (key < hi)
