@@ -154,30 +154,15 @@ def _search(key, key_tail, valid, valid_tail, want, INTERP_STEPS: tl.constexpr, 
 
 
 @triton.jit
-def _emit(i_row, key, pos, valid, lo, hi, wanted, seen, c):
+def _emit(i_row, key, pos, valid, lo, hi, wanted, above_seen, inside_seen, c):
     """Write the positions of one tile's kept keys in order: every key >= hi, and the keys in
-    ``[lo, hi)`` while fewer than ``wanted`` of them came before. ``seen`` packs the counts of the
-    earlier tiles (bracket keys in the low 16 bits, keys >= hi above them); returns it updated.
+    ``[lo, hi)`` while fewer than ``wanted`` of them came before. ``above_seen`` and ``inside_seen``
+    count the earlier tiles' keys >= hi and bracket keys; returns both updated.
 
-    Both running counts come from one prefix sum of the packed flags (a row holds at most 2^14
-    keys, so neither half overflows): a kept key's output slot is the keys >= hi before it plus the
-    kept bracket keys before it."""
-    above = valid & (key >= hi)
-    inside = valid & (key >= lo) & (key < hi)
-    flags = inside.to(tl.int32) + (above.to(tl.int32) << 16)
-    before = seen + tl.cumsum(flags, axis=0) - flags
-    inside_before = before & 0xFFFF
-    keep = (above | (inside & (inside_before < wanted))) & (tl.zeros_like(flags) < c)  # count 0: none
-    out = (before >> 16) + tl.minimum(inside_before, wanted)
-    tl.store(i_row + out, pos.to(tl.int32), mask=keep)
-    return seen + tl.sum(flags, axis=0)
-
-
-@triton.jit
-def _emit_after(i_row, key, pos, valid, lo, hi, wanted, above_seen, inside_seen, c):
-    """`_emit` for one chunk of a long row: the earlier chunks' counts of keys >= hi and of bracket
-    keys come as two int32s (packed, the keys >= hi would overflow past 2^15), only the chunk's own
-    prefix sum is packed."""
+    Both of the tile's running counts come from one prefix sum of two flags packed in an int32 (a
+    tile holds at most 2^14 keys, so neither half overflows; the earlier tiles' counts stay
+    unpacked, since a long row's may pass 2^15): a kept key's output slot is the keys >= hi before
+    it plus the kept bracket keys before it."""
     above = valid & (key >= hi)
     inside = valid & (key >= lo) & (key < hi)
     flags = inside.to(tl.int32) + (above.to(tl.int32) << 16)
@@ -186,6 +171,8 @@ def _emit_after(i_row, key, pos, valid, lo, hi, wanted, above_seen, inside_seen,
     keep = (above | (inside & (inside_before < wanted))) & (tl.zeros_like(flags) < c)  # count 0: none
     out = above_seen + (before >> 16) + tl.minimum(inside_before, wanted)
     tl.store(i_row + out, pos.to(tl.int32), mask=keep)
+    total = tl.sum(flags, axis=0)
+    return above_seen + (total >> 16), inside_seen + (total & 0xFFFF)
 
 
 @triton.jit
@@ -223,9 +210,10 @@ def _select_top_kernel(
 
     # Compaction: every key >= hi, then the bracket's keys by position until count is reached.
     wanted = c - n_hi
-    seen = _emit(i_row, key, offs, valid, lo, hi, wanted, tl.zeros((), tl.int32), c)
+    zero = tl.zeros((), tl.int32)
+    above, inside = _emit(i_row, key, offs, valid, lo, hi, wanted, zero, zero, c)
     if TAIL > 0:
-        _emit(i_row, key_tail, offs_tail, valid_tail, lo, hi, wanted, seen, c)
+        _emit(i_row, key_tail, offs_tail, valid_tail, lo, hi, wanted, above, inside, c)
 
 
 # ------------------------------------------------------------------------------ by histograms
@@ -312,7 +300,7 @@ def _hist_emit_kernel(s_ptr, cnt_ptr, hist_ptr, part_ptr, idx_ptr, n, k_max, s_r
     ties_before = tl.sum(tl.load(part + 1, mask=before, other=0), 0)
     key, _, offs, valid = _chunk_keys(s_ptr, row, chunk, n, s_row_stride, ABS, CHUNK)
     i_row = idx_ptr + row * i_row_stride
-    _emit_after(i_row, key, offs, valid, t, t + 1, c - n_above, above_before, ties_before, c)
+    _emit(i_row, key, offs, valid, t, t + 1, c - n_above, above_before, ties_before, c)
     pad = c + offs  # positions count..k_max-1 hold 0; chunk i writes CHUNK of them
     tl.store(i_row + pad, tl.zeros((CHUNK,), tl.int32), mask=pad < k_max)
     if chunk == 0:
