@@ -7,7 +7,7 @@
 
 from .cache import PagedKVCache
 from .decoder import Decoder
-from .kv import SSA, AttentionTopK, Certified, Dense, EntmaxKV, KVSelector, KVState, Quest, Window
+from .kv import SSA, AttentionTopK, Certified, Dense, DepthSchedule, EntmaxKV, KVSelector, KVState, PrHS, Quest, Window
 from .kv.context import StepContext
 from .proj import ProjectionSparsifier, Threshold, TopK
 from .selection import Selection
@@ -21,10 +21,12 @@ __all__ = [
     "DecodeSession",
     "Decoder",
     "Dense",
+    "DepthSchedule",
     "EntmaxKV",
     "KVSelector",
     "KVState",
     "PagedKVCache",
+    "PrHS",
     "ProjectionSparsifier",
     "Quest",
     "SSA",

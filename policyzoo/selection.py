@@ -12,6 +12,10 @@ import torch
 from torch import Tensor
 
 
+# The axes along which a selection may be reused (`Selection.reuse` codes them as 1 + index).
+REUSE_AXES = ("time", "layer")
+
+
 @dataclass
 class Selection:
     """The cache entries one decode step attends to.
@@ -23,12 +27,17 @@ class Selection:
         log_weight: optional ``float32[B, H_kv, K_max]`` added to the attention logits of each entry
             (Horvitz–Thompson or importance corrections); ``None`` means zero.
         block: 1 for token selections, the page size for page selections.
+        reuse: optional ``int8[B, H_kv]`` provenance for the audit: ``0`` where the entries were
+            chosen this step, else ``1 + REUSE_AXES.index(axis)`` where they are an earlier
+            selection reused (`kv.PrHS`: ``"time"``, this layer's previous step; ``"layer"``, the
+            layer below). The attention kernels ignore it.
     """
 
     indices: Tensor
     count: Tensor
     log_weight: Tensor | None = None
     block: int = 1
+    reuse: Tensor | None = None
 
     @property
     def k_max(self) -> int:

@@ -11,11 +11,14 @@ pairs; a leading value without a key is the policy's first parameter::
     parse_proj("threshold:0.5,path=thr.safetensors")   # Threshold.load("thr.safetensors")
     parse_proj("topk:0.5,mode=fast,path=fast.safetensors")  # TopK.load: the fast mode's ratios
     parse_kv("mine:budget=0.2,path=mine.safetensors")  # a learned policy: MyPolicy.load(path, budget=0.2)
+    parse_kv("prhs:[quest:0.1,rescore=3],time=0.9")   # PrHS(Quest(0.1, rescore=3), time=0.9)
+    parse_kv("prhs:path=prhs.safetensors")    # PrHS.load: a calibrated schedule and its wrapped policy
     parse_proj("none")                        # None (dense projections)
 
 Values keep their type as written: ``256`` is an int (a number of tokens), ``0.25`` a float (a keep
 ratio), ``true``/``false`` booleans, anything else a string; list parameters (``targets``) join
-their items with ``+`` (``topk:0.5,targets=gate+up+down``). A bad spec raises `ValueError` naming
+their items with ``+`` (``topk:0.5,targets=gate+up+down``); a policy that wraps another (`PrHS`)
+takes it as a KV spec in brackets (``[quest:0.1,page=16]``). A bad spec raises `ValueError` naming
 the accepted policies, or the policy's parameters and defaults.
 
 New policies register in one line: ``KV_POLICIES["mine"] = MyPolicy`` (a dataclass whose fields are
@@ -31,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .kv import SSA, AttentionTopK, Dense, EntmaxKV, KVSelector, Quest, Window
+from .kv import SSA, AttentionTopK, Dense, EntmaxKV, KVSelector, PrHS, Quest, Window
 from .proj import ProjectionSparsifier, Threshold, TopK
 
 # name -> class; a class's dataclass fields are its spec parameters, in order.
@@ -42,6 +45,7 @@ KV_POLICIES: dict[str, type] = {
     "quest": Quest,
     "ssa": SSA,
     "entmax-kv": EntmaxKV,
+    "prhs": PrHS,
 }
 PROJ_SPARSIFIERS: dict[str, type] = {
     "topk": TopK,
@@ -52,10 +56,11 @@ KV_DENSE_NAMES = ("dense", "none")
 PROJ_NONE_NAMES = ("none", "dense")
 
 # Parameters a spec may not set (internal state) and extra ones handled here.
-_HIDDEN = {Threshold: ("thresholds",), TopK: ("ratios",)}
+_HIDDEN = {Threshold: ("thresholds",), TopK: ("ratios",), PrHS: ("depth",)}
 _EXTRA = {
     Threshold: {"path": "a safetensors file written by Threshold.save (loads its thresholds)"},
     TopK: {"path": "with mode=fast: a safetensors file written by TopK.save (loads its ratios)"},
+    PrHS: {"path": "a safetensors file written by PrHS.save or `policyzoo calibrate-prhs` (its schedule, groups and wrapped policy)"},
 }
 # A calibrated sparsifier's field of per-projection values, which `path` loads.
 _CALIBRATED = {Threshold: "thresholds", TopK: "ratios"}
@@ -122,10 +127,10 @@ def _split(spec: object, kind: str) -> tuple[str, list[tuple[str | None, str]]]:
         raise ValueError(f"{kind} spec {spec!r}: bad policy name {name!r}; accepted: {_accepted(kind)}")
     params: list[tuple[str | None, str]] = []
     if rest:
-        for i, item in enumerate(rest.split(",")):
+        for i, item in enumerate(_top_level(rest, spec, kind)):
             if not item:
                 raise ValueError(f"{kind} spec {spec!r}: empty parameter (stray comma?)")
-            key, eq, value = item.partition("=")
+            key, eq, value = ("", "", item) if item.startswith("[") else item.partition("=")
             if not eq:
                 if i != 0:
                     raise ValueError(f"{kind} spec {spec!r}: {item!r} needs a name (key=value); only the first value may be positional")
@@ -137,6 +142,23 @@ def _split(spec: object, kind: str) -> tuple[str, list[tuple[str | None, str]]]:
     elif ":" in text:
         raise ValueError(f"{kind} spec {spec!r}: nothing after ':'")
     return name, params
+
+
+def _top_level(rest: str, spec: str, kind: str) -> list[str]:
+    """``rest`` split at the commas outside brackets (a bracketed nested spec keeps its own)."""
+    items, depth, current = [], 0, ""
+    for ch in rest:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0:
+            raise ValueError(f"{kind} spec {spec!r}: unbalanced ']'")
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth:
+        raise ValueError(f"{kind} spec {spec!r}: unbalanced '['")
+    return items + [current]
 
 
 def _example(kind: str) -> str:
@@ -191,9 +213,12 @@ def _params_text(cls: type) -> str:
 
 
 def _convert(text: str, default: Any) -> Any:
-    """A spec value with its written type: int, float, bool, a ``+``-joined list, or a string."""
+    """A spec value with its written type: int, float, bool, a ``+``-joined list, a bracketed KV
+    spec (the policy it builds), or a string."""
+    if text.startswith("[") and text.endswith("]"):
+        return parse_kv(text[1:-1])
     if isinstance(default, (tuple, list)):
-        return tuple(item for item in text.split("+") if item)
+        return tuple(_convert(item, None) for item in text.split("+") if item)
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"

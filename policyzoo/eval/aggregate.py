@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .audit import Audit
 
-ATTENTION_METRICS = ("dropped_mass", "topk_recall", "output_error", "kv_keep", "certified_bound")
+ATTENTION_METRICS = ("dropped_mass", "topk_recall", "output_error", "kv_keep", "certified_bound", "reuse_time", "reuse_layer")
 
 
 def _flat(records: dict | list) -> dict[int, Tensor]:
@@ -69,14 +69,15 @@ def summarize_layers(per_layer: dict[str, dict[int, Tensor]]) -> dict[str, Any]:
 
     δ: mean, p95, max and the per-layer mean (over steps, rows and KV heads); recall: mean and p5
     (the low tail is the bad one); output error: mean and p95; kv keep: mean; the certified bound
-    on δ (page selections only, else NaN): mean and max.
+    on δ (page selections only, else NaN): mean and max; the reuse rate per axis (`kv.PrHS`'s
+    selections only, else NaN): the share of (step, row, KV head) records that reused a selection.
     """
 
     def pooled(metric: str) -> Tensor:
         values = [v for _, v in sorted(per_layer.get(metric, {}).items())]
         return torch.cat(values) if values else torch.empty(0)
 
-    delta, recall, err, keep, bound = (pooled(m) for m in ATTENTION_METRICS)
+    delta, recall, err, keep, bound, reuse_time, reuse_layer = (pooled(m) for m in ATTENTION_METRICS)
     layers = per_layer.get("dropped_mass", {})
     return {
         "delta_mean": _mean(delta),
@@ -90,6 +91,8 @@ def summarize_layers(per_layer: dict[str, dict[int, Tensor]]) -> dict[str, Any]:
         "kv_keep": _mean(keep),
         "bound_mean": _mean(bound),
         "bound_max": float(bound.max()) if bound.numel() else math.nan,
+        "reuse_time": _mean(reuse_time),
+        "reuse_layer": _mean(reuse_layer),
     }
 
 

@@ -24,7 +24,7 @@ from ..runtime import Attention
 from ..cache import PagedKVCache
 from ..kv.base import KVState
 from ..kv.certified import certified_dropped_mass
-from ..selection import Selection
+from ..selection import REUSE_AXES, Selection
 from .metrics import dropped_mass, group_mean, relative_output_error, topk_mass_recall
 
 
@@ -75,6 +75,10 @@ class Audit:
     certified_bound: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     output_error: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     kv_keep: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
+    # Per reuse axis (`selection.REUSE_AXES`), 1.0 where a KV head reused an earlier selection
+    # (`Selection.reuse`, set by `kv.PrHS`); recorded for selections that carry the tag.
+    reuse_time: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
+    reuse_layer: dict[int, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     proj_keep: dict[str, list[Tensor]] = field(default_factory=lambda: defaultdict(list))
     logits_kl: list[Tensor] = field(default_factory=list)  # per step, [B]
     top1_agree: list[Tensor] = field(default_factory=list)  # per step, [B]
@@ -104,6 +108,9 @@ class Audit:
             self.certified_bound[layer].append(group_mean(bound, h_kv).cpu())
         err = relative_output_error(o_dense.view(b, h_kv, -1), out.float().view(b, h_kv, -1))
         self.output_error[layer].append(err.cpu())
+        if sel.reuse is not None:
+            for code, axis in enumerate(REUSE_AXES, start=1):
+                getattr(self, f"reuse_{axis}")[layer].append((sel.reuse == code).float().cpu())
         kept = sel.kept_tokens(token_valid)
         self.kv_keep[layer].append((kept / token_valid.sum(-1, keepdim=True).clamp(min=1)).cpu())
 

@@ -21,11 +21,19 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
     return format(x, spec)
 
 
+def _reuse(row: dict[str, Any]) -> str:
+    """``"0.42 / 0.50"``: the reuse rates along time and layers (`kv.PrHS`), ``—`` for other policies."""
+    time, layer = row.get("reuse_time"), row.get("reuse_layer")
+    if all(x is None or (isinstance(x, float) and math.isnan(x)) for x in (time, layer)):
+        return "—"
+    return f"{_fmt(time, '.2f')} / {_fmt(layer, '.2f')}"
+
+
 def format_markdown(results: dict[str, Any], title: str = "") -> str:
     """The results table: one row per setting × task × length."""
     head = [
         "setting", "task", "length", "n", "acc", "ppl dense → policy", "Δppl", "δ mean", "δ p95", "δ max",
-        "δ bound mean", "recall", "out err", "KL", "top-1", "kv keep", "proj keep",
+        "δ bound mean", "recall", "out err", "KL", "top-1", "kv keep", "proj keep", "reuse time / layer",
     ]  # fmt: skip
     align = ["---", "---", "---:"] + ["---:"] * (len(head) - 3)
     lines = [f"# {title}", ""] if title else []
@@ -37,6 +45,7 @@ def format_markdown(results: dict[str, Any], title: str = "") -> str:
             r["setting"], r["task"], length_label(r["length"]), str(r["n"]), _fmt(r.get("accuracy"), ".2f"), ppl, dppl,
             _fmt(r["delta_mean"]), _fmt(r["delta_p95"]), _fmt(r["delta_max"]), _fmt(r.get("bound_mean")), _fmt(r["recall"]),
             _fmt(r["output_error"]), _fmt(r["kl"], ".4f"), _fmt(r["top1"], ".3f"), _fmt(r["kv_keep"]), _fmt(r["proj_keep"]),
+            _reuse(r),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -2,6 +2,7 @@ from .base import KVSelector, KVState
 from .certified import Certified, certified_dropped_mass, grow_until_certified
 from .dense import Dense
 from .entmax import EntmaxKV
+from .prhs import DepthSchedule, PrHS
 from .quest import Quest
 from .ssa import SSA
 from .topk import AttentionTopK
@@ -10,10 +11,12 @@ from .window import Window
 __all__ = [
     "AttentionTopK",
     "Certified",
+    "DepthSchedule",
     "Dense",
     "EntmaxKV",
     "KVSelector",
     "KVState",
+    "PrHS",
     "Quest",
     "SSA",
     "Window",

@@ -143,7 +143,7 @@ class KVSelector:
         if not self.modules():
             raise ValueError(f"{type(self).__name__} has no learned parameters to save")
         tensors = {key: value.detach().contiguous().cpu() for key, value in self.state_dict().items()}
-        meta = {"policy": type(self).__name__, "params": json.dumps(_params(self))}
+        meta = {"policy": type(self).__name__, "params": json.dumps(policy_params(self))}
         save_file(tensors, str(path), metadata=meta)
         return Path(path)
 
@@ -165,7 +165,7 @@ class KVSelector:
         return cls(**params).load_state_dict(tensors)
 
 
-def _params(policy: KVSelector) -> dict[str, Any]:
+def policy_params(policy: KVSelector) -> dict[str, Any]:
     """A policy's JSON-ready parameters: its dataclass fields that the constructor takes."""
     if not is_dataclass(policy):
         return {}

@@ -29,6 +29,7 @@ from dataclasses import dataclass, is_dataclass, replace
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..selection import Selection
 from .base import KVSelector, KVState, check_budget, page_bound_scores
 
@@ -99,6 +100,25 @@ def certified_dropped_mass(
     log_u = _log_dropped_bound(state, q, sel, slack)
     bound = torch.sigmoid(log_u - lse.double())  # lse = -inf (nothing kept) gives 1, log U = -inf gives 0
     return bound.nan_to_num(0.0).float()
+
+
+def certify_before_attention(state: KVState, q: Tensor, sel: Selection, slack: float = DEFAULT_SLACK) -> Tensor:
+    """``float32[B, H]``: `certified_dropped_mass` of ``sel`` for ``q`` before attending through it.
+
+    The bound needs ``log Z_S``, which the attention kernel returns only after the fact; a policy
+    that must decide first (`PrHS`, before reusing a selection) gets it here from the exact logits
+    of the selection's keys (`kernels.gathered_logits`: the keys are read, not the values).
+    """
+    if sel.log_weight is not None:
+        raise ValueError("the certified bound needs the selection's unweighted normaliser: sel has log_weight")
+    b, h, _ = q.shape
+    cache = state.cache
+    pos, entry = sel.token_positions()
+    slots = pos.clamp(0, cache.capacity - 1)
+    valid = entry & cache.visible_at(slots) & (pos < cache.capacity)
+    logits = kernels.gathered_logits(q, state.keys, slots, state.scale)  # [B, H_kv, G, N]
+    lse = logits.masked_fill(~valid[:, :, None, :], -torch.inf).logsumexp(-1).reshape(b, h)
+    return certified_dropped_mass(state, q, sel, lse, slack)
 
 
 def grow_until_certified(

@@ -1,0 +1,317 @@
+"""`PrHS`: pre-hoc selection — choose before scoring by reusing selections along time and layers,
+with a per-layer budget schedule along depth (after "Near-Oracle KV Selection via Pre-hoc Sparsity";
+no public code exists, so the design is this library's).
+
+A wrapped ``policy`` (`Quest`, `AttentionTopK`, `SSA`, `EntmaxKV`, ...) makes every fresh selection.
+Three axes, each usable alone:
+
+- **time** (``time=τ``): a layer keeps its previous step's selection, per row and KV head, while
+  every query head of the group stays within cosine ``τ`` of the query that made it. The tokens
+  appended since are added to it (the step's own token or its page: one entry per step at most);
+  when there is no room left in the selection's static width, the policy selects afresh.
+- **depth** (``depth=DepthSchedule``): layer ``l`` runs the policy with ``scale[l]`` times its
+  budget and a recency window of ``window[l]`` tokens.
+- **layer** (``layer=(group id per layer)``): a layer whose group id equals the layer's below reuses
+  the selection the layer below made at this step (the positions; the keys are its own).
+
+**Accuracy control.** With ``eps`` set, every reuse is certified: it happens only where the
+certified dropped-mass bound of the reused selection for the current query (`kv.certified`;
+``log Z_S`` from the selection's keys, `certify_before_attention`) is at most ``eps`` on every
+query head of the group. Without ``eps`` reuse is governed by ``τ`` and the calibrated layer
+groups alone. The page bound behind the certificate overshoots by 10+ nats on real models, so on
+those the certificate rarely allows a reuse: the audit reports the reuse rate per axis
+(`Selection.reuse`), δ and the bound.
+
+**Static shapes.** Every decision is a per-(row, KV head) mask on the device, so a compiled step
+never recompiles or syncs. The fresh selection is therefore computed even where it is not used,
+except on a layer that reuses the layer below without ``eps``: that layer skips its policy
+entirely, which is where the layer axis saves time.
+
+`PrHS.calibrate` measures the schedule, the layer groups and ``τ`` on text (`policyzoo.eval.prhs`);
+`save` and `load` keep them in a safetensors file (``--kv prhs:path=FILE``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..selection import REUSE_AXES, Selection
+from .base import KVSelector, KVState, policy_params
+from .certified import DEFAULT_SLACK, certify_before_attention
+
+TIME, LAYER = (1 + REUSE_AXES.index(axis) for axis in ("time", "layer"))
+
+
+@dataclass(frozen=True)
+class DepthSchedule:
+    """Per-layer budget multipliers (of the wrapped policy's budget) and recency windows (tokens)."""
+
+    scale: tuple[float, ...]
+    window: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        scale, window = tuple(self.scale), tuple(self.window)
+        if not scale or len(scale) != len(window):
+            raise ValueError(f"a depth schedule needs one scale and one window per layer, got {len(scale)} and {len(window)}")
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0 for s in scale):
+            raise ValueError(f"depth scales must be finite numbers > 0, got {scale}")
+        if not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window):
+            raise ValueError(f"depth windows must be ints >= 0, got {window}")
+        object.__setattr__(self, "scale", tuple(float(s) for s in scale))
+        object.__setattr__(self, "window", window)
+
+    def __len__(self) -> int:
+        return len(self.scale)
+
+
+def scaled_budget(budget: int | float, scale: float) -> int | float:
+    """``budget`` times ``scale``: a keep ratio stays in (0, 1], a token count stays an int >= 1."""
+    if isinstance(budget, float):
+        return min(1.0, budget * scale)
+    return max(1, round(budget * scale))
+
+
+@dataclass
+class PrHS(KVSelector):
+    """Reuse selections along time and layers, and schedule budgets along depth (module docstring).
+
+    Args:
+        policy: makes every fresh selection.
+        eps: certify each reuse: the certified dropped-mass bound must be at most ``eps`` (``None``:
+            uncertified reuse). Needs a softmax policy without sampling weights.
+        time: ``τ`` in (0, 1]: reuse the previous step's selection while the query's cosine to the
+            query that made it is at least ``τ`` (``None``: no reuse along time).
+        depth: the per-layer budget and window schedule (``None``: the policy's own everywhere).
+        layer: a group id per layer, non-decreasing; a layer in its lower neighbour's group reuses
+            that layer's selection (``()``: no sharing).
+        slack: relative widening of the page bounds in the certificate (float rounding).
+    """
+
+    policy: KVSelector
+    eps: float | None = None
+    time: float | None = None
+    depth: DepthSchedule | None = None
+    layer: tuple[int, ...] = ()
+    slack: float = DEFAULT_SLACK
+    _per_layer: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, KVSelector) or isinstance(self.policy, PrHS):
+            raise TypeError(f"policy must be a KV policy (not a PrHS), got {type(self.policy).__name__}")
+        if self.eps is not None:
+            if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps <= 1.0:
+                raise ValueError(f"eps must be None or a number in [0, 1], got {self.eps!r}")
+            if getattr(self.policy, "attention", "softmax") != "softmax":
+                raise ValueError("eps certifies softmax dropped mass: the policy attends with entmax")
+            if getattr(self.policy, "sample", 0):
+                raise ValueError(f"eps needs selections without sampling weights: {type(self.policy).__name__}"
+                                 f"(sample={self.policy.sample!r}); use sample=0 or no eps")
+        if self.time is not None and (isinstance(self.time, bool) or not isinstance(self.time, (int, float))
+                                      or not 0.0 < self.time <= 1.0):  # fmt: skip
+            raise ValueError(f"time (the cosine τ) must be None or a number in (0, 1], got {self.time!r}")
+        if self.depth is not None:
+            if not isinstance(self.depth, DepthSchedule):
+                raise TypeError(f"depth must be a DepthSchedule, got {type(self.depth).__name__}")
+            missing = [f for f in ("budget", "window") if not hasattr(self.policy, f)]
+            if missing:
+                raise ValueError(f"a depth schedule sets the policy's budget and window: {type(self.policy).__name__} has no {missing[0]}")
+        self.layer = tuple(self.layer)
+        if not all(isinstance(g, int) and not isinstance(g, bool) for g in self.layer):
+            raise TypeError(f"layer must be a tuple of int group ids, got {self.layer!r}")
+        if any(b < a for a, b in zip(self.layer, self.layer[1:])):
+            raise ValueError(f"layer group ids must be non-decreasing (groups of adjacent layers), got {self.layer}")
+        if self.depth is not None and self.layer:
+            if len(self.layer) != len(self.depth):
+                raise ValueError(f"layer has {len(self.layer)} entries, the depth schedule {len(self.depth)}")
+            for i in range(1, len(self.layer)):
+                same = (self.depth.scale[i], self.depth.window[i]) == (self.depth.scale[i - 1], self.depth.window[i - 1])
+                if self.layer[i] == self.layer[i - 1] and not same:
+                    raise ValueError(f"layers {i - 1} and {i} share a selection, so their depth entries must be equal")
+        if isinstance(self.slack, bool) or not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
+            raise ValueError(f"slack must be a finite number >= 0, got {self.slack!r}")
+
+    # ------------------------------------------------------------------ what the session reads
+    @property
+    def page_size(self) -> int | None:  # type: ignore[override]
+        return self.policy.page_size
+
+    @property
+    def attention(self) -> str:
+        return getattr(self.policy, "attention", "softmax")
+
+    @property
+    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
+        extra = ("page_min", "page_max") if self.eps is not None else ()  # the certificate reads them
+        return tuple(dict.fromkeys((*self.policy.summaries, *extra)))
+
+    @property
+    def step_context(self) -> tuple[str, ...]:  # type: ignore[override]
+        parts = tuple(self.policy.step_context)
+        parts += ("previous",) if self.time is not None else ()
+        parts += ("below",) if self.layer else ()
+        return tuple(dict.fromkeys(parts))
+
+    def policy_at(self, layer: int) -> KVSelector:
+        """The wrapped policy as layer ``layer`` runs it (its depth entry applied)."""
+        if self.depth is None:
+            return self.policy
+        if layer not in self._per_layer:
+            scale, window = self.depth.scale[layer], self.depth.window[layer]
+            self._per_layer[layer] = replace(self.policy, budget=scaled_budget(self.policy.budget, scale), window=window)
+        return self._per_layer[layer]
+
+    def shares_below(self, layer: int) -> bool:
+        """Whether layer ``layer`` reuses the selection of the layer below."""
+        return 0 < layer < len(self.layer) and self.layer[layer] == self.layer[layer - 1]
+
+    # ------------------------------------------------------------------ life cycle
+    def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
+        layers = state.cache.num_layers
+        for what, n in (("depth schedule", len(self.depth) if self.depth is not None else layers), ("layer", len(self.layer) or layers)):
+            if n != layers:
+                raise ValueError(f"PrHS's {what} has {n} layers, the model {layers}")
+        self.policy_at(state.layer).prefill(state, q, k, v)
+        if self.time is not None:
+            # The query that made the layer's reusable selection; zero (cosine 0: no reuse) until the
+            # first fresh selection. Made here (eager) and written in place, for CUDA graphs.
+            made = torch.zeros(q.shape[0], q.shape[1], q.shape[-1], dtype=torch.float32, device=q.device)
+            if made.device.type == "cuda":
+                torch._dynamo.mark_static_address(made)
+            state.store["prhs.query"] = made
+
+    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
+        self.policy_at(state.layer).append(state, k, v)
+
+    def select(self, state: KVState, q: Tensor) -> Selection:
+        context = state.context
+        below = context.below
+        if self.shares_below(state.layer) and below is not None:
+            if self.eps is None:  # uncertified sharing: this layer's policy does not run at all
+                return replace(below, reuse=torch.full_like(below.count, LAYER, dtype=torch.int8))
+            fresh = self.policy_at(state.layer).select(state, q)
+            return merge(self._certified(state, q, below), below, fresh, LAYER)
+        fresh = self.policy_at(state.layer).select(state, q)
+        made = state.store.get("prhs.query")
+        if self.time is None or made is None or context.previous is None:
+            return fresh
+        reused, fits = extend_to_newest(context.previous, state)
+        g = q.shape[1] // fresh.count.shape[1]
+        cos = torch.nn.functional.cosine_similarity(q.float(), made, dim=-1, eps=1e-12)  # [B, H]
+        close = cos.view(cos.shape[0], -1, g).amin(-1) >= self.time
+        use = fits & close
+        if self.eps is not None:
+            use = use & self._certified(state, q, reused)
+        # The reference query stays that of the selection being reused; a fresh selection's own.
+        made.copy_(torch.where(use.repeat_interleave(g, dim=1)[..., None], made, q.float()))
+        return merge(use, reused, fresh, TIME)
+
+    def _certified(self, state: KVState, q: Tensor, sel: Selection) -> Tensor:
+        """``bool[B, H_kv]``: the certified bound of ``sel`` for ``q`` is at most ``eps`` on every
+        query head of the group."""
+        bound = certify_before_attention(state, q, sel, self.slack)
+        return bound.view(bound.shape[0], sel.count.shape[1], -1).amax(-1) <= self.eps
+
+    # ------------------------------------------------------------------ calibration, files
+    @classmethod
+    def calibrate(cls, model: Any, texts: Sequence[str], policy: KVSelector, **kwargs: Any) -> "PrHS":
+        """Measure the depth schedule, the layer groups and ``τ`` for ``policy`` on ``texts`` with
+        ``model`` (`policyzoo.eval.prhs.calibrate`, which takes the options)."""
+        from ..eval.prhs import calibrate  # the calibration decodes through the Decoder, which imports kv
+
+        return calibrate(model, texts, policy, **kwargs)[0]
+
+    def save(self, path: str | Path) -> Path:
+        """Write the schedule, the groups and the parameters (the wrapped policy's too) to a
+        safetensors file that `load` (and ``--kv prhs:path=FILE``) reads."""
+        from safetensors.torch import save_file
+
+        tensors = {"layer": torch.tensor(self.layer or [0], dtype=torch.int64), "has_layer": torch.tensor(bool(self.layer))}
+        if self.depth is not None:
+            tensors["depth.scale"] = torch.tensor(self.depth.scale, dtype=torch.float64)
+            tensors["depth.window"] = torch.tensor(self.depth.window, dtype=torch.int64)
+        meta = {
+            "policy": type(self).__name__,
+            "params": json.dumps({"eps": self.eps, "time": self.time, "slack": self.slack}),
+            "wrapped": json.dumps({"class": type(self.policy).__name__, "params": policy_params(self.policy)}),
+        }
+        save_file(tensors, str(path), metadata=meta)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> "PrHS":
+        """A `PrHS` from a file `save` wrote; ``overrides`` replace parameters (``policy``: another
+        wrapped policy, ``time``, ``eps``, ...)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no policy file {str(path)!r}")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        if meta.get("policy") != cls.__name__:
+            raise ValueError(f"{path} holds a {meta.get('policy', 'unknown')} policy, not {cls.__name__}")
+        params: dict[str, Any] = json.loads(meta["params"])
+        if "policy" not in overrides:
+            wrapped = json.loads(meta["wrapped"])
+            params["policy"] = _policy_class(wrapped["class"])(**wrapped["params"])
+        if "depth.scale" in tensors:
+            params["depth"] = DepthSchedule(tuple(tensors["depth.scale"].tolist()), tuple(tensors["depth.window"].tolist()))
+        params["layer"] = tuple(tensors["layer"].tolist()) if bool(tensors["has_layer"]) else ()
+        return cls(**{**params, **overrides})
+
+
+def merge(use: Tensor, reused: Selection, fresh: Selection, axis: int) -> Selection:
+    """Per row and KV head, ``reused`` where ``use`` (``bool[B, H_kv]``), else ``fresh``; tagged
+    with the reuse ``axis`` code (`Selection.reuse`) where reused."""
+    if (reused.indices.shape, reused.block, reused.log_weight is None) != (fresh.indices.shape, fresh.block, fresh.log_weight is None):
+        raise ValueError(
+            f"a reused selection must have the layout of a fresh one (width, block, weights): got "
+            f"{tuple(reused.indices.shape)}/{reused.block} and {tuple(fresh.indices.shape)}/{fresh.block}"
+        )
+    weight = None if fresh.log_weight is None else torch.where(use[..., None], reused.log_weight, fresh.log_weight)
+    return Selection(
+        indices=torch.where(use[..., None], reused.indices, fresh.indices),
+        count=torch.where(use, reused.count, fresh.count),
+        log_weight=weight,
+        block=fresh.block,
+        reuse=(use.to(torch.int8) * axis),
+    )
+
+
+def extend_to_newest(sel: Selection, state: KVState) -> tuple[Selection, Tensor]:
+    """``(selection, fits)``: ``sel`` from an earlier step with the step's own token (its page, for a
+    page selection) added where missing, and ``bool[B, H_kv]`` where it fit within ``K_max``.
+
+    Applied at every step of a reuse, so every token appended since the selection was made is in it:
+    the recency window the policy forced stays covered."""
+    newest = torch.div(state.cache.length - 1, sel.block, rounding_mode="floor").to(sel.indices.dtype)  # 0-dim
+    valid = sel.entry_valid()
+    held = ((sel.indices == newest) & valid).any(-1)
+    room = sel.count < sel.k_max
+    add = ~held & room
+    put = add[..., None] & (torch.arange(sel.k_max, device=valid.device) == sel.count[..., None].long())
+    weight = None if sel.log_weight is None else sel.log_weight.masked_fill(put, 0.0)
+    out = Selection(torch.where(put, newest, sel.indices), sel.count + add.to(sel.count.dtype), weight, sel.block)
+    return out, held | room
+
+
+def _policy_class(name: str) -> type:
+    """The `KVSelector` subclass called ``name`` (built-in or defined by the user before loading)."""
+    pending, seen = [KVSelector], {}
+    while pending:
+        cls = pending.pop()
+        for sub in cls.__subclasses__():
+            seen.setdefault(sub.__name__, sub)
+            pending.append(sub)
+    if name not in seen:
+        raise ValueError(f"the saved PrHS wraps a {name} policy, which is not defined (import it before loading)")
+    return seen[name]
+
