@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -248,6 +249,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .assets import essays_text, load_model
     from .proj import Threshold, TopK
 
+    if args.method == "prhs":
+        return _calibrate_prhs(args)
     targets = tuple(t for t in args.targets.split(",") if t)
     # Built first: keep and targets are checked before the model loads.
     if args.method == "threshold":
@@ -270,26 +273,61 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_prhs(args: argparse.Namespace) -> int:
+    """``policyzoo calibrate --method prhs``: `PrHS`'s schedule, layer groups and τ for ``--kv`` on
+    the essays, to a safetensors file (and its measurements to a JSON file beside it)."""
+    from .assets import essays_text, load_model
+    from .eval.prhs import calibrate
+    from .spec import parse_kv
+
+    policy = parse_kv(args.kv)  # checked before the model loads
+    axes = tuple(a for a in args.axes.split(",") if a)
+    model, tokenizer = load_model(args.model)
+    ids = tokenizer(essays_text(), return_tensors="pt").input_ids[0]
+    span = args.tokens + args.steps
+    texts = [ids[i : i + span] for i in range(0, args.texts * span, span)]
+    texts = [t for t in texts if len(t) == span]
+    if not texts:
+        raise ValueError(f"the essays hold {len(ids)} tokens: fewer than one text of --tokens + --steps = {span}")
+    prhs, report = calibrate(model, texts, policy, context=args.tokens, steps=args.steps, axes=axes, eps=args.eps,
+                             progress=not args.no_progress)  # fmt: skip
+    path = prhs.save(args.out)
+    side = Path(args.out).with_suffix(".json")
+    side.write_text(json.dumps(report, indent=1) + "\n")
+    groups = len(set(prhs.layer)) if prhs.layer else report["layers"]
+    print(f"PrHS around {args.kv} ({len(texts)} texts, {args.tokens} + {args.steps} tokens): "
+          f"tau {prhs.time}, {groups} layer groups of {report['layers']} layers"
+          f"{', depth scales ' + format(min(prhs.depth.scale), '.2f') + '..' + format(max(prhs.depth.scale), '.2f') if prhs.depth else ''}"
+          f" -> {path} (measurements: {side})\nuse it with: --kv prhs:path={path}")  # fmt: skip
+    return 0
+
+
 def _add_calibrate_parser(sub: Any) -> None:
     from .assets import DEFAULT_MODEL
     from .proj.base import ALL_TARGETS
 
     p = sub.add_parser(
         "calibrate",
-        help="projection calibration: Threshold thresholds or fast-TopK ratios from the essays, to a safetensors file",
+        help="calibration on the essays, to a safetensors file: Threshold thresholds, fast-TopK ratios or a PrHS schedule",
         description="Run the dense model over the embedded essays and write per-projection values to --out. "
         "--method threshold: each projection's threshold at the (1 - keep) quantile of its input magnitudes "
         "(Threshold.calibrate), for --proj threshold:path=FILE. --method topk-fast: each projection's ratio of the "
         "k-th largest input magnitude to the mean magnitude, median over tokens (TopK.calibrate), for "
-        "--proj topk:mode=fast,path=FILE.",
+        "--proj topk:mode=fast,path=FILE. --method prhs: PrHS's depth schedule, layer groups and cosine threshold "
+        "around the --kv policy, from its selections against dense attention (PrHS.calibrate), for "
+        "--kv prhs:path=FILE; the measurements go to FILE with a .json suffix.",
     )
     p.add_argument("--out", required=True, help="the safetensors file to write")
-    p.add_argument("--method", choices=["threshold", "topk-fast"], default="threshold",
+    p.add_argument("--method", choices=["threshold", "topk-fast", "prhs"], default="threshold",
                    help="what to calibrate (default threshold)")  # fmt: skip
+    p.add_argument("--kv", default="quest:0.1", help="with --method prhs: the KV policy PrHS wraps (default quest:0.1)")
+    p.add_argument("--steps", type=positive_int, default=32, help="with --method prhs: decode steps per passage (default 32)")
+    p.add_argument("--eps", type=_depth, default=None, help="with --method prhs: certify every reuse at this dropped mass")
+    p.add_argument("--axes", default="time,depth,layer", help="with --method prhs: the axes to calibrate (default time,depth,layer)")
     p.add_argument("--keep", type=_keep_ratio, default=0.5, help="fraction of inputs to keep, in (0, 1] (default 0.5)")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model: {DEFAULT_MODEL!r} (embedded), a Hub name or a path")
     p.add_argument("--texts", type=positive_int, default=8, help="essay passages to run (default 8)")
-    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per passage (default 1024)")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per passage (with prhs: its prompt; default 1024)")
     p.add_argument("--targets", default=",".join(ALL_TARGETS), help=f"projections to sparsify (default {','.join(ALL_TARGETS)})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_calibrate)

@@ -60,7 +60,7 @@ _HIDDEN = {Threshold: ("thresholds",), TopK: ("ratios",), PrHS: ("depth",)}
 _EXTRA = {
     Threshold: {"path": "a safetensors file written by Threshold.save (loads its thresholds)"},
     TopK: {"path": "with mode=fast: a safetensors file written by TopK.save (loads its ratios)"},
-    PrHS: {"path": "a safetensors file written by PrHS.save or `policyzoo calibrate-prhs` (its schedule, groups and wrapped policy)"},
+    PrHS: {"path": "a safetensors file written by PrHS.save or `policyzoo calibrate --method prhs` (its schedule, groups and wrapped policy)"},
 }
 # A calibrated sparsifier's field of per-projection values, which `path` loads.
 _CALIBRATED = {Threshold: "thresholds", TopK: "ratios"}
