@@ -14,7 +14,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Quest, Threshold, TopK
+import inspect
+
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, PrHS, Quest, Threshold, TopK
 from policyzoo.bytes import BUILTIN
 from policyzoo.timing import time_ms
 
@@ -45,8 +47,15 @@ def recorded(row: dict, label: str) -> Iterator[dict]:
         traceback.print_exc()
 
 
+def _groups(size: int, layers: int) -> tuple[int, ...]:
+    """PrHS layer groups of ``size`` adjacent layers (a forced schedule: random weights calibrate nothing)."""
+    return tuple(i // size for i in range(layers))
+
+
 def settings() -> dict[str, tuple]:
-    """Benchmark setting name -> (KV policy factory, projection factory, r_p, r_kv)."""
+    """Benchmark setting name -> (KV policy factory, projection factory, r_p, r_kv). A KV factory
+    may take the model's ``layers`` (PrHS's layer groups)."""
+    quest = lambda keep: Quest(keep, page=PAGE, window=64)  # noqa: E731
     return {
         "dense": (None, None, 1.0, 1.0),
         "topk0.5": (None, lambda: TopK(0.5), 0.5, 1.0),
@@ -64,6 +73,15 @@ def settings() -> dict[str, tuple]:
         "ssa0.05+0.05-rescore5": (lambda: SSA(0.05, 0.05, page=PAGE, window=64, rescore=5), None, 1.0, 0.1),
         "quest0.1p64-rescore3": (lambda: Quest(0.1, page=64, window=64, rescore=3), None, 1.0, 0.1),
         "quest0.1p64-rescore5": (lambda: Quest(0.1, page=64, window=64, rescore=5), None, 1.0, 0.1),
+        # PrHS around Quest: along time (the cosine threshold SmolLM2's calibration chose; every fresh
+        # selection is still made, static shapes), certified (eps), and layers shared in groups of 2 or 4
+        # (uncertified: a follower layer skips its selection).
+        "prhs-quest0.1-time": (lambda: PrHS(quest(0.1), time=0.9), None, 1.0, 0.1),
+        "prhs-quest0.1-time-eps": (lambda: PrHS(quest(0.1), time=0.9, eps=0.05), None, 1.0, 0.1),
+        "prhs-quest0.1-layers2": (lambda layers=32: PrHS(quest(0.1), layer=_groups(2, layers)), None, 1.0, 0.1),
+        "prhs-quest0.1-layers4": (lambda layers=32: PrHS(quest(0.1), layer=_groups(4, layers)), None, 1.0, 0.1),
+        "prhs-quest0.2-layers2": (lambda layers=32: PrHS(quest(0.2), layer=_groups(2, layers)), None, 1.0, 0.2),
+        "prhs-quest0.2-layers4": (lambda layers=32: PrHS(quest(0.2), layer=_groups(4, layers)), None, 1.0, 0.2),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
@@ -79,11 +97,21 @@ def settings() -> dict[str, tuple]:
 def selection_ratio(name: str) -> float:
     """``r_select`` of setting ``name`` for the byte account (`policyzoo.bytes.selection_overhead`):
     page summaries and a second stage's keys for page policies, every key for exact scorers."""
+    kv_f, _, _, r_kv = settings()[name]
+    policy = kv_f() if kv_f else None
+    if isinstance(policy, PrHS):
+        # Uncertified layer sharing: only a group's first layer chooses. A certified reuse reads the
+        # reused selection's keys besides the fresh choice (half the KV bytes of r_kv of the tokens).
+        leaders = len(set(policy.layer)) / len(policy.layer) if policy.layer and policy.eps is None else 1.0
+        certify = 0.5 * r_kv if policy.eps is not None else 0.0
+        return leaders * _selection_ratio_of(policy.policy, r_kv) + certify
+    return _selection_ratio_of(policy, r_kv)
+
+
+def _selection_ratio_of(policy, r_kv: float) -> float:
     from policyzoo.bytes import selection_overhead
     from policyzoo.kv import Certified
 
-    kv_f, _, _, r_kv = settings()[name]
-    policy = kv_f() if kv_f else None
     while isinstance(policy, Certified):
         policy = policy.policy
     if policy is None or not policy.summaries:
@@ -98,11 +126,13 @@ def decoder(model, name: str) -> Decoder:
     """A Decoder of setting ``name`` (`settings`) on ``model``."""
     kv_f, proj_f, _, _ = settings()[name]
     proj = proj_f() if proj_f else None
+    layers = model.config.num_hidden_layers
+    kv = None if kv_f is None else kv_f(layers=layers) if "layers" in inspect.signature(kv_f).parameters else kv_f()
     if (isinstance(proj, Threshold) and not proj.thresholds) or (isinstance(proj, TopK) and proj.mode == "fast" and not proj.ratios):
         vocab = model.get_output_embeddings().weight.shape[0]
         text = torch.randint(vocab, (1, 512), generator=torch.Generator().manual_seed(0))
         proj.calibrate(model, [text])
-    return Decoder(model, kv=kv_f() if kv_f else None, proj=proj)
+    return Decoder(model, kv=kv, proj=proj)
 
 
 def source_digest(root: Path = ROOT) -> str:
