@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_models import LearnedQuest, padded_batch, tiny_model
 
@@ -35,7 +35,7 @@ from policyzoo.selection import REUSE_AXES, Selection
 from policyzoo.spec import parse_kv
 
 SETTINGS = settings(max_examples=20, deadline=None)  # selection-level properties (milliseconds each)
-DECODES = settings(max_examples=5, deadline=None)  # decoder-level properties (a second or two each)
+DECODES = settings(max_examples=10, deadline=None)  # decoder-level properties (a decode of 6 tokens each)
 TIME, LAYER = 1 + REUSE_AXES.index("time"), 1 + REUSE_AXES.index("layer")
 
 
@@ -133,21 +133,36 @@ class Drive:
 
 
 # ----------------------------------------------------------------------- exactness: eps=0, full budget
-@pytest.mark.parametrize("name", list(WRAPPED))
 @DECODES
-@given(tau=st.floats(0.01, 1.0), layer=st.sampled_from([(), (0, 0)]), seed=st.integers(0, 2), repeated=st.booleans())
+@given(
+    name=st.sampled_from(list(WRAPPED)),
+    tau=st.floats(0.01, 1.0),
+    layer=st.sampled_from([(), (0, 0)]),
+    seed=st.integers(0, 2),
+    repeated=st.booleans(),
+)
+@example(name="quest", tau=0.3, layer=(0, 0), seed=2, repeated=False)  # every wrapped policy, always
+@example(name="attn-topk", tau=0.3, layer=(0, 0), seed=2, repeated=False)
+@example(name="quest-rescore", tau=0.3, layer=(0, 0), seed=2, repeated=False)
 def test_eps_zero_decodes_like_the_wrapped_policy(name, tau, layer, seed, repeated):
     """``eps=0`` certifies only a reuse that drops nothing: the tokens are the wrapped policy's, for
-    any ``τ``, with or without layer groups, on two left-padded rows."""
+    any ``τ``, with or without layer groups, on two left-padded rows. (The explicit examples are
+    those where reuse without the certificate changes the tokens: the next test.)"""
     ids, mask = prompt(seed, repeated)
     policy = PrHS(WRAPPED[name](), eps=0, time=tau, layer=layer)
     got = Decoder(llama(), kv=policy).generate(ids, 6, attention_mask=mask)
     assert torch.equal(got, wrapped_tokens(name, seed, repeated))
 
 
-@pytest.mark.xfail(strict=True, reason="library: eps=0 certifies the reuse of a selection that keeps every visible "
-                   "token (bound 0) where the wrapped policy's fresh one drops some, so the tokens differ")
-def test_eps_zero_reuses_a_lossless_selection_the_wrapped_policy_would_not_make():
+@pytest.mark.parametrize("name", list(WRAPPED))
+def test_uncertified_reuse_changes_the_tokens(name):
+    """The test above has power: its explicit examples' reuses, uncertified, decode other tokens."""
+    ids, mask = prompt(2, repeated=False)
+    got = Decoder(llama(), kv=PrHS(WRAPPED[name](), time=0.3, layer=(0, 0))).generate(ids, 6, attention_mask=mask)
+    assert not torch.equal(got, wrapped_tokens(name, 2, False))
+
+
+def test_eps_zero_never_reuses_even_a_lossless_selection():
     """AttentionTopK(0.9) keeps every token of a context of up to 9; at the 10th its selection of the
     9 plus the newest token drops nothing (certified at eps=0) but the fresh one keeps 9 of 10."""
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -287,7 +302,7 @@ def test_extend_to_newest_adds_the_newest_entry_when_there_is_room(data, cases, 
             got = data.draw(st.lists(st.sampled_from(visible[r]), unique=True, max_size=k_max))
             indices[r, h, : len(got)] = torch.tensor(got, dtype=torch.int32)
             count[r, h], chosen[r, h] = len(got), got
-    weight = torch.randn(indices.shape) if weighted else None
+    weight = torch.randn(indices.shape, generator=torch.Generator().manual_seed(case.params["seed"])) if weighted else None
     sel = Selection(indices, count, weight, block=block)
     out, fits = extend_to_newest(sel, case.state())
     assert out.block == block and out.indices.shape == sel.indices.shape and out.reuse is None
@@ -376,8 +391,7 @@ def test_followers_return_the_selection_of_the_layer_below(make_case):
     "time",
     [
         0.99,
-        pytest.param(None, marks=pytest.mark.xfail(strict=True, reason="library: without time a group's leader returns "
-                     "its fresh selection untagged (reuse=None), so the audit averages the reuse rate over followers only")),
+        None,
     ],
 )
 def test_the_audit_reports_the_followers_share_as_the_layer_reuse_rate(time):
@@ -481,9 +495,6 @@ def test_near_one_tau_and_random_queries_reuse_nothing_repeated_queries_reuse():
     assert same.mean("reuse_time") > 0.3
 
 
-@pytest.mark.xfail(strict=True, reason="library: the prefill's select sees the previous request's selection as "
-                   "'previous' (the ContextStore keeps its buffers), so only a second request on the same cache "
-                   "sets the reference query at the prefill and may reuse at step 0")
 def test_a_second_request_on_the_same_cache_reuses_like_the_first():
     ids = torch.full((1, 20), 126)
     dec = Decoder(llama(), kv=PrHS(Quest(0.3, page=4), time=0.5))
@@ -492,6 +503,26 @@ def test_a_second_request_on_the_same_cache_reuses_like_the_first():
     second = dec.generate(ids, 5, audit=True)
     assert torch.equal(first, second)
     assert torch.equal(dec.last_audit.per_layer("reuse_time"), reuse_first)
+
+
+def test_a_short_row_reuses_alike_next_to_a_much_longer_row():
+    """Batch invariance (test_session.test_a_row_decodes_the_same_in_a_padded_batch_as_alone, whose
+    prompts of up to 40 tokens keep K_max at its floor of forced pages) with a 60-token batchmate."""
+    short, long = torch.full((4,), 29), torch.full((60,), 14)
+    ids, mask = torch.zeros(2, 60, dtype=torch.long), torch.zeros(2, 60, dtype=torch.long)
+    ids[0, -4:], mask[0, -4:] = short, 1
+    ids[1], mask[1] = long, 1
+
+    def policy():
+        return PrHS(Quest(0.3, page=4, sinks=2, window=2), time=0.2)
+
+    batched = Decoder(llama(), kv=policy())
+    together = batched.generate(ids, 24, attention_mask=mask, audit=True)
+    single = Decoder(llama(), kv=policy())
+    alone = single.generate(short[None], 24, audit=True)
+    reuse_batched, reuse_alone = batched.last_audit.per_layer("reuse_time")[:, :, :1], single.last_audit.per_layer("reuse_time")
+    assert torch.equal(reuse_batched, reuse_alone)
+    assert torch.equal(together[0, 60:], alone[0, 4:])
 
 
 # ------------------------------------------------------------------------------------ depth axis

@@ -7,8 +7,10 @@ Three axes, each usable alone:
 
 - **time** (``time=τ``): a layer keeps its previous step's selection, per row and KV head, while
   every query head of the group stays within cosine ``τ`` of the query that made it. The tokens
-  appended since are added to it (the step's own token or its page: one entry per step at most);
-  when there is no room left in the selection's static width, the policy selects afresh.
+  appended since are added to it (the step's own token or its page: one entry per step at most),
+  and it may hold at most ``extra`` tokens' worth of entries more than the policy would keep now;
+  past that the policy selects afresh. (The selections are ``extra`` entries wider than the
+  policy's, so the limit depends on the row alone, never on its batchmates' lengths.)
 - **depth** (``depth=DepthSchedule``): layer ``l`` runs the policy with ``scale[l]`` times its
   budget and a recency window of ``window[l]`` tokens.
 - **layer** (``layer=(group id per layer)``): a layer whose group id equals the layer's below reuses
@@ -17,7 +19,7 @@ Three axes, each usable alone:
 **Accuracy control.** With ``eps`` set, every reuse is certified: it happens only where the
 certified dropped-mass bound of the reused selection for the current query (`kv.certified`;
 ``log Z_S`` from the selection's keys, `certify_before_attention`) is at most ``eps`` on every
-query head of the group. Without ``eps`` reuse is governed by ``τ`` and the calibrated layer
+query head of the group; ``eps=0`` never reuses. Without ``eps`` reuse is governed by ``τ`` and the calibrated layer
 groups alone. The page bound behind the certificate overshoots by 10+ nats on real models, so on
 those the certificate rarely allows a reuse: the audit reports the reuse rate per axis
 (`Selection.reuse`), δ and the bound.
@@ -43,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..selection import REUSE_AXES, Selection
-from .base import KVSelector, KVState, policy_params
+from .base import KVSelector, KVState, check_count, policy_params
 from .certified import DEFAULT_SLACK, certify_before_attention
 
 TIME, LAYER = (1 + REUSE_AXES.index(axis) for axis in ("time", "layer"))
@@ -91,6 +93,8 @@ class PrHS(KVSelector):
         depth: the per-layer budget and window schedule (``None``: the policy's own everywhere).
         layer: a group id per layer, non-decreasing; a layer in its lower neighbour's group reuses
             that layer's selection (``()``: no sharing).
+        extra: with ``time``, the tokens a reused selection may hold beyond the policy's budget of
+            the moment (rounded up to whole entries: one page of a page selection by default).
         slack: relative widening of the page bounds in the certificate (float rounding).
     """
 
@@ -99,6 +103,7 @@ class PrHS(KVSelector):
     time: float | None = None
     depth: DepthSchedule | None = None
     layer: tuple[int, ...] = ()
+    extra: int = 16
     slack: float = DEFAULT_SLACK
     _per_layer: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -134,6 +139,7 @@ class PrHS(KVSelector):
                 same = (self.depth.scale[i], self.depth.window[i]) == (self.depth.scale[i - 1], self.depth.window[i - 1])
                 if self.layer[i] == self.layer[i - 1] and not same:
                     raise ValueError(f"layers {i - 1} and {i} share a selection, so their depth entries must be equal")
+        check_count(self.extra, "extra", minimum=1)
         if isinstance(self.slack, bool) or not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
             raise ValueError(f"slack must be a finite number >= 0, got {self.slack!r}")
 
@@ -158,13 +164,19 @@ class PrHS(KVSelector):
         parts += ("below",) if self.layer else ()
         return tuple(dict.fromkeys(parts))
 
+    def modules(self) -> dict:  # the learned parts are the wrapped policy's
+        return self.policy.modules()
+
     def policy_at(self, layer: int) -> KVSelector:
-        """The wrapped policy as layer ``layer`` runs it (its depth entry applied)."""
+        """The wrapped policy as layer ``layer`` runs it (its depth entry applied; learned parts shared)."""
         if self.depth is None:
             return self.policy
         if layer not in self._per_layer:
             scale, window = self.depth.scale[layer], self.depth.window[layer]
-            self._per_layer[layer] = replace(self.policy, budget=scaled_budget(self.policy.budget, scale), window=window)
+            copy = replace(self.policy, budget=scaled_budget(self.policy.budget, scale), window=window)
+            for name, module in self.policy.modules().items():
+                setattr(copy, name, module)
+            self._per_layer[layer] = copy
         return self._per_layer[layer]
 
     def shares_below(self, layer: int) -> bool:
@@ -195,28 +207,40 @@ class PrHS(KVSelector):
         if self.shares_below(state.layer) and below is not None:
             if self.eps is None:  # uncertified sharing: this layer's policy does not run at all
                 return replace(below, reuse=torch.full_like(below.count, LAYER, dtype=torch.int8))
-            fresh = self.policy_at(state.layer).select(state, q)
+            fresh = self._fresh(state, q)
             return merge(self._certified(state, q, below), below, fresh, LAYER)
-        fresh = self.policy_at(state.layer).select(state, q)
+        fresh = self._fresh(state, q)
         made = state.store.get("prhs.query")
-        if self.time is None or made is None or context.previous is None:
-            return fresh
+        if self.time is None or made is None:
+            return tagged(fresh)
+        if context.previous is None:  # the prefill's selection for the prompt's last token
+            made.copy_(q.float())
+            return tagged(fresh)
         reused, fits = extend_to_newest(context.previous, state)
         g = q.shape[1] // fresh.count.shape[1]
         cos = torch.nn.functional.cosine_similarity(q.float(), made, dim=-1, eps=1e-12)  # [B, H]
         close = cos.view(cos.shape[0], -1, g).amin(-1) >= self.time
-        use = fits & close
+        use = close & fits & (reused.count <= fresh.count + self._extra(fresh))
         if self.eps is not None:
             use = use & self._certified(state, q, reused)
         # The reference query stays that of the selection being reused; a fresh selection's own.
         made.copy_(torch.where(use.repeat_interleave(g, dim=1)[..., None], made, q.float()))
         return merge(use, reused, fresh, TIME)
 
+    def _extra(self, sel: Selection) -> int:
+        return -(-self.extra // sel.block)
+
+    def _fresh(self, state: KVState, q: Tensor) -> Selection:
+        """The wrapped policy's selection; with ``time``, ``extra`` entries wider (padding), so that a
+        reused selection has room to grow by what is appended."""
+        sel = self.policy_at(state.layer).select(state, q)
+        return widen(sel, self._extra(sel)) if self.time is not None else sel
+
     def _certified(self, state: KVState, q: Tensor, sel: Selection) -> Tensor:
         """``bool[B, H_kv]``: the certified bound of ``sel`` for ``q`` is at most ``eps`` on every
         query head of the group."""
         bound = certify_before_attention(state, q, sel, self.slack)
-        return bound.view(bound.shape[0], sel.count.shape[1], -1).amax(-1) <= self.eps
+        return (bound.view(bound.shape[0], sel.count.shape[1], -1).amax(-1) <= self.eps) & (self.eps > 0)
 
     # ------------------------------------------------------------------ calibration, files
     @classmethod
@@ -293,14 +317,24 @@ def extend_to_newest(sel: Selection, state: KVState) -> tuple[Selection, Tensor]
     Applied at every step of a reuse, so every token appended since the selection was made is in it:
     the recency window the policy forced stays covered."""
     newest = torch.div(state.cache.length - 1, sel.block, rounding_mode="floor").to(sel.indices.dtype)  # 0-dim
-    valid = sel.entry_valid()
-    held = ((sel.indices == newest) & valid).any(-1)
-    room = sel.count < sel.k_max
-    add = ~held & room
-    put = add[..., None] & (torch.arange(sel.k_max, device=valid.device) == sel.count[..., None].long())
+    held = ((sel.indices == newest) & sel.entry_valid()).any(-1)
+    add = ~held & (sel.count < sel.k_max)
+    put = add[..., None] & (torch.arange(sel.k_max, device=held.device) == sel.count[..., None].long())
     weight = None if sel.log_weight is None else sel.log_weight.masked_fill(put, 0.0)
     out = Selection(torch.where(put, newest, sel.indices), sel.count + add.to(sel.count.dtype), weight, sel.block)
-    return out, held | room
+    return out, held | add
+
+
+def widen(sel: Selection, extra: int) -> Selection:
+    """``sel`` with ``extra`` padding entries (past ``count``: never read)."""
+    pad = sel.indices.new_zeros(*sel.indices.shape[:2], extra)
+    weight = None if sel.log_weight is None else torch.cat([sel.log_weight, sel.log_weight.new_zeros(pad.shape)], -1)
+    return Selection(torch.cat([sel.indices, pad], -1), sel.count, weight, sel.block, sel.reuse)
+
+
+def tagged(sel: Selection) -> Selection:
+    """``sel`` tagged as made this step (reuse code 0), so the audit counts it in the reuse rates."""
+    return replace(sel, reuse=torch.zeros_like(sel.count, dtype=torch.int8))
 
 
 def _policy_class(name: str) -> type:
