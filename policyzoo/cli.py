@@ -277,7 +277,8 @@ def _calibrate_prhs(args: argparse.Namespace) -> int:
     """``policyzoo calibrate --method prhs``: `PrHS`'s schedule, layer groups and τ for ``--kv`` on
     the essays, to a safetensors file (and its measurements to a JSON file beside it)."""
     from .assets import essays_text, load_model
-    from .eval.prhs import calibrate
+    from .decoder import Decoder
+    from .kv import PrHS
     from .spec import parse_kv
 
     policy = parse_kv(args.kv)  # checked before the model loads
@@ -289,8 +290,8 @@ def _calibrate_prhs(args: argparse.Namespace) -> int:
     texts = [t for t in texts if len(t) == span]
     if not texts:
         raise ValueError(f"the essays hold {len(ids)} tokens: fewer than one text of --tokens + --steps = {span}")
-    prhs, report = calibrate(model, texts, policy, context=args.tokens, steps=args.steps, axes=axes, eps=args.eps,
-                             progress=not args.no_progress)  # fmt: skip
+    prhs, report = PrHS.calibrate(Decoder(model, kv=policy), texts, eps=args.eps, context=args.tokens, steps=args.steps,
+                                  axes=axes, progress=not args.no_progress)  # fmt: skip
     path = prhs.save(args.out)
     side = Path(args.out).with_suffix(".json")
     side.write_text(json.dumps(report, indent=1) + "\n")

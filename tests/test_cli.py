@@ -130,3 +130,24 @@ def test_calibrate_refuses_bad_arguments_before_loading_the_model(tmp_path, caps
         with pytest.raises(SystemExit):
             cli.main(["calibrate", "--out", str(tmp_path / "x"), *argv])
         assert match in capsys.readouterr().err
+
+
+def test_calibrate_prhs_writes_a_schedule_that_a_kv_spec_loads(tmp_path):
+    """``calibrate --method prhs`` measures PrHS's axes around ``--kv`` on the embedded model and
+    essays; ``--kv prhs:path=FILE`` loads the policy it wrote, and the measurements sit beside it."""
+    pytest.importorskip("gguf")
+    from policyzoo import PrHS, Quest
+    from policyzoo.spec import parse_kv
+
+    path = tmp_path / "prhs.safetensors"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["calibrate", "--method", "prhs", "--kv", "quest:0.2", "--texts", "1", "--tokens", "160", "--steps", "6"]
+        assert cli.main([*argv, "--out", str(path), "--no-progress"]) == 0
+    assert f"--kv prhs:path={path}" in out.getvalue() and path.with_suffix(".json").is_file()
+    policy = parse_kv(f"prhs:path={path}")
+    assert isinstance(policy, PrHS) and policy.policy == Quest(0.2)
+    assert len(policy.depth) == 30 and len(policy.layer) == 30 and 0 < policy.time <= 1  # SmolLM2: 30 layers
+    assert policy.eps is None and abs(sum(policy.depth.scale) / 30 - 1) < 1e-6
+    report = json.loads(path.with_suffix(".json").read_text())
+    assert {"depth", "layer", "time"} <= set(report) and report["time"]["tau"] == policy.time

@@ -172,11 +172,11 @@ def test_eps_zero_never_reuses_even_a_lossless_selection():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("eps", [None, 0.0])
+@pytest.mark.parametrize("eps", [None, 0.5])
 def test_full_budget_with_time_and_layer_reuse_decodes_like_dense(eps):
     """Every selection of `Quest(1.0)` holds every visible page, and so does any reuse of one (the
     newest page added): tokens and logits are dense attention's, as for Quest itself
-    (test_decoder.test_full_budget_reproduces_dense). With ``eps=0`` the reuses certify (bound 0)."""
+    (test_decoder.test_full_budget_reproduces_dense). With ``eps`` the reuses certify (bound 0)."""
     ids, mask = prompt(0, repeated=True)
     dense, dense_logits = Decoder(llama()).generate(ids, 6, attention_mask=mask, output_logits=True)
     dec = Decoder(llama(), kv=PrHS(Quest(1.0, page=4), eps=eps, time=0.05, layer=(0, 0)))
@@ -419,7 +419,7 @@ def test_with_eps_a_follower_reuses_the_layer_below_only_where_certified(data, c
     state = drive.states[1]
     own = policy.policy.select(state, q1)
     bound = certify_before_attention(state, q1, below)
-    use = bound.view(case.b, case.h_kv, case.g).amax(-1) <= eps
+    use = (bound.view(case.b, case.h_kv, case.g).amax(-1) <= eps) & (eps > 0)  # eps=0 never reuses
     assert torch.equal(sel.reuse, use.to(torch.int8) * LAYER)
     assert torch.equal(sel.count, torch.where(use, below.count, own.count))
     assert torch.equal(sel.indices, torch.where(use[..., None], below.indices, own.indices))
@@ -453,27 +453,31 @@ def test_time_reuse_keeps_the_query_that_made_the_selection(make_case):
     (sel,) = drive.step([turned])
     assert sel.reuse[:, 0].tolist() == [0, 0] and sel.reuse[:, 1].tolist() == [TIME, TIME]
     assert torch.equal(made[:, :2], turned[:, :2]) and torch.equal(made[:, 2:], q[:, 2:])
-    fresh = policy.policy.select(state, turned)
-    assert torch.equal(sel.indices[:, 0], fresh.indices[:, 0]) and torch.equal(sel.count[:, 0], fresh.count[:, 0])
+    fresh = policy.policy.select(state, turned)  # PrHS's are `extra` entries wider (padding past count)
+    assert torch.equal(sel.indices[:, 0, : fresh.k_max], fresh.indices[:, 0]) and torch.equal(sel.count[:, 0], fresh.count[:, 0])
+    assert sel.k_max == fresh.k_max + policy.extra // 4
 
 
-def test_a_full_selection_missing_the_newest_page_is_made_afresh(make_case):
-    """When the reused selection has no room for the newest page (count == K_max), the policy
-    selects afresh however close the query; while the newest page is held, the reuse goes on."""
-    case = make_case(b=1, h_kv=1, g=2, d=16, page=4, prompt=30, steps=0, starts=[0], seed=5, extra=10)
-    policy = PrHS(Quest(0.3, page=4, sinks=0, window=0), time=0.5)
+@pytest.mark.parametrize("extra", [4, 8])
+def test_a_reuse_grows_at_most_extra_tokens_past_the_budget_then_is_made_afresh(make_case, extra):
+    """A reused selection gains the newest page when a page begins; it is kept while it holds at most
+    ``extra`` tokens' worth of pages more than the policy's budget of the moment, however close the
+    query, and is made afresh past that. The limit is the row's own: the selection is that much wider."""
+    case = make_case(b=1, h_kv=1, g=2, d=16, page=4, prompt=30, steps=0, starts=[0], seed=5, extra=24)
+    policy = PrHS(Quest(0.3, page=4, sinks=0, window=0), time=0.5, extra=extra)
     drive = Drive(policy, case)
     state = drive.states[0]
     drive.prefill(case.q)
-    drive.step([case.q])  # length 31: fresh (sets the reference query)
     decided = []
-    for _ in range(6):  # lengths 32..37: page 8 begins at 33, page 9 at 37
+    for _ in range(20):  # lengths 31..50: a new page every 4 tokens
         previous = copy.deepcopy(state.context.previous)
         (sel,) = drive.step([case.q])
-        _, fits = extend_to_newest(previous, state)  # with the step's token written
-        decided.append((bool(fits), int(sel.reuse)))
-    assert all(reuse == (TIME if fits else 0) for fits, reuse in decided)
-    assert {fits for fits, _ in decided} == {True, False}  # both cases happen
+        grown, fits = extend_to_newest(previous, state)  # with the step's token written
+        budget = policy.policy.select(state, case.q).count
+        within = bool(fits) and int(grown.count) <= int(budget) + extra // 4
+        decided.append((within, int(sel.reuse)))
+    assert all(reuse == (TIME if within else 0) for within, reuse in decided)
+    assert {within for within, _ in decided} == {True, False}  # both cases happen
 
 
 def audit_feeding(policy, ids, mask, tokens: list[torch.Tensor]):
@@ -719,3 +723,28 @@ def test_prhs_selections_meet_the_policy_contract(data, cases, contract, eps, ne
     for sel in sels:
         contract.check_entries(sel, case, sinks, window, pages=True)
         contract.check_error_bound(sel, case)
+
+
+# ------------------------------------------------------------------------------------ calibration
+def test_calibrate_measures_every_axis_on_text():
+    """`PrHS.calibrate` decodes the texts through the Decoder around the policy and returns a PrHS
+    with one depth entry and one group id per layer, a τ from its grid, and the measurements; the
+    depth scales average 1 (the policy's budget on average) and groups share their depth entries."""
+    model = llama(layers=3)
+    texts = [torch.randint(1, 128, (44,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    policy = Quest(0.3, page=4, sinks=1, window=4)
+    prhs, report = PrHS.calibrate(Decoder(model, kv=policy), texts, context=36, steps=8, progress=False, min_overlap=0.0, max_increase=1.0)
+    assert prhs.policy == policy and len(prhs.depth) == 3 and len(prhs.layer) == 3
+    assert prhs.layer == (0, 0, 0)  # any overlap and any increase allowed: one group
+    assert len(set(prhs.depth.scale)) == 1 and abs(sum(prhs.depth.scale) / 3 - 1) < 1e-9
+    assert prhs.time == 0.5  # any increase allowed: the lowest τ of the grid
+    assert {"depth", "layer", "time"} <= set(report) and len(report["depth"]["need"]) == 3
+    strict, _ = PrHS.calibrate(Decoder(model, kv=policy), texts, context=36, steps=8, progress=False, min_overlap=1.01,
+                               axes=("layer",), eps=0.1)  # fmt: skip
+    assert strict.layer == (0, 1, 2) and strict.depth is None and strict.time is None and strict.eps == 0.1
+    with pytest.raises(ValueError, match="axes"):
+        PrHS.calibrate(Decoder(model, kv=policy), texts, axes=("space",))
+    with pytest.raises(ValueError, match="tokens"):
+        PrHS.calibrate(Decoder(model, kv=policy), texts, context=40, steps=8)
+    with pytest.raises(ValueError, match="budget and window"):
+        PrHS.calibrate(Decoder(model, kv=Window(2, 8)), texts, context=36, steps=8)

@@ -29,7 +29,7 @@ never recompiles or syncs. The fresh selection is therefore computed even where 
 except on a layer that reuses the layer below without ``eps``: that layer skips its policy
 entirely, which is where the layer axis saves time.
 
-`PrHS.calibrate` measures the schedule, the layer groups and ``τ`` on text (`policyzoo.eval.prhs`);
+`PrHS.calibrate` measures the schedule, the layer groups and ``τ`` on text (`kv.prhs_calibration`);
 `save` and `load` keep them in a safetensors file (``--kv prhs:path=FILE``).
 """
 
@@ -47,6 +47,7 @@ from torch import Tensor
 from ..selection import REUSE_AXES, Selection
 from .base import KVSelector, KVState, check_count, policy_params
 from .certified import DEFAULT_SLACK, certify_before_attention
+from .prhs_calibration import measure
 
 TIME, LAYER = (1 + REUSE_AXES.index(axis) for axis in ("time", "layer"))
 
@@ -244,12 +245,16 @@ class PrHS(KVSelector):
 
     # ------------------------------------------------------------------ calibration, files
     @classmethod
-    def calibrate(cls, model: Any, texts: Sequence[str], policy: KVSelector, **kwargs: Any) -> "PrHS":
-        """Measure the depth schedule, the layer groups and ``τ`` for ``policy`` on ``texts`` with
-        ``model`` (`policyzoo.eval.prhs.calibrate`, which takes the options)."""
-        from ..eval.prhs import calibrate  # the calibration decodes through the Decoder, which imports kv
-
-        return calibrate(model, texts, policy, **kwargs)[0]
+    def calibrate(cls, decoder: Any, texts: Sequence[str] | Sequence[Tensor], *, eps: float | None = None,
+                  **options: Any) -> tuple["PrHS", dict[str, Any]]:  # fmt: skip
+        """``(PrHS, report)``: `PrHS` around ``decoder``'s KV policy (``Decoder(model, kv=policy)``),
+        with ``eps``, its depth schedule, layer groups and ``τ`` measured on ``texts`` (`kv.prhs_calibration`:
+        ``options`` are `measure`'s, e.g. ``tokenizer``, ``context``, ``steps``, ``axes``); the report
+        holds the measurements behind every choice."""
+        PrHS(decoder.kv, eps=eps)  # the policy and eps are checked before any decoding
+        found = measure(decoder, texts, **options)
+        depth = None if found.scale is None else DepthSchedule(found.scale, found.window)
+        return cls(decoder.kv, eps=eps, time=found.tau, depth=depth, layer=found.groups), found.report
 
     def save(self, path: str | Path) -> Path:
         """Write the schedule, the groups and the parameters (the wrapped policy's too) to a

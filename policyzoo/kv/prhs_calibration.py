@@ -1,8 +1,9 @@
-"""Calibration of `kv.PrHS`: its depth schedule, layer groups and cosine threshold ``τ``, measured
-on real text with the policy it wraps.
+"""Calibration of `PrHS` (`PrHS.calibrate`): its depth schedule, layer groups and cosine threshold
+``τ``, measured on real text with the policy it wraps.
 
-For each text the model prefills ``context`` tokens and is then teacher-forced ``steps`` more, the
-wrapped policy making every selection (uncalibrated: no reuse). At each step and layer, against the
+It decodes through a `policyzoo.Decoder` the caller builds around the policy (this package cannot
+import the Decoder, which imports it). For each text the model prefills ``context`` tokens and is
+then teacher-forced ``steps`` more, the wrapped policy making every selection (uncalibrated: no reuse). At each step and layer, against the
 layer's dense softmax ``p``:
 
 - **depth**: the share of the visible tokens that holds ``mass`` of ``p`` (how concentrated the layer
@@ -35,12 +36,10 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from .. import kernels
 from ..cache import PagedKVCache
-from ..kv.base import Budget, KVSelector
-from ..kv.prhs import DepthSchedule, PrHS
-from ..runtime import Attention
 from ..selection import Selection
-from .audit import dense_attention_probs
+from .base import Budget, KVSelector
 
 WINDOWS = (16, 32, 64, 128, 256)
 TAUS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 0.995)
@@ -79,14 +78,14 @@ class _Observer:
         pass
 
     def record_attention(
-        self, layer: int, q: Tensor, cache: PagedKVCache, sel: Selection, out: Tensor, scale: float, attention: Attention = "softmax"
+        self, layer: int, q: Tensor, cache: PagedKVCache, sel: Selection, out: Tensor, scale: float, attention: str = "softmax"
     ) -> None:
         if layer == 0:
             self.step_masks.clear()
         keys, valid = cache.keys[layer], cache.token_valid()
         b, h, _ = q.shape
         h_kv, n = keys.shape[1], keys.shape[2]
-        p = dense_attention_probs(q, keys, cache.start, cache.length, scale, attention).view(b, h_kv, h // h_kv, n)
+        p = kernels.dense_probs(q, keys, cache.start, cache.length, scale).view(b, h_kv, h // h_kv, n)
         length = int(cache.length)
         mask = sel.token_mask(n) & valid[:, None, :]
         own = _dropped(p, mask)
@@ -158,17 +157,27 @@ def _texts_as_ids(texts: Sequence[str] | Sequence[Tensor], tokenizer: Any, need:
     return ids
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What `measure` found: per-layer budget scales and windows (``None`` for an axis not asked
+    for), layer group ids, ``τ``, and the measurements behind them (`report`)."""
+
+    scale: tuple[float, ...] | None
+    window: tuple[int, ...] | None
+    groups: tuple[int, ...]
+    tau: float | None
+    report: dict[str, Any]
+
+
 @torch.no_grad()
-def calibrate(
-    model: Any,
+def measure(
+    decoder: Any,
     texts: Sequence[str] | Sequence[Tensor],
-    policy: KVSelector,
     *,
     tokenizer: Any = None,
     context: int = 1024,
     steps: int = 32,
     axes: Sequence[str] = ("time", "depth", "layer"),
-    eps: float | None = None,
     mass: float = 0.9,
     windows: Sequence[int] = WINDOWS,
     scale_range: tuple[float, float] = (0.25, 4.0),
@@ -177,12 +186,13 @@ def calibrate(
     max_group: int = 4,
     max_lag: int = 8,
     progress: bool = True,
-) -> tuple[PrHS, dict[str, Any]]:
-    """``(PrHS, report)``: `PrHS` around ``policy`` with the axes in ``axes`` calibrated on ``texts``
-    (strings with ``tokenizer``, or token ids; each needs ``context + steps`` tokens) and ``eps``;
-    the report holds the measurements behind every choice (module docstring)."""
-    from ..decoder import Decoder
-
+) -> Calibration:
+    """The axes in ``axes`` measured with ``decoder`` (a `policyzoo.Decoder` around the policy to
+    wrap, which makes every selection) on ``texts`` (strings with ``tokenizer``, or token ids; each
+    needs ``context + steps`` tokens); module docstring."""
+    policy = decoder.kv
+    if not isinstance(policy, KVSelector) or getattr(policy, "attention", "softmax") != "softmax":
+        raise ValueError(f"calibration needs a decoder with a softmax KV policy to wrap, got {policy!r}")
     unknown = set(axes) - {"time", "depth", "layer"}
     if unknown:
         raise ValueError(f"axes must be among 'time', 'depth', 'layer', got {sorted(unknown)}")
@@ -190,14 +200,12 @@ def calibrate(
         raise ValueError(f"mass must be in (0, 1] and max_increase >= 0, got {mass} and {max_increase}")
     if "depth" in axes and not all(hasattr(policy, f) for f in ("budget", "window")):
         raise ValueError(f"the depth axis schedules budget and window: {type(policy).__name__} lacks one")
-    PrHS(policy, eps=eps)  # the policy and eps are checked before any decoding
     ids = _texts_as_ids(texts, tokenizer, context + steps)
-    device = next(model.parameters()).device
+    device = next(decoder.model.parameters()).device
     windows = tuple(sorted(windows))
     budget = Budget(policy.budget) if hasattr(policy, "budget") else None
     observer = _Observer(budget, windows, mass, max_group, max_lag)
-    dec = Decoder(model, kv=policy)
-    session = dec.session
+    session = decoder.session
     bar = tqdm(total=len(ids) * steps, desc="calibrating PrHS", unit="step", disable=not progress)
     try:
         for text in ids:
@@ -214,14 +222,14 @@ def calibrate(
     layers = len(observer.need)
     report: dict[str, Any] = {"texts": len(ids), "context": context, "steps": steps, "layers": layers}
 
-    depth = None
+    scale = window = None
     if "depth" in axes:
         need = torch.tensor([sum(observer.need[i]) / len(observer.need[i]) for i in range(layers)])
         scale = (need / need.mean()).clamp(*scale_range)
         recent = torch.stack([torch.stack(observer.recent[i]).mean(0) for i in range(layers)])  # [L, W]
         kth = [sum(observer.kth[i]) / len(observer.kth[i]) for i in range(layers)]
-        chosen = [_window(row, windows, bar, policy.window) for row, bar in zip(recent.tolist(), kth)]
-        depth = DepthSchedule(tuple(scale.tolist()), tuple(chosen))
+        window = [_window(row, windows, bar, policy.window) for row, bar in zip(recent.tolist(), kth)]
+        scale = scale.tolist()
         report["depth"] = {"need": need.tolist(), "recent_mass": recent.tolist(), "windows": list(windows), "kth_prob": kth}
 
     groups: tuple[int, ...] = ()
@@ -239,14 +247,12 @@ def calibrate(
         groups = tuple(ids_)
         report["layer"] = {"increase": {f"{a}->{b}": v for (a, b), v in increase.items()},
                            "overlap": {f"{a}->{b}": v for (a, b), v in overlap.items()}}  # fmt: skip
-        if depth is not None:  # a group shares one selection, so one depth entry: its leader's
-            scale = list(depth.scale)
-            window = list(depth.window)
+        if scale is not None:  # a group shares one selection, so one depth entry: its leader's
             for layer in range(1, layers):
                 if groups[layer] == groups[layer - 1]:
                     scale[layer], window[layer] = scale[layer - 1], window[layer - 1]
             mean = sum(scale) / len(scale)
-            depth = DepthSchedule(tuple(s / mean for s in scale), tuple(window))
+            scale = [s / mean for s in scale]
 
     tau = None
     if "time" in axes:
@@ -262,6 +268,5 @@ def calibrate(
         lag1 = torch.cat(observer.time_cos[1]) if observer.time_cos.get(1) else torch.empty(0)
         report["time"] = {"tau": tau, "grid": rows, "lag1_share": float((lag1 >= tau).float().mean()) if lag1.numel() else math.nan}
 
-    prhs = PrHS(policy, eps=eps, time=tau, depth=depth, layer=groups)
-    report["prhs"] = repr(prhs)
-    return prhs, report
+    return Calibration(None if scale is None else tuple(scale), None if window is None else tuple(int(w) for w in window),
+                       groups, tau, report)  # fmt: skip
