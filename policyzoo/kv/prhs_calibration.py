@@ -17,9 +17,10 @@ layer's dense softmax ``p``:
   appended since (as `PrHS` extends it).
 
 From these: each layer's budget scale is its concentration share over the mean (clipped to
-``scale_range``); its window the widest candidate whose recent tokens are each worth keeping: every
-ring of candidates up to it (the tokens between one candidate and the next) carries at least the
-``k``-th largest probability per token on average (never below the policy's own window); adjacent layers join the lowest layer of their group while the overlap is at least
+``scale_range``, then back to a mean of 1); its window the widest candidate whose recent tokens are
+each worth keeping: every ring of candidates up to it (the tokens between one candidate and the
+next) carries at least the ``k``-th largest probability per token on average, within half the
+layer's budget at the calibration context (and never below the policy's own window); adjacent layers join the lowest layer of their group while the overlap is at least
 ``min_overlap`` and the mean δ increase at most ``max_increase``; ``τ`` is the smallest cosine
 above which reusing costs at most ``max_increase`` of mass on average (``1.0``: reuse only for
 identical query directions, when none does).
@@ -121,12 +122,12 @@ class _Observer:
         del past[: -self.max_lag]
 
 
-def _window(recent: list[float], windows: Sequence[int], bar: float, least: int) -> int:
-    """The widest of ``windows`` (ascending; ``recent`` their masses) whose every ring up to it holds
-    at least ``bar`` of mass per token, and at least ``least``."""
+def _window(recent: list[float], windows: Sequence[int], bar: float, least: int, most: float) -> int:
+    """The widest of ``windows`` (ascending; ``recent`` their masses) up to ``most`` whose every ring
+    up to it holds at least ``bar`` of mass per token, and at least ``least``."""
     chosen, below, mass_below = least, 0, 0.0
     for w, m in zip(windows, recent):
-        if (m - mass_below) / (w - below) < bar:
+        if w > most or (m - mass_below) / (w - below) < bar:
             break
         chosen, below, mass_below = max(least, w), w, m
     return chosen
@@ -180,7 +181,7 @@ def measure(
     axes: Sequence[str] = ("time", "depth", "layer"),
     mass: float = 0.9,
     windows: Sequence[int] = WINDOWS,
-    scale_range: tuple[float, float] = (0.25, 4.0),
+    scale_range: tuple[float, float] = (0.5, 2.0),
     min_overlap: float = 0.5,
     max_increase: float = 0.01,
     max_group: int = 4,
@@ -226,9 +227,12 @@ def measure(
     if "depth" in axes:
         need = torch.tensor([sum(observer.need[i]) / len(observer.need[i]) for i in range(layers)])
         scale = (need / need.mean()).clamp(*scale_range)
+        scale = scale / scale.mean()
         recent = torch.stack([torch.stack(observer.recent[i]).mean(0) for i in range(layers)])  # [L, W]
         kth = [sum(observer.kth[i]) / len(observer.kth[i]) for i in range(layers)]
-        window = [_window(row, windows, bar, policy.window) for row, bar in zip(recent.tolist(), kth)]
+        tokens = Budget(policy.budget).count(torch.tensor([context])).item()  # the policy's budget at the calibration context
+        most = [0.5 * tokens * float(sc) for sc in scale]
+        window = [_window(row, windows, bar, policy.window, cap) for row, bar, cap in zip(recent.tolist(), kth, most)]
         scale = scale.tolist()
         report["depth"] = {"need": need.tolist(), "recent_mass": recent.tolist(), "windows": list(windows), "kth_prob": kth}
 
