@@ -748,3 +748,15 @@ def test_calibrate_measures_every_axis_on_text():
         PrHS.calibrate(Decoder(model, kv=policy), texts, context=40, steps=8)
     with pytest.raises(ValueError, match="budget and window"):
         PrHS.calibrate(Decoder(model, kv=Window(2, 8)), texts, context=36, steps=8)
+
+
+def test_a_wrapped_learned_policy_keeps_its_tensors_through_save_and_load(tmp_path):
+    """`PrHS.modules` are the wrapped policy's (the Decoder moves them), and `save` / `load` keep
+    their tensors, not only the parameters."""
+    wrapped = PrHS(LearnedQuest(0.3, page=4), time=0.5)
+    assert wrapped.modules() == wrapped.policy.modules() and wrapped.modules()
+    for t in wrapped.parameters():
+        torch.nn.init.normal_(t.data)
+    back = PrHS.load(wrapped.save(tmp_path / "learned.safetensors"))
+    mine, theirs = wrapped.state_dict(), back.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

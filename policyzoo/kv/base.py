@@ -151,18 +151,25 @@ class KVSelector:
     def load(cls, path: str | Path, **overrides: Any) -> "KVSelector":
         """A policy of this class built with the parameters saved in ``path`` (``overrides`` replace
         some, e.g. the budget), its learned parts loaded from the file."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no policy file {str(path)!r}")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-        if meta.get("policy") != cls.__name__:
-            raise ValueError(f"{path} holds a {meta.get('policy', 'unknown')} policy, not {cls.__name__}")
+        meta, tensors = read_policy_file(path, cls.__name__)
         params = {**json.loads(meta.get("params", "{}")), **overrides}
         return cls(**params).load_state_dict(tensors)
+
+
+def read_policy_file(path: str | Path, owner: str) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """``(metadata, tensors)`` of a policy file that `KVSelector.save` (or a subclass's) wrote for
+    class ``owner``; a clear error for a missing file or another policy's."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no policy file {str(path)!r}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    if meta.get("policy") != owner:
+        raise ValueError(f"{path} holds a {meta.get('policy', 'unknown')} policy, not {owner}")
+    return meta, tensors
 
 
 def policy_params(policy: KVSelector) -> dict[str, Any]:

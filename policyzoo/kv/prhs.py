@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..selection import REUSE_AXES, Selection
-from .base import KVSelector, KVState, check_count, policy_params
+from .base import KVSelector, KVState, check_count, policy_params, read_policy_file
 from .certified import DEFAULT_SLACK, certify_before_attention
 from .prhs_calibration import measure
 
@@ -257,11 +257,12 @@ class PrHS(KVSelector):
         return cls(decoder.kv, eps=eps, time=found.tau, depth=depth, layer=found.groups), found.report
 
     def save(self, path: str | Path) -> Path:
-        """Write the schedule, the groups and the parameters (the wrapped policy's too) to a
-        safetensors file that `load` (and ``--kv prhs:path=FILE``) reads."""
+        """Write the schedule, the groups and the parameters (the wrapped policy's too, with its
+        learned tensors) to a safetensors file that `load` (and ``--kv prhs:path=FILE``) reads."""
         from safetensors.torch import save_file
 
         tensors = {"layer": torch.tensor(self.layer or [0], dtype=torch.int64), "has_layer": torch.tensor(bool(self.layer))}
+        tensors.update({f"policy.{key}": value.detach().contiguous().cpu() for key, value in self.state_dict().items()})
         if self.depth is not None:
             tensors["depth.scale"] = torch.tensor(self.depth.scale, dtype=torch.float64)
             tensors["depth.window"] = torch.tensor(self.depth.window, dtype=torch.int64)
@@ -277,20 +278,14 @@ class PrHS(KVSelector):
     def load(cls, path: str | Path, **overrides: Any) -> "PrHS":
         """A `PrHS` from a file `save` wrote; ``overrides`` replace parameters (``policy``: another
         wrapped policy, ``time``, ``eps``, ...)."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no policy file {str(path)!r}")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-        if meta.get("policy") != cls.__name__:
-            raise ValueError(f"{path} holds a {meta.get('policy', 'unknown')} policy, not {cls.__name__}")
+        meta, tensors = read_policy_file(path, cls.__name__)
         params: dict[str, Any] = json.loads(meta["params"])
         if "policy" not in overrides:
             wrapped = json.loads(meta["wrapped"])
             params["policy"] = _policy_class(wrapped["class"])(**wrapped["params"])
+            learned = {key[len("policy.") :]: value for key, value in tensors.items() if key.startswith("policy.")}
+            if learned:
+                params["policy"].load_state_dict(learned)
         if "depth.scale" in tensors:
             params["depth"] = DepthSchedule(tuple(tensors["depth.scale"].tolist()), tuple(tensors["depth.window"].tolist()))
         params["layer"] = tuple(tensors["layer"].tolist()) if bool(tensors["has_layer"]) else ()
