@@ -395,12 +395,13 @@ def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> 
     return wide, torch.div(count * p + (q - 1), q, rounding_mode="floor").clamp(max=wide)
 
 
-def _candidate_logits(state: KVState, q: Tensor, pages: Selection, agg: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+def selection_logits(state: KVState, q: Tensor, pages: Selection, agg: str = "none") -> tuple[Tensor, Tensor, Tensor]:
     """``(logits float32[B, H_kv, G, N], slots int64[B, H_kv, N], valid bool[B, H_kv, N])``: the exact
-    ``scale·q·k`` of every token of the candidate ``pages`` (ascending slots; ``-inf`` where invalid),
-    or with ``agg="max"`` the group's best, ``[B, H_kv, N]``. Reads the candidates' keys, not their
+    ``scale·q·k`` of every token of the selection ``pages`` (a second stage's candidates, or any
+    token or page selection; slots in its order, ascending for a policy's; ``-inf`` where invalid),
+    or with ``agg="max"`` the group's best, ``[B, H_kv, N]``. Reads the selection's keys, not its
     values."""
-    slots, entry = pages.token_positions()  # ascending: pages come in ascending order
+    slots, entry = pages.token_positions()
     slots = slots.clamp(max=state.cache.capacity - 1)
     valid = entry & state.cache.visible_at(slots)
     logits = kernels.gathered_logits(q, state.keys, slots, state.scale, agg)
@@ -420,9 +421,9 @@ def rescore_pages(
     compete on how high they do. ``aggregate`` folds the GQA group as `aggregate_groups` does.
     """
     if aggregate == "max":  # the group's max inside the kernel: the per-head logits are never written
-        scores, slots, valid = _candidate_logits(state, q, pages, "max")
+        scores, slots, valid = selection_logits(state, q, pages, "max")
     else:
-        logits, slots, valid = _candidate_logits(state, q, pages)
+        logits, slots, valid = selection_logits(state, q, pages)
         scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2).masked_fill(~valid, -torch.inf)
     # The step's own token is always kept, as a page policy always keeps the last page.
     forced = forced_at(state, slots, sinks, max(window, 1)) & valid
@@ -441,7 +442,7 @@ def page_log_mass(state: KVState, q: Tensor, bounds: Tensor, pages: Selection) -
     sampling distribution, which any positive probabilities keep unbiased."""
     b, h, n_pages = bounds.shape
     h_kv, page = state.keys.shape[1], pages.block
-    logits, _, _ = _candidate_logits(state, q, pages)
+    logits, _, _ = selection_logits(state, q, pages)
     exact = torch.logsumexp(logits.view(b, h_kv, h // h_kv, pages.k_max, page), dim=-1)  # [B, H_kv, G, K]
     counts = state.cache.page_counts()[:, None, :].float()  # [B, 1, P]
     mass = (bounds + counts.log()).view(b, h_kv, h // h_kv, n_pages)

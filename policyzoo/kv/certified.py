@@ -29,9 +29,8 @@ from dataclasses import dataclass, is_dataclass, replace
 import torch
 from torch import Tensor
 
-from .. import kernels
 from ..selection import Selection
-from .base import KVSelector, KVState, check_budget, page_bound_scores
+from .base import KVSelector, KVState, check_budget, page_bound_scores, selection_logits
 
 DEFAULT_SLACK = 1e-5
 
@@ -112,12 +111,8 @@ def certify_before_attention(state: KVState, q: Tensor, sel: Selection, slack: f
     if sel.log_weight is not None:
         raise ValueError("the certified bound needs the selection's unweighted normaliser: sel has log_weight")
     b, h, _ = q.shape
-    cache = state.cache
-    pos, entry = sel.token_positions()
-    slots = pos.clamp(0, cache.capacity - 1)
-    valid = entry & cache.visible_at(slots) & (pos < cache.capacity)
-    logits = kernels.gathered_logits(q, state.keys, slots, state.scale)  # [B, H_kv, G, N]
-    lse = logits.masked_fill(~valid[:, :, None, :], -torch.inf).logsumexp(-1).reshape(b, h)
+    logits, _, _ = selection_logits(state, q, sel)  # [B, H_kv, G, N], -inf where not visible
+    lse = logits.logsumexp(-1).reshape(b, h)
     return certified_dropped_mass(state, q, sel, lse, slack)
 
 
