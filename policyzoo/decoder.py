@@ -144,9 +144,9 @@ class Decoder:
             if hook is not None:
                 hook.remove()
                 del block._policyzoo_hook
-            if self.kv is not None and "hidden" in self.kv.step_context:
-                # The hidden state entering the layer (`StepContext.hidden`); only where a policy
-                # reads it, so that other models keep no hook.
+            if self.kv is not None and {"hidden", "rotary"} & set(self.kv.step_context):
+                # The hidden state entering the layer and its rotary embedding (`StepContext.hidden`,
+                # `.rotary`); only where a policy reads them, so that other models keep no hook.
                 block._policyzoo_hook = block.register_forward_pre_hook(partial(_record_hidden, runtime, layer), with_kwargs=True)
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if self.proj is not None:
@@ -333,11 +333,15 @@ class Decoder:
 
 
 def _record_hidden(runtime: Runtime, layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of decoder layer ``layer``: hand the hidden state entering it to the step
-    context (kept only while the policy in use reads it)."""
+    """Forward pre-hook of decoder layer ``layer``: hand the hidden state entering it, and the rotary
+    embedding it receives, to the step context (kept only while the policy in use reads them)."""
     contexts = runtime.contexts
-    if contexts is not None and contexts.keep_hidden and runtime.phase != "idle":
+    if contexts is None or runtime.phase == "idle":
+        return
+    if contexts.keep_hidden:
         contexts.record_hidden(layer, args[0] if args else kwargs["hidden_states"])
+    if contexts.keep_rotary and layer == 0:  # every layer receives the same
+        contexts.record_rotary(kwargs.get("position_embeddings"))
 
 
 def _resolve_page_size(page_size: int | None, kv: KVSelector | None) -> int:

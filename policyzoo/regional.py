@@ -87,6 +87,7 @@ class LayerContexts:
 
     keep_previous = False
     keep_hidden = False
+    keep_rotary = False
 
     def __init__(self, main: ContextStore, layer: int) -> None:
         self.main = main

@@ -200,6 +200,7 @@ class DecodeSession:
         parts = self.runtime.policy.step_context
         self.contexts.keep_previous = "previous" in parts
         self.contexts.keep_hidden = "hidden" in parts
+        self.contexts.keep_rotary = "rotary" in parts
         self.contexts.reset()
         self.sampler.configure()
         return cache

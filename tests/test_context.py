@@ -37,6 +37,7 @@ class Probe(Quest):
                 "previous": None if ctx.previous is None else (ctx.previous.indices.clone(), ctx.previous.count.clone()),
                 "below": None if ctx.below is None else (ctx.below.indices.clone(), ctx.below.count.clone()),
                 "hidden": None if ctx.hidden is None else ctx.hidden.clone(),
+                "rotary": None if ctx.rotary is None else tuple(t.clone() for t in ctx.rotary),
                 "mine": (sel.indices.clone(), sel.count.clone()),
             }
         )
@@ -93,6 +94,14 @@ def test_probe_sees_the_step_index_previous_and_below_selections_and_the_hidden_
         step, layer = divmod(i, layers)
         want = hf.hidden_states[layer][:, ids.shape[1] + step]
         torch.testing.assert_close(r["hidden"], want, atol=1e-4, rtol=1e-4)
+    # rotary: the model's own (cos, sin) at each row's position of the step's token (left padding
+    # shifts the positions), the same in every layer
+    positions = seq_mask.cumsum(1) - 1
+    for i, r in enumerate(decode):
+        step = i // layers
+        cos, sin = model.model.rotary_emb(hf.hidden_states[0], positions[:, ids.shape[1] + step : ids.shape[1] + step + 1])
+        torch.testing.assert_close(r["rotary"][0], cos[:, 0])
+        torch.testing.assert_close(r["rotary"][1], sin[:, 0])
 
 
 def test_a_policy_reading_the_previous_selection_compiles_once_and_matches_eager():
@@ -119,7 +128,7 @@ def test_the_session_keeps_only_the_parts_a_policy_reads():
     dec = Decoder(model, kv=Quest(0.5, page=4))  # reads no step context
     dec.generate(ids, 3, attention_mask=mask)
     contexts = dec.session.contexts
-    assert not contexts.keep_previous and not contexts.keep_hidden
+    assert not contexts.keep_previous and not contexts.keep_hidden and not contexts.keep_rotary
     assert contexts.previous == [None, None] and int(contexts.index) == 2
     # no layer hook on a model whose policy does not read the hidden state
     assert all(not block._forward_pre_hooks for block in model.model.layers)

@@ -84,7 +84,7 @@ class KVSelector:
     # before this attribute existed still finds what it reads.
     summaries: tuple[str, ...] = SUMMARIES
     # The parts of the step context `select` reads beyond the step index and the shared store
-    # (`kv.context.PARTS`: "previous", "below", "hidden"); the session keeps only these.
+    # (`kv.context.PARTS`: "previous", "below", "hidden", "rotary"); the session keeps only these.
     step_context: tuple[str, ...] = ()
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:

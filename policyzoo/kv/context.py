@@ -7,12 +7,15 @@
   made for the prompt's last token at the end of the prefill);
 - ``below``: the previous layer's `Selection` at this step (``None`` in layer 0);
 - ``hidden``: the hidden state entering this layer, ``[B, d_model]``;
+- ``rotary``: ``(cos, sin)``, each ``[B, D_rot]``, the rotary embedding of the step's token that the
+  model hands its layers (``None`` for a model without one), so a policy can rotate a query it
+  makes itself (`kv.Forecast`) the way the model rotates its own;
 - ``shared``: one dict for all layers of the session, kept across steps.
 
 The per-layer store that persists across steps is ``state.store`` (the policy's own dict).
 
 A policy names the parts it reads in `KVSelector.step_context` (``"previous"``, ``"below"``,
-``"hidden"``): the session keeps only those (``index`` and ``shared`` are always there), so a policy
+``"hidden"``, ``"rotary"``): the session keeps only those (``index`` and ``shared`` are always there), so a policy
 that reads nothing costs nothing. Everything is a tensor the compiled step reads or writes in place,
 never a Python number, so a compiled decode step replays the same graph at every step.
 
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from ..selection import Selection
 
-PARTS = ("previous", "below", "hidden")
+PARTS = ("previous", "below", "hidden", "rotary")
 
 
 @dataclass
@@ -41,6 +44,7 @@ class StepContext:
     previous: Selection | None = None
     below: Selection | None = None
     hidden: Tensor | None = None
+    rotary: tuple[Tensor, Tensor] | None = None
     shared: dict = field(default_factory=dict)
 
 
@@ -68,10 +72,12 @@ class ContextStore:
         self.index = torch.zeros((), dtype=torch.long, device=device)
         self.previous: list[Selection | None] = [None] * num_layers
         self.hidden: list[Tensor | None] = [None] * num_layers
+        self.rotary: tuple[Tensor, Tensor] | None = None  # the same for every layer of a step
         self.below: Selection | None = None
         self.shared: dict = {}
         self.keep_previous = False  # set by the session from the policy in use
         self.keep_hidden = False
+        self.keep_rotary = False
         if self.index.device.type == "cuda":
             torch._dynamo.mark_static_address(self.index)
 
@@ -82,6 +88,7 @@ class ContextStore:
             previous=self.previous[layer],
             below=self.below if layer > 0 else None,
             hidden=self.hidden[layer],
+            rotary=self.rotary,
             shared=self.shared,
         )
 
@@ -130,10 +137,17 @@ class ContextStore:
         if self.keep_hidden:
             self.hidden[layer] = hidden[:, -1] if hidden.dim() == 3 else hidden
 
+    def record_rotary(self, position_embeddings: tuple[Tensor, Tensor] | None) -> None:
+        """The ``(cos, sin)`` a decoder layer receives (its last token's row), if the policy reads it."""
+        if self.keep_rotary and position_embeddings is not None:
+            cos, sin = position_embeddings
+            self.rotary = (cos[:, -1], sin[:, -1]) if cos.dim() == 3 else (cos, sin)
+
     def end_step(self) -> None:
         """Drop what lives only within one step."""
         self.below = None
         self.hidden = [None] * self.num_layers
+        self.rotary = None
 
     def advance(self) -> None:
         """One decode step done (in place: a compiled step replays this)."""
