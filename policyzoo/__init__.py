@@ -7,7 +7,7 @@
 
 from .cache import PagedKVCache
 from .decoder import Decoder
-from .kv import SSA, AttentionTopK, Certified, Dense, DepthSchedule, EntmaxKV, KVSelector, KVState, PrHS, Quest, Window
+from .kv import SSA, AttentionTopK, Certified, Dense, DepthSchedule, EntmaxKV, Forecast, KVSelector, KVState, PrHS, Quest, Window
 from .kv.context import StepContext
 from .proj import ProjectionSparsifier, Threshold, TopK
 from .selection import Selection
@@ -23,6 +23,7 @@ __all__ = [
     "Dense",
     "DepthSchedule",
     "EntmaxKV",
+    "Forecast",
     "KVSelector",
     "KVState",
     "PagedKVCache",

@@ -109,6 +109,7 @@ class Decoder:
         self.device = _device(device) if device is not None else param.device
         self._check_model_placement()
         if kv is not None:
+            kv.attach(model)
             kv.to(device=self.device, dtype=self.dtype)  # learned parameters, if the policy has any
         if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
             kernels.scratch.reserve(self.device)

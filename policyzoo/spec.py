@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .kv import SSA, AttentionTopK, Dense, EntmaxKV, KVSelector, PrHS, Quest, Window
+from .kv import SSA, AttentionTopK, Dense, EntmaxKV, Forecast, KVSelector, PrHS, Quest, Window
 from .proj import ProjectionSparsifier, Threshold, TopK
 
 # name -> class; a class's dataclass fields are its spec parameters, in order.
@@ -46,6 +46,7 @@ KV_POLICIES: dict[str, type] = {
     "ssa": SSA,
     "entmax-kv": EntmaxKV,
     "prhs": PrHS,
+    "forecast": Forecast,
 }
 PROJ_SPARSIFIERS: dict[str, type] = {
     "topk": TopK,

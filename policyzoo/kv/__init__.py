@@ -2,6 +2,7 @@ from .base import KVSelector, KVState
 from .certified import Certified, certified_dropped_mass, grow_until_certified
 from .dense import Dense
 from .entmax import EntmaxKV
+from .forecast import Forecast, ForecastHeads
 from .prhs import DepthSchedule, PrHS
 from .quest import Quest
 from .ssa import SSA
@@ -14,6 +15,8 @@ __all__ = [
     "DepthSchedule",
     "Dense",
     "EntmaxKV",
+    "Forecast",
+    "ForecastHeads",
     "KVSelector",
     "KVState",
     "PrHS",

@@ -87,6 +87,11 @@ class KVSelector:
     # (`kv.context.PARTS`: "previous", "below", "hidden", "rotary"); the session keeps only these.
     step_context: tuple[str, ...] = ()
 
+    def attach(self, model: nn.Module) -> None:
+        """Called once when a Decoder takes the policy for ``model`` (before it moves the policy's
+        learned parts to the model's device): a policy that builds or checks something against the
+        model's weights or shapes does it here (`Forecast` starts its heads from the model's)."""
+
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Called once per layer after the dense prefill; ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
 

@@ -1,0 +1,329 @@
+"""`Forecast`: a learned next-layer block selector (SparDA's Forecast projection, Fu et al., 2026).
+
+At layer ``l`` a small projection of the hidden state entering the layer, one head per GQA group,
+predicts a query for layer ``l + 1``; scored against layer ``l + 1``'s compressed keys, it chooses the
+blocks that layer attends to, one layer ahead (so a cache that lives elsewhere can fetch them while
+layer ``l`` runs). Layer 0 has a head of its own that predicts its own query.
+
+Compressed keys, blocks and scores (the InfLLM-V2 geometry SparDA uses):
+
+- a compressed key is the mean of the visible keys in a window of ``kernel`` tokens, windows every
+  ``stride`` tokens (32 and 16): the policy keeps one mean key per page of ``stride`` tokens (in the
+  cache's dtype, updated in place as tokens are appended) and, the score being linear in the key,
+  scores a window as the token-weighted mean of its pages' scores;
+- a block of ``block`` tokens (64) scores the largest of the windows that overlap it;
+- the blocks holding the first ``sinks`` and the last ``window`` tokens are always kept, the step's
+  own block too, then the best others up to the budget (in blocks).
+
+The heads (`ForecastHeads`) are the policy's learned parameters: a parameter-free RMS norm, then a
+rank-``rank`` projection to ``H_kv · D``, rotated with the model's own rotary embedding of the step's
+token (`StepContext.rotary`). Untrained heads start from the model's query projections
+(`ForecastHeads.from_model`: the next layer's grouped query projection, truncated to the rank by
+SVD); ``recipes/forecast`` trains them against the next layer's attention over blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import _compat
+from ..selection import Selection
+from .base import Budget, KVSelector, KVState, check_count, choose_topk, policy_params, read_policy_file
+
+
+class ForecastHeads(nn.Module):
+    """One low-rank head per layer: head ``i`` predicts layer ``i``'s query, one per GQA group
+    (``[..., H_kv, D]``, before the rotary embedding), from the hidden state entering layer ``i - 1``
+    (head 0: entering layer 0).
+
+    ``down [L, d_model, rank]`` and ``up [L, rank, H_kv · D]``: ``rank · (d_model + H_kv · D)``
+    parameters per layer.
+    """
+
+    def __init__(self, num_layers: int, hidden: int, kv_heads: int, head_dim: int, rank: int = 32) -> None:
+        super().__init__()
+        for name, value in {"num_layers": num_layers, "hidden": hidden, "kv_heads": kv_heads, "head_dim": head_dim, "rank": rank}.items():
+            check_count(value, name, minimum=1)
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        # (H_kv, D) again as a tensor, saved with the weights so that a file alone rebuilds the heads
+        self.register_buffer("geometry", torch.tensor([kv_heads, head_dim]))
+        g = torch.Generator().manual_seed(0)
+        self.down = nn.Parameter(torch.randn(num_layers, hidden, rank, generator=g) / math.sqrt(hidden))
+        self.up = nn.Parameter(torch.randn(num_layers, rank, kv_heads * head_dim, generator=g) / math.sqrt(rank))
+
+    @property
+    def num_layers(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[2]
+
+    def forward(self, hidden: Tensor, layer: int) -> Tensor:
+        """``[..., H_kv, D]`` (fp32): head ``layer``'s query from ``hidden [..., d_model]``."""
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        out = (x @ self.down[layer].float()) @ self.up[layer].float()
+        return out.unflatten(-1, (self.kv_heads, self.head_dim))
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> "ForecastHeads":
+        """Heads of the shapes ``tensors`` (a `state_dict`, keys ``down`` and ``up``) hold, loaded."""
+        try:
+            down, up, geometry = tensors["down"], tensors["up"], tensors["geometry"]
+        except KeyError:
+            raise ValueError(f"Forecast heads need tensors 'down', 'up' and 'geometry', got {sorted(tensors)}") from None
+        layers, hidden, rank = down.shape
+        kv_heads, head_dim = (int(x) for x in geometry)
+        heads = cls(layers, hidden, kv_heads, head_dim, rank)
+        try:
+            heads.load_state_dict(tensors, strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"Forecast heads: the saved tensors do not fit ({e})") from None
+        return heads
+
+    @classmethod
+    def from_model(cls, model: nn.Module, rank: int = 32) -> "ForecastHeads":
+        """Heads initialised from ``model``'s own query projections (untrained, but a useful start):
+        head ``i`` is layer ``i``'s query projection (its input norm's gain folded in), the query
+        heads of each GQA group summed, truncated to ``rank`` by SVD. A model whose attention has no
+        ``q_proj`` gets random heads."""
+        config = model.config
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        layers = _compat.decoder_layers(model)
+        out = cls(len(layers), hidden, kv_heads, head_dim, rank)
+        with torch.no_grad():
+            for i, (block, attn) in enumerate(zip(layers, _compat.attention_modules(model))):
+                q_proj = getattr(attn, "q_proj", None)
+                if q_proj is None or q_proj.weight.shape != (heads * head_dim, hidden):
+                    continue
+                w = q_proj.weight.float().view(kv_heads, heads // kv_heads, head_dim, hidden).sum(1)  # [H_kv, D, d]
+                w = w.reshape(kv_heads * head_dim, hidden).T  # [d, H_kv·D]
+                gain = getattr(getattr(block, "input_layernorm", None), "weight", None)
+                if gain is not None and gain.shape == (hidden,):
+                    w = w * gain.float()[:, None]
+                u, s, vh = torch.linalg.svd(w, full_matrices=False)
+                r = min(rank, s.shape[0])
+                out.down[i].zero_()[:, :r] = u[:, :r] * s[:r].sqrt()
+                out.up[i].zero_()[:r] = s[:r].sqrt()[:, None] * vh[:r]
+        return out
+
+
+def parameter_share(heads: ForecastHeads, model: nn.Module) -> float:
+    """The heads' parameters as a fraction of ``model``'s."""
+    return sum(p.numel() for p in heads.parameters()) / sum(p.numel() for p in model.parameters())
+
+
+def rotate(x: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
+    """``x [B, H, D]`` rotated as the model rotates its queries (the half-split rotary embedding of
+    HF models; ``cos, sin [B, D_rot]`` with ``D_rot <= D``: the first ``D_rot`` channels rotate)."""
+    if rotary is None:
+        return x
+    cos, sin = (t.float()[:, None, :] for t in rotary)
+    r = cos.shape[-1]
+    head, tail = x[..., :r], x[..., r:]
+    x1, x2 = head.chunk(2, dim=-1)
+    return torch.cat([head * cos + torch.cat([-x2, x1], dim=-1) * sin, tail], dim=-1)
+
+
+def page_means(keys: Tensor, valid: Tensor, page: int) -> Tensor:
+    """``[B, H_kv, P, D]`` (fp32): each page's mean visible key (zero on an empty page), from
+    ``keys [B, H_kv, P·page, D]`` and ``valid bool[B, P·page]``."""
+    b, h, n, d = keys.shape
+    k = keys.view(b, h, n // page, page, d).float()
+    m = valid.view(b, 1, n // page, page, 1).float()
+    return (k * m).sum(3) / m.sum(3).clamp(min=1)
+
+
+def block_scores(page_scores: Tensor, counts: Tensor, kernel_pages: int, block_pages: int) -> Tensor:
+    """``[B, H, NB]``: each block's score, the largest score of the windows that overlap it.
+
+    ``page_scores [B, H, P]`` are scores of the pages' mean keys and ``counts [B, P]`` their visible
+    tokens; a window of ``kernel_pages`` pages from page ``j`` scores the token-weighted mean of its
+    pages' scores (the score of its mean key). Windows and blocks without visible tokens are ``-inf``.
+    """
+    m, n = kernel_pages, block_pages
+    b, h, p = page_scores.shape
+    c = counts[:, None, :].float().expand(b, h, p)
+    weighted = torch.where(c > 0, page_scores * c, 0.0)
+    num = F.pad(weighted, (0, m - 1)).unfold(-1, m, 1).sum(-1)
+    den = F.pad(c, (0, m - 1)).unfold(-1, m, 1).sum(-1)
+    windows = torch.where(den > 0, num / den.clamp(min=1), -torch.inf)  # window j: pages j .. j+m-1
+    nb = -(-p // n)
+    # Block k holds pages kn .. kn+n-1: windows from kn-m+1 to kn+n-1 overlap it.
+    padded = F.pad(windows, (m - 1, nb * n - p), value=-torch.inf)
+    return padded.unfold(-1, n + m - 1, n).amax(-1)
+
+
+@dataclass
+class Forecast(KVSelector):
+    """Keep the best ``budget`` of the blocks (tokens, or a keep ratio of the visible blocks), as
+    layer ``l - 1``'s Forecast head predicts them (see the module docstring).
+
+    ``heads``: trained heads (a path to a file `save` or ``recipes/forecast`` wrote, or a
+    `ForecastHeads`); ``None`` starts from the model's query projections at ``rank`` when a Decoder
+    takes the policy. ``stride`` is the cache page size the policy needs; ``kernel`` and ``block``
+    are multiples of it.
+    """
+
+    budget: int | float = 0.1
+    heads: Any = None
+    block: int = 64
+    kernel: int = 32
+    stride: int = 16
+    sinks: int = 64
+    window: int = 64
+    rank: int = 32
+    step_context = ("hidden", "rotary")
+    summaries = ()
+    predictor: ForecastHeads | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._budget = Budget(self.budget)
+        for name in ("stride", "kernel", "block", "rank"):
+            check_count(getattr(self, name), name, minimum=1)
+        check_count(self.sinks, "sinks")
+        check_count(self.window, "window")
+        for name in ("kernel", "block"):
+            if getattr(self, name) % self.stride:
+                raise ValueError(f"Forecast: {name}={getattr(self, name)} must be a multiple of stride={self.stride}")
+        if isinstance(self.heads, ForecastHeads):
+            self.predictor = self.heads
+        elif isinstance(self.heads, (str, Path)):
+            _, tensors = read_policy_file(self.heads, "Forecast")
+            self.predictor = ForecastHeads.from_tensors({k.split(".", 1)[1]: v for k, v in tensors.items()})
+        elif self.heads is not None:
+            raise TypeError(f"heads must be a path, a ForecastHeads or None, got {type(self.heads).__name__}")
+
+    @property
+    def page_size(self) -> int:  # type: ignore[override]
+        return self.stride
+
+    # --------------------------------------------------------------------------- life cycle
+    def attach(self, model: nn.Module) -> None:
+        if self.predictor is None:
+            self.predictor = ForecastHeads.from_model(model, self.rank)
+        config = model.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        p = self.predictor
+        want = (len(_compat.decoder_layers(model)), config.hidden_size, kv_heads, head_dim)
+        have = (p.num_layers, p.down.shape[1], p.kv_heads, p.head_dim)
+        if want != have:
+            raise ValueError(f"Forecast heads are for (layers, hidden, H_kv, D) = {have}, the model has {want}")
+
+    def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
+        if self.predictor is None:
+            raise RuntimeError("Forecast has no heads: give heads= (a trained file) or let a Decoder take the policy")
+        if state.page_size != self.stride:
+            raise ValueError(f"Forecast(stride={self.stride}) needs a cache with page_size={self.stride}, got {state.page_size}")
+        means = state.context.shared.setdefault("forecast.means", {})
+        # The whole layer again (a chunked prefill calls this once per chunk), made here (eager):
+        # decode steps update it in place, for CUDA graphs.
+        value = page_means(state.keys, state.token_valid(), self.stride).to(state.keys.dtype)
+        if state.layer in means and means[state.layer].shape == value.shape:
+            means[state.layer].copy_(value)
+        else:
+            if value.device.type == "cuda":
+                torch._dynamo.mark_static_address(value)
+            means[state.layer] = value
+
+    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
+        """Refresh the mean key of the page the step's token went to."""
+        cache, p = state.cache, self.stride
+        page = torch.div(cache.length - 1, p, rounding_mode="floor").reshape(1)
+        slots = page * p + torch.arange(p, device=page.device)
+        keys = state.keys.index_select(2, slots).float()  # [B, H_kv, p, D]
+        seen = cache.visible_at(slots.expand(cache.batch, p))[:, None, :, None].float()
+        mean = (keys * seen).sum(2, keepdim=True) / seen.sum(2, keepdim=True).clamp(min=1)
+        state.context.shared["forecast.means"][state.layer].index_copy_(2, page, mean.to(state.keys.dtype))
+
+    def select(self, state: KVState, q: Tensor) -> Selection:
+        ctx = state.context
+        if ctx.hidden is None:
+            raise RuntimeError("Forecast reads the hidden state entering each layer: decode it through a Decoder")
+        shared, layer = ctx.shared, state.layer
+        if layer == 0:
+            mine = self.choose(state, 0, ctx.hidden, ctx.rotary)
+        else:
+            mine = shared.pop("forecast.next")
+        if layer + 1 < state.cache.num_layers:  # the next layer's blocks, one layer ahead
+            shared["forecast.next"] = self.choose(state, layer + 1, ctx.hidden, ctx.rotary)
+        return mine
+
+    # ------------------------------------------------------------------------------ scoring
+    def scores(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
+        """``float32[B, H_kv, NB]``: layer ``layer``'s block scores by head ``layer``'s query."""
+        means = state.context.shared["forecast.means"][layer]
+        f = rotate(self.predictor(hidden, layer), rotary)  # [B, H_kv, D]
+        page_scores = torch.einsum("bhd,bhpd->bhp", f.to(means.dtype), means).float() * state.scale
+        return block_scores(page_scores, state.cache.page_counts(), self.kernel // self.stride, self.block // self.stride)
+
+    def choose(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Selection:
+        """Layer ``layer``'s selection (pages of the cache): the forced and the best-scoring blocks."""
+        cache, n = state.cache, self.block // self.stride
+        scores = self.scores(state, layer, hidden, rotary)
+        nb = scores.shape[-1]
+        first, last = self.block_spans(cache, nb)
+        scores = scores.masked_fill(~(first < last)[:, None, :], -torch.inf)
+        forced = (first < last) & ((first < cache.start[:, None] + self.sinks) | (last > cache.length - max(self.window, 1)))
+        n_visible = (first < last).sum(-1)
+        if self._budget.is_ratio:
+            k_max, count = self._budget.k_max(nb), self._budget.count(n_visible)
+        else:
+            wanted = math.ceil(self._budget.value / self.block)
+            k_max, count = min(nb, wanted), Budget(wanted).count(n_visible)
+        n_forced = math.ceil(self.sinks / self.block) + math.ceil(max(self.window, 1) / self.block) + 2
+        k_max = max(k_max, min(nb, n_forced))
+        blocks = choose_topk(scores, forced, k_max, count)
+        # Blocks to pages, ascending; only pages with a visible token count (a prefix: the last block
+        # may reach past the newest token or the cache).
+        pages = (blocks.indices.long()[..., None] * n + torch.arange(n, device=scores.device)).flatten(-2)
+        page_first, page_last = cache.page_spans()
+        in_cache = pages < cache.num_pages
+        at = pages.clamp(max=cache.num_pages - 1)
+        holds = torch.gather((page_first < page_last)[:, None, :].expand(-1, pages.shape[1], -1), 2, at) & in_cache
+        within = torch.arange(pages.shape[-1], device=pages.device) < blocks.count[..., None].long() * n
+        keep = within & holds
+        # Kept pages first, in ascending order; the rest are padding past ``count``.
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+        return Selection(torch.gather(at, 2, order).int(), keep.sum(-1).int(), block=self.stride)
+
+    def block_spans(self, cache: Any, nb: int) -> tuple[Tensor, Tensor]:
+        """``(first, last) int64[B, NB]``: block ``k`` holds visible slots ``first .. last-1``."""
+        lo = torch.arange(nb, device=cache.start.device) * self.block
+        first = torch.maximum(lo, cache.start[:, None])
+        last = torch.minimum(lo + self.block, cache.length.expand(cache.batch)[:, None])
+        return first, last
+
+    # ---------------------------------------------------------------------------- persistence
+    def save(self, path: str | Path) -> Path:
+        """Write the heads and the policy's parameters (not ``heads``: the file is the heads)."""
+        from safetensors.torch import save_file
+
+        if self.predictor is None:
+            raise ValueError("Forecast has no heads to save yet (give heads= or let a Decoder take it)")
+        tensors = {f"predictor.{k}": v.detach().contiguous().cpu() for k, v in self.predictor.state_dict().items()}
+        params = {k: v for k, v in policy_params(self).items() if k != "heads"}
+        save_file(tensors, str(path), metadata={"policy": "Forecast", "params": json.dumps(params)})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> "Forecast":
+        """A Forecast with the heads and parameters saved in ``path`` (``overrides`` replace some)."""
+        meta, _ = read_policy_file(path, "Forecast")
+        params = {**json.loads(meta.get("params", "{}")), **overrides}
+        params.pop("heads", None)
+        return cls(heads=path, **params)
+
