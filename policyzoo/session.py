@@ -274,8 +274,10 @@ class DecodeSession:
         page boundary. Rows of a batch share slot numbers, so a row's first real token sits at the
         prompt's end minus its length; with the end on a boundary, where that token falls in its
         page depends on the row's own length only. A row's pages, their summaries and what a page
-        policy selects are then the same in any batch as when the row runs alone."""
-        return -t % self.page_size
+        policy selects are then the same in any batch as when the row runs alone. A policy that
+        groups pages into blocks (`KVSelector.slot_alignment`) has the prompt end on a block boundary."""
+        align = math.lcm(self.page_size, self.runtime.policy.slot_alignment or 1)
+        return -t % align
 
     def _prefill_chunk(self, batch: int, t: int, keep_logits: int, padded: bool) -> int:
         """Prompt positions per prefill forward: all of them, unless the prompt is longer than

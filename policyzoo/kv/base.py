@@ -86,6 +86,9 @@ class KVSelector:
     # The parts of the step context `select` reads beyond the step index and the shared store
     # (`kv.context.PARTS`: "previous", "below", "hidden", "rotary"); the session keeps only these.
     step_context: tuple[str, ...] = ()
+    # The slot multiple a prompt's end is placed on (``None``: the page size), so that the units a
+    # policy chooses group the same tokens of a row in any batch (`DecodeSession.prompt_slot`).
+    slot_alignment: int | None = None
 
     def attach(self, model: nn.Module) -> None:
         """Called once when a Decoder takes the policy for ``model`` (before it moves the policy's

@@ -91,11 +91,12 @@ class ForecastHeads(nn.Module):
         return heads
 
     @classmethod
-    def from_model(cls, model: nn.Module, rank: int = 32) -> "ForecastHeads":
+    def from_model(cls, model: nn.Module, rank: int | None = None) -> "ForecastHeads":
         """Heads initialised from ``model``'s own query projections (untrained, but a useful start):
         head ``i`` is layer ``i``'s query projection (its input norm's gain folded in), the query
-        heads of each GQA group summed, truncated to ``rank`` by SVD. A model whose attention has no
-        ``q_proj`` gets random heads."""
+        heads of each GQA group summed, truncated to ``rank`` (``None``: `default_rank`) by SVD. A
+        model whose attention has no ``q_proj`` gets random heads."""
+        rank = default_rank(model) if rank is None else rank
         config = model.config
         hidden, heads = config.hidden_size, config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -117,6 +118,26 @@ class ForecastHeads(nn.Module):
                 out.down[i].zero_()[:, :r] = u[:, :r] * s[:r].sqrt()
                 out.up[i].zero_()[:r] = s[:r].sqrt()[:, None] * vh[:r]
         return out
+
+
+# The most the heads may add to the model, as a share of its parameters (SparDA adds 0.41% to an 8B
+# model with full-rank heads of two KV groups; with eight groups full rank would be 1.7%).
+MAX_SHARE = 0.004
+
+
+def default_rank(model: nn.Module) -> int:
+    """The largest power of two, at most the head dimension, whose heads stay within `MAX_SHARE` of
+    ``model``'s parameters (16 for SmolLM2-135M, 128 for an 8B Llama)."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_rank = len(_compat.decoder_layers(model)) * (config.hidden_size + kv_heads * head_dim)
+    allowed = MAX_SHARE * sum(p.numel() for p in model.parameters()) / per_rank
+    rank = 1
+    while rank * 2 <= min(head_dim, allowed):
+        rank *= 2
+    return rank
 
 
 def parameter_share(heads: ForecastHeads, model: nn.Module) -> float:
@@ -172,8 +193,8 @@ class Forecast(KVSelector):
 
     ``heads``: trained heads (a path to a file `save` or ``recipes/forecast`` wrote, or a
     `ForecastHeads`); ``None`` starts from the model's query projections at ``rank`` when a Decoder
-    takes the policy. ``stride`` is the cache page size the policy needs; ``kernel`` and ``block``
-    are multiples of it.
+    takes the policy (``None``: `default_rank`). ``stride`` is the cache page size the policy needs;
+    ``kernel`` and ``block`` are multiples of it.
     """
 
     budget: int | float = 0.1
@@ -183,15 +204,17 @@ class Forecast(KVSelector):
     stride: int = 16
     sinks: int = 64
     window: int = 64
-    rank: int = 32
+    rank: int | None = None
     step_context = ("hidden", "rotary")
     summaries = ()
     predictor: ForecastHeads | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
-        for name in ("stride", "kernel", "block", "rank"):
+        for name in ("stride", "kernel", "block"):
             check_count(getattr(self, name), name, minimum=1)
+        if self.rank is not None:
+            check_count(self.rank, "rank", minimum=1)
         check_count(self.sinks, "sinks")
         check_count(self.window, "window")
         for name in ("kernel", "block"):
@@ -208,6 +231,10 @@ class Forecast(KVSelector):
     @property
     def page_size(self) -> int:  # type: ignore[override]
         return self.stride
+
+    @property
+    def slot_alignment(self) -> int:  # type: ignore[override]
+        return self.block
 
     # --------------------------------------------------------------------------- life cycle
     def attach(self, model: nn.Module) -> None:

@@ -165,6 +165,13 @@ class PrHS(KVSelector):
         parts += ("below",) if self.layer else ()
         return tuple(dict.fromkeys(parts))
 
+    @property
+    def slot_alignment(self) -> int | None:  # type: ignore[override]
+        return self.policy.slot_alignment
+
+    def attach(self, model) -> None:
+        self.policy.attach(model)
+
     def modules(self) -> dict:  # the learned parts are the wrapped policy's
         return self.policy.modules()
 
