@@ -16,7 +16,7 @@ import torch
 
 import inspect
 
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, PrHS, Quest, Threshold, TopK
+from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Forecast, PrHS, Quest, Threshold, TopK
 from policyzoo.bytes import BUILTIN
 from policyzoo.timing import time_ms
 
@@ -82,6 +82,10 @@ def settings() -> dict[str, tuple]:
         "prhs-quest0.1-layers4": (lambda layers=32: PrHS(quest(0.1), layer=_groups(4, layers)), None, 1.0, 0.1),
         "prhs-quest0.2-layers2": (lambda layers=32: PrHS(quest(0.2), layer=_groups(2, layers)), None, 1.0, 0.2),
         "prhs-quest0.2-layers4": (lambda layers=32: PrHS(quest(0.2), layer=_groups(4, layers)), None, 1.0, 0.2),
+        # Forecast (SparDA): blocks of 64 chosen one layer ahead by a learned head (heads started from
+        # the model's query projections: random weights train nothing), the first and last 64 tokens kept.
+        "forecast0.1": (lambda: Forecast(0.1), None, 1.0, 0.1),
+        "forecast0.2": (lambda: Forecast(0.2), None, 1.0, 0.2),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
@@ -114,6 +118,8 @@ def _selection_ratio_of(policy, r_kv: float) -> float:
 
     while isinstance(policy, Certified):
         policy = policy.policy
+    if isinstance(policy, Forecast):  # one mean key per page, in the cache's dtype: half of min and max
+        return selection_overhead(policy.stride, summary_bytes=0.5)
     if policy is None or not policy.summaries:
         exact = isinstance(policy, AttentionTopK) or (isinstance(policy, SSA) and policy.proxy == "exact")
         return selection_overhead(None, rescore=1 / r_kv, r_kv=r_kv) if exact else 0.0

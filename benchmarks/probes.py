@@ -36,16 +36,18 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from policyzoo import SSA, AttentionTopK, EntmaxKV, Quest, kernels
+from policyzoo import SSA, AttentionTopK, EntmaxKV, Forecast, Quest, kernels
 from policyzoo.cache import SUMMARIES, PagedKVCache
 from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
+from policyzoo.kv import ForecastHeads
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
 
 from . import common
 
 H, H_KV, D, PAGE = 32, 8, 128, 16
+HIDDEN = 4096  # the 8B model's hidden size: Forecast's heads read the hidden state
 
 def _dense_selection(b: int, pages: int, device) -> Selection:
     idx = torch.arange(pages, device=device, dtype=torch.int32).expand(b, H_KV, -1).contiguous()
@@ -502,7 +504,22 @@ def select_policies(keep: float = 0.1) -> dict:
         # Two stages: the candidates' exact logits (`kernels.gathered_logits`), then tokens.
         f"quest{keep}-rescore3": lambda: Quest(keep, page=PAGE, window=64, rescore=3),
         f"ssa{keep / 2}+{keep / 2}-rescore5": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64, rescore=5),
+        # One head per KV group scores one mean key per page: the next layer's blocks of 64.
+        f"forecast{keep}": lambda: Forecast(keep, heads=ForecastHeads(1, HIDDEN, H_KV, D, rank=128)),
     }
+
+
+def select_call(policy, state: KVState, q: torch.Tensor) -> Callable:
+    """The call that makes ``policy``'s selection of one layer. Forecast's is made from the hidden
+    state of the layer below (a random one here) and needs its page means first; the others' from ``q``."""
+    if not isinstance(policy, Forecast):
+        return lambda: policy.select(state, q)
+    heads = policy.predictor.to(device=q.device, dtype=q.dtype)
+    policy.prefill(state, q[:, :, None], None, None)
+    hidden = torch.randn(q.shape[0], heads.down.shape[1], device=q.device, dtype=q.dtype)
+    angle = torch.rand(q.shape[0], D, device=q.device)
+    rotary = (angle.cos().to(q.dtype), angle.sin().to(q.dtype))
+    return lambda: policy.choose(state, 0, hidden, rotary)
 
 
 def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
@@ -537,17 +554,18 @@ def section_select(contexts, rows, deadline: float, keep: float = 0.1):
             row = {"section": "select", "setting": name, "context": n}
             try:
                 policy = make()
-                policy.select(state, q)  # eager first: lazily made state (SSA's generator) exists before tracing
+                call = select_call(policy, state, q)
+                call()  # eager first: lazily made state (SSA's generator) exists before tracing
                 torch._dynamo.reset()
                 t0 = time.perf_counter()
                 try:
-                    select = torch.compile(lambda: policy.select(state, q), dynamic=False)
+                    select = torch.compile(call, dynamic=False)
                     sel = select()
                 except Exception as e:  # Triton 3.6 rejects some very wide persistent reductions
                     print(f"select {name}@{n}: compile failed ({type(e).__name__}); retrying without persistent reductions")
                     row["note"] = "compiled without persistent reductions"
                     torch._dynamo.reset()
-                    select = torch.compile(lambda: policy.select(state, q), dynamic=False,
+                    select = torch.compile(call, dynamic=False,
                                            options={"triton.persistent_reductions": False})
                     sel = select()
                 compile_s = time.perf_counter() - t0

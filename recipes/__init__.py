@@ -1,0 +1,1 @@
+"""Training recipes that produce files the library's policies load (``python -m recipes.<name>.train``)."""
