@@ -26,7 +26,9 @@ class Selection:
         count: ``int32[B, H_kv]``: number of valid entries in ``indices``.
         log_weight: optional ``float32[B, H_kv, K_max]`` added to the attention logits of each entry
             (Horvitz–Thompson or importance corrections); ``None`` means zero.
-        block: 1 for token selections, the page size for page selections.
+        block: tokens per entry: 1 for token selections, the page size for page selections, or a
+            multiple of it for a policy that chooses blocks of pages (`kv.Forecast`); entry ``i``
+            covers slots ``indices[i]·block ..`` up to ``block`` of them.
         reuse: optional ``int8[B, H_kv]`` provenance for the audit: ``0`` where the entries were
             chosen this step, else ``1 + REUSE_AXES.index(axis)`` where they are an earlier
             selection reused (`kv.PrHS`: ``"time"``, this layer's previous step; ``"layer"``, the

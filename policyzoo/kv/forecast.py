@@ -68,11 +68,15 @@ class ForecastHeads(nn.Module):
         return self.down.shape[2]
 
     def forward(self, hidden: Tensor, layer: int) -> Tensor:
-        """``[..., H_kv, D]`` (fp32): head ``layer``'s query from ``hidden [..., d_model]``."""
+        """``[..., H_kv, D]`` (fp32): head ``layer``'s query from ``hidden [..., d_model]``.
+
+        The products run in the heads' dtype (bf16 on a bf16 model: fp32 accumulation), so a decode
+        step reads the weights once, without widened copies."""
         x = hidden.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        out = (x @ self.down[layer].float()) @ self.up[layer].float()
-        return out.unflatten(-1, (self.kv_heads, self.head_dim))
+        down, up = self.down[layer], self.up[layer]
+        out = (x.to(down.dtype) @ down) @ up
+        return out.float().unflatten(-1, (self.kv_heads, self.head_dim))
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor]) -> "ForecastHeads":
@@ -298,8 +302,8 @@ class Forecast(KVSelector):
         return block_scores(page_scores, state.cache.page_counts(), self.kernel // self.stride, self.block // self.stride)
 
     def choose(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Selection:
-        """Layer ``layer``'s selection (pages of the cache): the forced and the best-scoring blocks."""
-        cache, n = state.cache, self.block // self.stride
+        """Layer ``layer``'s selection (entries of ``block`` tokens): the forced and the best-scoring blocks."""
+        cache = state.cache
         scores = self.scores(state, layer, hidden, rotary)
         nb = scores.shape[-1]
         first, last = self.block_spans(cache, nb)
@@ -313,19 +317,9 @@ class Forecast(KVSelector):
             k_max, count = min(nb, wanted), Budget(wanted).count(n_visible)
         n_forced = math.ceil(self.sinks / self.block) + math.ceil(max(self.window, 1) / self.block) + 2
         k_max = max(k_max, min(nb, n_forced))
-        blocks = choose_topk(scores, forced, k_max, count)
-        # Blocks to pages, ascending; only pages with a visible token count (a prefix: the last block
-        # may reach past the newest token or the cache).
-        pages = (blocks.indices.long()[..., None] * n + torch.arange(n, device=scores.device)).flatten(-2)
-        page_first, page_last = cache.page_spans()
-        in_cache = pages < cache.num_pages
-        at = pages.clamp(max=cache.num_pages - 1)
-        holds = torch.gather((page_first < page_last)[:, None, :].expand(-1, pages.shape[1], -1), 2, at) & in_cache
-        within = torch.arange(pages.shape[-1], device=pages.device) < blocks.count[..., None].long() * n
-        keep = within & holds
-        # Kept pages first, in ascending order; the rest are padding past ``count``.
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
-        return Selection(torch.gather(at, 2, order).int(), keep.sum(-1).int(), block=self.stride)
+        # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
+        # ``indices[i]·block ..`` and skips those outside the row's visible span.
+        return choose_topk(scores, forced, k_max, count, block=self.block)
 
     def block_spans(self, cache: Any, nb: int) -> tuple[Tensor, Tensor]:
         """``(first, last) int64[B, NB]``: block ``k`` holds visible slots ``first .. last-1``."""
