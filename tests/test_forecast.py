@@ -269,3 +269,14 @@ def test_block_scores_of_empty_windows_are_minus_inf():
     # windows: (1·4+2·4)/8 = 1.5, (2·4)/4 = 2, empty, empty; block 0 sees windows 0..1, block 1 window 1..3
     assert out.tolist() == [[[2.0, 2.0]]]
     assert block_scores(scores, torch.zeros(1, 4, dtype=torch.long), 2, 2).eq(-math.inf).all()
+
+
+def test_untrained_heads_read_the_query_projection_through_a_decoders_wrapper(monkeypatch):
+    """A model another Decoder wrapped (its q/k/v fused on the kernel path) gives the same heads."""
+    model = tiny_model("llama")
+    before = ForecastHeads.from_model(model, rank=8)
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")  # the kernel path wraps the projections
+    Decoder(model)
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "SparseLinear"
+    after = ForecastHeads.from_model(model, rank=8)
+    assert torch.equal(before.down, after.down) and torch.equal(before.up, after.up)

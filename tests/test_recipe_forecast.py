@@ -260,7 +260,7 @@ def test_a_short_run_writes_heads_the_policy_decodes_with(tmp_path):
     loss = saved["loss"]
     assert len(loss) == 20 and all(math.isfinite(x) for x in loss)
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5
-    for heads in ("init", "trained"):
+    for heads in ("init", "trained", "oracle"):
         e = saved["eval"][heads]
         assert e["recall"] is not None and 0.0 <= e["recall"] <= 1.0 and e["recall_k"] in (1, 2, 4, 8, 16)
         assert set(e["recall_at"]) == {"1", "2", "4", "8", "16"}

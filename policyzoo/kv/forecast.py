@@ -110,6 +110,7 @@ class ForecastHeads(nn.Module):
         with torch.no_grad():
             for i, (block, attn) in enumerate(zip(layers, _compat.attention_modules(model))):
                 q_proj = getattr(attn, "q_proj", None)
+                q_proj = getattr(q_proj, "linear", q_proj)  # a projection a Decoder wrapped holds the linear
                 if q_proj is None or q_proj.weight.shape != (heads * head_dim, hidden):
                     continue
                 w = q_proj.weight.float().view(kv_heads, heads // kv_heads, head_dim, hidden).sum(1)  # [H_kv, D, d]

@@ -358,9 +358,10 @@ class Example:
     candidates: Tensor  # [P, NB]
     positions: Tensor  # [P]
     offset: int
+    oracle: Tensor  # [L, P, H_kv, NB]: block scores of the layer's own queries (`oracle_scores`)
 
     def nbytes(self) -> int:
-        parts = [self.inputs, self.means, self.counts, self.scales, self.teacher, self.candidates, self.positions]
+        parts = [self.inputs, self.means, self.counts, self.scales, self.teacher, self.candidates, self.positions, self.oracle]
         parts += list(self.rotary or ())
         return sum(t.numel() * t.element_size() for t in parts)
 
@@ -376,7 +377,20 @@ def make_example(model: nn.Module, ids: Tensor, positions: Tensor, offset: int, 
     teacher = torch.stack([teacher_distribution(cap.queries[i][:, positions], cap.keys[i], positions, cap.scales[i], geo, offset) for i in range(n)])
     candidates = candidate_blocks(positions, teacher.shape[-1], geo, offset)
     scales = torch.tensor([cap.scales[b] for b in below])
-    return Example(inputs, rotary, means, counts, scales, teacher, candidates, positions, offset)
+    oracle = oracle_scores(cap.queries[:, :, positions], means, counts, scales, geo)
+    return Example(inputs, rotary, means, counts, scales, teacher, candidates, positions, offset, oracle)
+
+
+def oracle_scores(queries: Tensor, means: Tensor, counts: Tensor, scales: Tensor, geo: Geometry) -> Tensor:
+    """``[L, P, H_kv, NB]``: the student's scoring fed with each layer's own queries ``[L, H, P, D]``
+    (after RoPE, averaged over each GQA group) instead of a head's forecast: what a perfect
+    forecast of the group's query would score with the policy's page means and blocks, the
+    reference the heads' recall is read against (not a strict bound: a head trained on the teacher
+    may rank better than the group's mean query)."""
+    n_layers, h, p, d = queries.shape
+    h_kv = means.shape[1]
+    grouped = queries.reshape(n_layers, h_kv, h // h_kv, p, d).mean(2).permute(0, 2, 1, 3)  # [L, P, H_kv, D]
+    return student_scores(grouped, None, means, counts, scales, geo)
 
 
 class ExampleStore:
@@ -464,17 +478,21 @@ def recall_ks(topk: int) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate_heads(heads: ForecastHeads, examples: Sequence[Example], geo: Geometry, topk: int, device: torch.device) -> dict[str, Any]:
-    """Held-out loss and recall of the teacher's top blocks by ``heads``: ``recall_at[k]`` is the mean
-    over (layer, position, group) rows with more than k candidates (None if there are none),
-    ``rows_at[k]`` how many; ``recall`` is at ``--topk-blocks`` or, when no row has that many
-    candidates (short chunks), at the largest k that has rows (``recall_k``)."""
-    queries_of = LayerQueries(heads).to(device).eval()
+def evaluate_heads(heads: ForecastHeads | None, examples: Sequence[Example], geo: Geometry, topk: int, device: torch.device) -> dict[str, Any]:
+    """Held-out loss and recall of the teacher's top blocks by ``heads`` (``None``: by the layers'
+    own queries, `oracle_scores`): ``recall_at[k]`` is the mean over (layer, position, group) rows
+    with more than k candidates (None if there are none), ``rows_at[k]`` how many; ``recall`` is at
+    ``--topk-blocks`` or, when no row has that many candidates (short chunks), at the largest k that
+    has rows (``recall_k``)."""
+    queries_of = None if heads is None else LayerQueries(heads).to(device).eval()
     ks = recall_ks(topk)
     sums, counts, losses = dict.fromkeys(ks, 0.0), dict.fromkeys(ks, 0), []
     for e in examples:
-        q = queries_of(e.inputs.to(device))
-        scores = student_scores(q, e.rotary, e.means.to(device), e.counts.to(device), e.scales.to(device), geo).cpu()
+        if queries_of is None:
+            scores = e.oracle
+        else:
+            q = queries_of(e.inputs.to(device))
+            scores = student_scores(q, e.rotary, e.means.to(device), e.counts.to(device), e.scales.to(device), geo).cpu()
         cand = e.candidates[None, :, None, :]
         losses.append(float(forecast_loss(scores, e.teacher, cand, topk)))
         for k in ks:
@@ -745,12 +763,13 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
     metrics["eval"] = {
         "init": evaluate_heads(initial, held, geo, args.topk_blocks, device),
         "trained": evaluate_heads(copy.deepcopy(final).float(), held, geo, args.topk_blocks, device),
+        "oracle": evaluate_heads(None, held, geo, args.topk_blocks, device),
         "positions": sum(len(e.positions) for e in held),
     }
     init_eval, trained_eval = metrics["eval"]["init"], metrics["eval"]["trained"]
-    print(f"held-out ({len(held)} chunks, {metrics['eval']['positions']} positions):")
+    print(f"held-out ({len(held)} chunks, {metrics['eval']['positions']} positions; oracle: the layers' own queries):")
     print(f"  {'heads':<8} {'loss':>8} " + " ".join(f"{'recall@' + k:>10}" for k in init_eval["recall_at"]))
-    for name, e in (("init", init_eval), ("trained", trained_eval)):
+    for name, e in (("init", init_eval), ("trained", trained_eval), ("oracle", metrics["eval"]["oracle"])):
         cells = " ".join(f"{'-' if v is None else format(v, '.4f'):>10}" for v in e["recall_at"].values())
         print(f"  {name:<8} {e['loss']:>8.4f} {cells}")
 
