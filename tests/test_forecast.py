@@ -68,7 +68,11 @@ def test_block_scores_are_the_best_overlapping_window_mean_key_score(data, cases
     block_pages, kernel_pages = geom
     policy, state, hidden = policy_on(case, 0.5, block_pages, kernel_pages, 0, 0)
     got = policy.scores(state, 0, hidden, None).double()
-    f = policy.predictor(hidden, 0)
+    # the head without its input norm: a positive factor per row, which changes no ranking
+    heads = policy.predictor
+    f = (hidden @ heads.down[0] @ heads.up[0]).view(case.b, case.h_kv, case.d)
+    norm = torch.rsqrt(hidden.pow(2).mean(-1) + 1e-6)
+    torch.testing.assert_close(heads(hidden, 0), f * norm[:, None, None])
     want = brute_block_scores(case, f, kernel_pages, block_pages)
     assert torch.equal(got == -math.inf, want == -math.inf)
     finite = want > -math.inf
@@ -155,31 +159,27 @@ def test_full_budget_decodes_as_dense():
     assert torch.equal(full, dense)
 
 
-class RecordingHeads(ForecastHeads):
-    """Heads that write down which head was asked, with what hidden state."""
+class RecordingForecast(Forecast):
+    """Forecast that writes down which layer's blocks it scored, from what hidden state."""
 
-    calls: list
-
-    def forward(self, hidden, layer):
+    def scores(self, state, layer, hidden, rotary):
         self.calls.append((layer, hidden.detach().clone()))
-        return super().forward(hidden, layer)
+        return super().scores(state, layer, hidden, rotary)
 
 
 def test_each_layer_is_chosen_one_layer_ahead_from_the_hidden_state_below():
     model = tiny_model("llama", layers=3)
     ids, mask = padded_batch(2, 50)
-    heads = ForecastHeads.from_model(model, rank=8)
-    recording = RecordingHeads(3, 64, 2, 16, 8)
-    recording.load_state_dict(heads.state_dict())
-    recording.calls = []
     # every block: the hidden states are dense, as HF's own forward computes them
-    out = Decoder(model, kv=Forecast(1.0, heads=recording, **SMALL)).generate(ids, 4, attention_mask=mask)
+    policy = RecordingForecast(1.0, rank=8, **SMALL)
+    policy.calls = []
+    out = Decoder(model, kv=policy).generate(ids, 4, attention_mask=mask)
     # per step: head 0 and head 1 at layer 0, head 2 at layer 1, nothing at layer 2 (the last)
-    assert [c[0] for c in recording.calls] == [0, 1, 2] * 3
+    assert [c[0] for c in policy.calls] == [0, 1, 2] * 3
     seq_mask = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
     with torch.no_grad():
         hf = model(out[:, :-1], attention_mask=seq_mask, position_ids=(seq_mask.cumsum(1) - 1).clamp(min=0), output_hidden_states=True)
-    for i, (head, hidden) in enumerate(recording.calls):
+    for i, (head, hidden) in enumerate(policy.calls):
         step = i // 3
         below = max(head - 1, 0)  # head i reads the hidden state entering layer i - 1 (head 0: layer 0)
         torch.testing.assert_close(hidden, hf.hidden_states[below][:, ids.shape[1] + step], atol=1e-4, rtol=1e-4)

@@ -177,18 +177,29 @@ def block_scores(page_scores: Tensor, counts: Tensor, kernel_pages: int, block_p
     ``page_scores [B, H, P]`` are scores of the pages' mean keys and ``counts [B, P]`` their visible
     tokens; a window of ``kernel_pages`` pages from page ``j`` scores the token-weighted mean of its
     pages' scores (the score of its mean key). Windows and blocks without visible tokens are ``-inf``.
+
+    Written as sums and maxima of shifted slices, not unfolds, so that a compiled step computes it
+    in one pointwise kernel over the blocks.
     """
     m, n = kernel_pages, block_pages
-    b, h, p = page_scores.shape
-    c = counts[:, None, :].float().expand(b, h, p)
-    weighted = torch.where(c > 0, page_scores * c, 0.0)
-    num = F.pad(weighted, (0, m - 1)).unfold(-1, m, 1).sum(-1)
-    den = F.pad(c, (0, m - 1)).unfold(-1, m, 1).sum(-1)
-    windows = torch.where(den > 0, num / den.clamp(min=1), -torch.inf)  # window j: pages j .. j+m-1
+    p = page_scores.shape[-1]
     nb = -(-p // n)
-    # Block k holds pages kn .. kn+n-1: windows from kn-m+1 to kn+n-1 overlap it.
-    padded = F.pad(windows, (m - 1, nb * n - p), value=-torch.inf)
-    return padded.unfold(-1, n + m - 1, n).amax(-1)
+    c = counts[:, None, :].float()
+    weighted = torch.where(c > 0, page_scores * c, 0.0)
+    # Windows start at pages -(m-1) .. nb·n-1 (index i is start i-m+1): that many windows, each over
+    # m consecutive pages of the padded page arrays.
+    w = nb * n + m - 1
+    pad = (m - 1, w - p)
+    weighted, c = F.pad(weighted, pad), F.pad(c.expand_as(page_scores), pad)
+    num = sum(weighted[..., t : t + w] for t in range(m))
+    den = sum(c[..., t : t + w] for t in range(m))
+    starts = torch.arange(w, device=page_scores.device) - (m - 1)
+    windows = torch.where((den > 0) & (starts >= 0), num / den.clamp(min=1), -torch.inf)  # none starts before page 0
+    # Block k holds pages kn .. kn+n-1: the windows starting at kn-m+1 .. kn+n-1 (indices kn .. kn+n+m-2).
+    blocks = windows[..., 0 : nb * n : n]
+    for u in range(1, n + m - 1):
+        blocks = torch.maximum(blocks, windows[..., u : u + nb * n : n])
+    return blocks
 
 
 @dataclass
@@ -260,7 +271,14 @@ class Forecast(KVSelector):
             raise RuntimeError("Forecast has no heads: give heads= (a trained file) or let a Decoder take the policy")
         if state.page_size != self.stride:
             raise ValueError(f"Forecast(stride={self.stride}) needs a cache with page_size={self.stride}, got {state.page_size}")
-        means = state.context.shared.setdefault("forecast.means", {})
+        shared = state.context.shared
+        if state.layer == 0:  # the heads' products, for `scores` (made here, eagerly, once per request)
+            p = self.predictor
+            weights = torch.matmul(p.down.float(), p.up.float()).to(p.down.dtype)
+            if weights.device.type == "cuda":
+                torch._dynamo.mark_static_address(weights)
+            shared["forecast.weights"] = weights
+        means = shared.setdefault("forecast.means", {})
         # The whole layer again (a chunked prefill calls this once per chunk), made here (eager):
         # decode steps update it in place, for CUDA graphs.
         value = page_means(state.keys, state.token_valid(), self.stride).to(state.keys.dtype)
@@ -296,10 +314,16 @@ class Forecast(KVSelector):
 
     # ------------------------------------------------------------------------------ scoring
     def scores(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
-        """``float32[B, H_kv, NB]``: layer ``layer``'s block scores by head ``layer``'s query."""
-        means = state.context.shared["forecast.means"][layer]
-        f = rotate(self.predictor(hidden, layer), rotary)  # [B, H_kv, D]
-        page_scores = torch.einsum("bhd,bhpd->bhp", f.to(means.dtype), means).float() * state.scale
+        """``float32[B, H_kv, NB]``: layer ``layer``'s block scores by head ``layer``'s query, up to a
+        positive factor per row (the head's input norm: it changes no ranking, so decoding skips it).
+
+        The head's two factors are multiplied once per request (`prefill`): one product per step
+        instead of two, at ``d_model · H_kv · D`` elements per layer."""
+        shared = state.context.shared
+        means, weight = shared["forecast.means"][layer], shared["forecast.weights"][layer]
+        p = self.predictor
+        f = rotate((hidden.to(weight.dtype) @ weight).float().unflatten(-1, (p.kv_heads, p.head_dim)), rotary)
+        page_scores = torch.matmul(means, f.to(means.dtype)[..., None])[..., 0].float() * state.scale
         return block_scores(page_scores, state.cache.page_counts(), self.kernel // self.stride, self.block // self.stride)
 
     def choose(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Selection:
