@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("policyzoo", "benchmarks")
+PACKAGES = ("policyzoo", "benchmarks", "recipes")
 
 
 def module_name(path: Path) -> str:

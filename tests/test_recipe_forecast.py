@@ -129,8 +129,9 @@ def test_recall_counts_the_shared_top_blocks_where_there_is_a_choice():
 # ------------------------------------------------------------------------------------ student
 def test_student_scores_are_what_the_policy_scores_when_it_decodes():
     """The same prompt decoded by a Decoder (full budget, so the hidden states are dense): the block
-    scores `Forecast.scores` makes for each layer at the first step equal the recipe's student scores
-    on every candidate block, the candidates are exactly the blocks the policy does not force, and
+    scores `Forecast.scores` makes for each layer at the first step are the recipe's student scores
+    on every candidate block (times the head's input norm, which decoding skips: a positive factor
+    per row, ranking nothing), the candidates are exactly the blocks the policy does not force, and
     the ranking agrees. The prompt's length is not a multiple of the block, so the slot offset counts."""
     model = tiny_model("llama", layers=3)
     heads = ForecastHeads.from_model(model, rank=8)
@@ -143,7 +144,8 @@ def test_student_scores_are_what_the_policy_scores_when_it_decodes():
         first, last = policy.block_spans(state.cache, out.shape[-1])
         cache = state.cache
         forced = (first < cache.start[:, None] + policy.sinks) | (last > cache.length - max(policy.window, 1))
-        seen.append((layer, out[0].clone(), ((first < last) & ~forced)[0].clone()))
+        norm = hidden[0].float().pow(2).mean().add(1e-6).sqrt()  # the RMS norm the heads apply in training
+        seen.append((layer, out[0].clone() / norm, ((first < last) & ~forced)[0].clone()))
         return out
 
     policy.scores = recording

@@ -10,10 +10,12 @@ positions ``t``:
   queries, averaged over each GQA group's query heads, each window's mass credited to the block
   holding its first token, restricted to the blocks the policy may choose (not the forced ones) and
   renormalised;
-- the **student** (what the policy would score at ``t``): the very functions `Forecast.scores`
-  calls at inference (`ForecastHeads.forward`, `rotate`, `page_means`, `block_scores`), head ``i``
-  reading the hidden state entering layer ``i - 1`` (head 0: layer 0) and scoring layer ``i``'s page
-  means, then a softmax over the same candidate blocks.
+- the **student** (what the policy would score at ``t``): the policy's own functions
+  (`ForecastHeads.forward`, `rotate`, `page_means`, `block_scores`), head ``i`` reading the hidden
+  state entering layer ``i - 1`` (head 0: layer 0) and scoring layer ``i``'s page means, then a
+  softmax over the same candidate blocks. These are `Forecast.scores`'s scores at inference up to
+  a positive factor per (layer, position): decoding skips the head's input RMS norm, which ranks
+  nothing, while here it keeps the softmax's temperature independent of the hidden state's size.
 
 Blocks and pages are laid out in the cache's slot frame, as at inference: a decode session places
 the prompt so that it ends on a block boundary (`DecodeSession.prompt_slot`), so token ``j`` sits in
@@ -275,8 +277,9 @@ def slot_page_means(keys: Tensor, offset: int, stride: int) -> tuple[Tensor, Ten
 
 
 def student_scores(queries: Tensor, rotary: tuple[Tensor, Tensor] | None, means: Tensor, counts: Tensor, scales: Tensor, geo: Geometry) -> Tensor:
-    """``[L, P, H_kv, NB]``: the block scores `Forecast.scores` computes at inference, for every
-    layer and position at once: the heads' queries ``[L, P, H_kv, D]`` (before RoPE) rotated with
+    """``[L, P, H_kv, NB]``: the block scores `Forecast.scores` computes at inference (divided by
+    the hidden state's RMS, which decoding leaves out), for every layer and position at once: the
+    heads' queries ``[L, P, H_kv, D]`` (before RoPE) rotated with
     the positions' ``rotary [P, D_rot]``, scored against the layer's page means ``[L, H_kv, pages,
     D]`` times ``scales [L]`` (the softmax scale the selecting layer's state holds), windows and
     blocks by `block_scores` with the pages' visible ``counts``."""
@@ -578,6 +581,16 @@ def plot_loss(history: Sequence[float], title: str, path: Path) -> Path:
     return path
 
 
+def recall_title(model: str, evaluation: dict) -> str:
+    """The plot's title: held-out recall@1 and at the headline k, untrained → trained (oracle)."""
+    parts = []
+    for k in dict.fromkeys(["1", str(evaluation["init"]["recall_k"])]):
+        values = [evaluation[h]["recall_at"].get(k) for h in ("init", "trained", "oracle")]
+        if None not in values:
+            parts.append(f"@{k} {values[0]:.3f} → {values[1]:.3f} (oracle {values[2]:.3f})")
+    return f"Forecast heads, {model}: held-out recall " + ", ".join(parts or ["n/a"])
+
+
 def write_metrics(path: Path, metrics: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(metrics, f, indent=1)
@@ -780,9 +793,7 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
         metrics["timing"]["task_eval_s"] = round(time.perf_counter() - t_eval, 1)
         print(format_tasks(rows))
     metrics["timing"]["total_s"] = round(time.perf_counter() - t_start, 1)
-    k = init_eval["recall_k"]
-    recall = "n/a" if k is None else f"{init_eval['recall']:.3f} (init) → {trained_eval['recall']:.3f}"
-    plot_loss(history, f"Forecast heads, {args.model}: held-out recall@{k} {recall}", out / "loss.png")
+    plot_loss(history, recall_title(args.model, metrics["eval"]), out / "loss.png")
     write_metrics(out / "metrics.json", metrics)
     print(f"wrote {heads_file}, {out / 'metrics.json'}, {out / 'loss.png'} ({metrics['timing']['total_s']:.0f} s)")
     return metrics
