@@ -7,7 +7,7 @@
 
 from .cache import PagedKVCache
 from .decoder import Decoder
-from .kv import SSA, AttentionTopK, Certified, Dense, DepthSchedule, EntmaxKV, Forecast, KVSelector, KVState, PrHS, Quest, Window
+from .kv import SSA, AttentionTopK, Certified, CommunityKV, Dense, DepthSchedule, EntmaxKV, Forecast, KVSelector, KVState, PrHS, Quest, Window
 from .kv.context import StepContext
 from .proj import ProjectionSparsifier, Threshold, TopK
 from .selection import Selection
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionTopK",
     "Certified",
+    "CommunityKV",
     "DecodeSession",
     "Decoder",
     "Dense",

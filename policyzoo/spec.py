@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .kv import SSA, AttentionTopK, Dense, EntmaxKV, Forecast, KVSelector, PrHS, Quest, Window
+from .kv import SSA, AttentionTopK, CommunityKV, Dense, EntmaxKV, Forecast, KVSelector, PrHS, Quest, Window
 from .proj import ProjectionSparsifier, Threshold, TopK
 
 # name -> class; a class's dataclass fields are its spec parameters, in order.
@@ -47,6 +47,7 @@ KV_POLICIES: dict[str, type] = {
     "entmax-kv": EntmaxKV,
     "prhs": PrHS,
     "forecast": Forecast,
+    "community-kv": CommunityKV,
 }
 PROJ_SPARSIFIERS: dict[str, type] = {
     "topk": TopK,

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import padded_batch, tiny_model
 
-from policyzoo import SSA, AttentionTopK, Certified, Decoder, EntmaxKV, Forecast, PrHS, Quest, Window
+from policyzoo import SSA, AttentionTopK, Certified, CommunityKV, Decoder, EntmaxKV, Forecast, PrHS, Quest, Window
 from policyzoo.eval.audit import Audit
 
 
@@ -248,13 +248,15 @@ BUILTIN_POLICIES = {
     "prhs": lambda: PrHS(Quest(0.3, page=4, sinks=2, window=2), time=0.5, layer=(0, 0)),
     "prhs-certified": lambda: PrHS(Quest(0.3, page=4, sinks=2, window=2), eps=0.5, time=0.5, layer=(0, 0)),
     "forecast": lambda: Forecast(0.3, block=8, kernel=8, stride=4, sinks=2, window=2, rank=4),
+    "community-kv": lambda: CommunityKV(0.3, sinks=2, window=2),
+    "community-kv-head": lambda: CommunityKV(0.3, sinks=2, window=2, graph="head"),
 }
 
 
 def test_the_policy_list_covers_every_registered_policy():
     from policyzoo.spec import KV_POLICIES
 
-    names = {"dense", "window", "attn-topk", "quest", "ssa", "entmax-kv", "prhs", "forecast"}
+    names = {"dense", "window", "attn-topk", "quest", "ssa", "entmax-kv", "prhs", "forecast", "community-kv"}
     assert set(KV_POLICIES) == names, "a new policy must join BUILTIN_POLICIES (and the batch-invariance test)"
 
 

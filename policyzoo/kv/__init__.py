@@ -1,5 +1,6 @@
 from .base import KVSelector, KVState
 from .certified import Certified, certified_dropped_mass, grow_until_certified
+from .communitykv import CommunityKV
 from .dense import Dense
 from .entmax import EntmaxKV
 from .forecast import Forecast, ForecastHeads
@@ -12,6 +13,7 @@ from .window import Window
 __all__ = [
     "AttentionTopK",
     "Certified",
+    "CommunityKV",
     "DepthSchedule",
     "Dense",
     "EntmaxKV",

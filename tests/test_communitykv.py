@@ -1,0 +1,230 @@
+"""Contract of `policyzoo.kv.CommunityKV` (issue 20): its communities cover every visible token once,
+its selection holds the forced tokens and the best-scored communities within the budget, appends keep
+every centroid the mean of its community's keys, a full budget decodes as dense, it decodes compiled
+with one graph, and a missing extra says how to install it."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import padded_batch, tiny_model
+
+from policyzoo import Decoder
+from policyzoo.kv import CommunityKV
+from policyzoo.spec import parse_kv
+
+SETTINGS = settings(max_examples=30, deadline=None)
+SMALL = dict(sinks=2, window=2)
+
+
+@st.composite
+def community_args(draw):
+    if draw(st.booleans()):
+        budget = draw(st.integers(1, 60))
+    else:
+        budget = draw(st.floats(1e-3, 1.0))
+    return dict(
+        budget=budget, sinks=draw(st.integers(0, 6)), window=draw(st.integers(1, 12)), top=draw(st.integers(1, 8)),
+        mix=draw(st.sampled_from([0.0, 0.5, 1.0])), graph=draw(st.sampled_from(["group", "head"])),
+        resolution=draw(st.sampled_from([10.0, 100.0, 1000.0])),
+    )  # fmt: skip
+
+
+def prefilled(case, policy, seed=0):
+    """``policy`` prefilled on ``case``'s one-layer cache, from random queries at every slot."""
+    state = case.state()
+    q = torch.randn(case.b, case.h, case.length, case.d, generator=torch.Generator().manual_seed(seed))
+    policy.prefill(state, q * 2, None, None)
+    return state
+
+
+def append_tokens(case, policy, state, n, seed=1):
+    """Write ``n`` decode tokens into ``case``'s cache as the Decoder does, telling the policy."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        case.cache.length += 1
+        k = torch.randn(case.b, case.h_kv, 1, case.d, generator=gen)
+        case.cache.write(0, k, torch.randn(case.b, case.h_kv, 1, case.d, generator=gen))
+        policy.append(state, k, None)
+
+
+def units(case, policy):
+    return case.h_kv if policy.graph == "group" else case.h
+
+
+def community_scores(case, policy, state):
+    """Per (row, KV head): ``[(members, score)]`` of its candidate communities, each score recomputed
+    from the members' keys (``scale · q · mean``, the group's best query head in group mode)."""
+    keys = case.cache.keys[0].double()
+    q = case.q.double()
+    g = case.g
+    out = {}
+    for r in range(case.b):
+        for hk in range(case.h_kv):
+            found = []
+            for u in ([hk] if policy.graph == "group" else range(hk * g, (hk + 1) * g)):
+                heads = range(hk * g, (hk + 1) * g) if policy.graph == "group" else [u]
+                for members in policy.members(state, r, u):
+                    mean = keys[r, hk, members].mean(0)
+                    found.append((members, max(case.scale * float(q[r, x] @ mean) for x in heads)))
+            out[r, hk] = found
+    return out
+
+
+@SETTINGS
+@given(data=st.data(), args=community_args(), leiden=st.sampled_from(["igraph", "leidenalg"]), appends=st.integers(0, 4))
+def test_communities_cover_every_visible_token_exactly_once(data, cases, args, leiden, appends):
+    case = data.draw(cases(min_extra=4))
+    policy = CommunityKV(leiden=leiden, **args)
+    state = prefilled(case, policy)
+    append_tokens(case, policy, state, appends)
+    for r in range(case.b):
+        for u in range(units(case, policy)):
+            members = policy.members(state, r, u)
+            assert all(members), "no empty community"
+            flat = [t for c in members for t in c]
+            assert sorted(flat) == case.visible_tokens(r), f"row {r} unit {u}"
+
+
+@SETTINGS
+@given(data=st.data(), args=community_args(), appends=st.integers(0, 4))
+def test_the_policy_contract_on_filled_caches(data, cases, contract, args, appends):
+    case = data.draw(cases(min_extra=4))
+    policy = CommunityKV(**args)
+    state = prefilled(case, policy)
+    for step in range(appends + 1):
+        if step:
+            append_tokens(case, policy, state, 1, seed=step)
+        sel = policy.select(state, case.q)
+        assert sel.block == 1 and sel.log_weight is None
+        contract.check_entries(sel, case, policy.sinks, policy.window, pages=False)
+        contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window, pages=False)
+        contract.check_error_bound(sel, case)
+        for r in range(case.b):
+            for hk in range(case.h_kv):
+                kept = contract.selected(sel, r, hk)
+                assert kept == sorted(set(kept)), "ascending and unique"
+
+
+@SETTINGS
+@given(data=st.data(), args=community_args(), appends=st.integers(0, 3))
+def test_the_selection_holds_the_best_scored_communities(data, cases, contract, args, appends):
+    """Whole communities in score order fill the budget, the last one cut: every kept unforced token
+    lies in a community scoring at least the second best of those with a token left out (the best of
+    them may be the cut one), up to the ranking's bf16 precision."""
+    case = data.draw(cases(min_extra=4))
+    policy = CommunityKV(**args)
+    state = prefilled(case, policy)
+    append_tokens(case, policy, state, appends)
+    sel = policy.select(state, case.q)
+    scores = community_scores(case, policy, state)
+    for r in range(case.b):
+        forced = case.forced_tokens(r, policy.sinks, policy.window)
+        for hk in range(case.h_kv):
+            kept = set(contract.selected(sel, r, hk))
+            left = sorted((s for members, s in scores[r, hk] if any(t not in kept and t not in forced for t in members)), reverse=True)
+            if len(left) < 2:
+                continue
+            bar = left[1] - 2**-7 * abs(left[1]) - 1e-5
+            for t in kept - forced:
+                best = max(s for members, s in scores[r, hk] if t in members)
+                assert best >= bar, f"row {r} head {hk}: token {t} kept through a community of score {best} < {left[1]}"
+
+
+@pytest.mark.parametrize("graph", ["group", "head"])
+def test_appends_keep_every_centroid_the_mean_of_its_keys(graph):
+    model = tiny_model("qwen3", layers=2)
+    ids, mask = padded_batch(3, 30)
+    policy = CommunityKV(0.4, graph=graph, **SMALL)
+    dec = Decoder(model, kv=policy)
+    dec.generate(ids, 12, attention_mask=mask)
+    cache = dec.session.cache
+    for layer, state in enumerate(dec.session.runtime.states):
+        centroid, size = state.store["centroid"], state.store["size"]
+        per_kv = centroid.shape[1] // cache.num_kv_heads
+        for r in range(cache.batch):
+            visible = list(range(int(cache.start[r]), int(cache.length)))
+            for u in range(centroid.shape[1]):
+                members = policy.members(state, r, u)
+                assert sorted(t for c in members for t in c) == visible  # the 11 appended tokens included
+                want = torch.stack([cache.keys[layer][r, u // per_kv, c].double().mean(0) for c in members])
+                torch.testing.assert_close(centroid[r, u, : len(members)].double(), want, rtol=1e-5, atol=1e-5)
+                assert size[r, u, : len(members)].tolist() == [len(c) for c in members]
+    assert policy.clustering.tokens == sum(30 - 3 * i for i in range(3))
+    assert policy.clustering.graphs == 2 * 3 * centroid.shape[1] and policy.clustering.leiden_seconds > 0
+
+
+@pytest.mark.parametrize("graph", ["group", "head"])
+def test_full_budget_decodes_as_dense(graph):
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch(2, 50)
+    dense = Decoder(model).generate(ids, 8, attention_mask=mask)
+    full = Decoder(model, kv=CommunityKV(1.0, graph=graph, **SMALL)).generate(ids, 8, attention_mask=mask)
+    assert torch.equal(full, dense)
+
+
+def test_compiled_steps_replay_one_graph_and_match_eager():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", layers=1)
+    ids, mask = padded_batch(2, 45)
+    eager = Decoder(copy.deepcopy(model), kv=CommunityKV(0.3, **SMALL)).generate(ids, 30, attention_mask=mask)
+    dense = Decoder(copy.deepcopy(model)).generate(ids, 30, attention_mask=mask)
+    assert not torch.equal(eager, dense)  # the selection matters: the test has power
+    torch._dynamo.reset()
+    counters.clear()
+    dec = Decoder(model, kv=CommunityKV(0.3, **SMALL), compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = dec.generate(ids, 30, attention_mask=mask)
+        second = dec.generate(ids, 30, attention_mask=mask)
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["recompiles"].values()) == 0
+
+
+@pytest.mark.parametrize("leiden, missing", [("igraph", "igraph"), ("leidenalg", "leidenalg"), ("leidenalg", "igraph")])
+def test_a_missing_extra_says_how_to_install_it(make_case, monkeypatch, leiden, missing):
+    case = make_case(b=1, h_kv=1, g=2, d=8, page=4, prompt=12, steps=0, starts=[0], seed=0)
+    monkeypatch.setitem(sys.modules, missing, None)  # `import` of a None entry raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "policyzoo\[community\]"'):
+        prefilled(case, CommunityKV(0.5, leiden=leiden))
+
+
+def test_select_before_a_prefill_says_what_it_needs(make_case):
+    case = make_case(b=1, h_kv=1, g=2, d=8, page=4, prompt=12, steps=0, starts=[0], seed=0)
+    for call in (lambda p, s: p.select(s, case.q), lambda p, s: p.append(s, case.real_k[:, :, :1], None)):
+        with pytest.raises(RuntimeError, match="prefill"):
+            call(CommunityKV(0.5), case.state())
+
+
+def test_the_spec_builds_it():
+    policy = parse_kv("community-kv:0.1,graph=head,resolution=30.0,leiden=leidenalg")
+    assert policy == CommunityKV(0.1, graph="head", resolution=30.0, leiden="leidenalg")
+    assert parse_kv("community-kv:0.1") == CommunityKV(0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        (dict(budget=0), ValueError, "budget"),
+        (dict(budget=1.5), ValueError, "budget"),
+        (dict(top=0), ValueError, "top"),
+        (dict(mix=1.5), ValueError, "mix"),
+        (dict(mix="x"), ValueError, "mix"),
+        (dict(graph="layer"), ValueError, "graph"),
+        (dict(resolution=0.0), ValueError, "resolution"),
+        (dict(resolution=math.inf), ValueError, "resolution"),
+        (dict(leiden="louvain"), ValueError, "leiden"),
+        (dict(sinks=-1), ValueError, "sinks"),
+        (dict(window=0), ValueError, "window"),
+        (dict(seed=1.5), TypeError, "seed"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        CommunityKV(**kwargs)
