@@ -286,7 +286,9 @@ class CommunityKV(KVSelector):
             else:  # igraph draws from a Python random generator: a fresh one per graph, then the default again
                 igraph.set_random_number_generator(random.Random(self.seed))
                 try:
-                    found = g.community_leiden(objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2).membership
+                    found = g.community_leiden(
+                        objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2
+                    ).membership
                 finally:
                     igraph.set_random_number_generator(random)
             return torch.tensor(found, dtype=torch.long)
@@ -317,6 +319,8 @@ class CommunityKV(KVSelector):
         size.scatter_add_(2, nearest, fits.long())
 
     def select(self, state: KVState, q: Tensor) -> Selection:
+        """The sinks, the window and the best-scored communities' tokens, ``count`` of them at most
+        (a token selection in ascending slot order; see the module docstring)."""
         store = state.store
         if "order" not in store:
             raise RuntimeError(_NO_PREFILL)
@@ -353,22 +357,26 @@ class CommunityKV(KVSelector):
         rank = torch.searchsorted(ends, p.contiguous(), right=True)
         within = rank < m
         rank = rank.clamp(max=m - 1)
-        first = torch.gather(ends - ranked_sizes, 2, rank)
+        range_start = torch.gather(ends - ranked_sizes, 2, rank)  # of the community, in the concatenation
         community = torch.gather(best, 2, rank)
         stride = order.shape[-1]
-        where = (community // c) * stride + torch.gather(offset.view(b, h_kv, m), 2, community) + p - first
+        where = (community // c) * stride + torch.gather(offset.view(b, h_kv, m), 2, community) + p - range_start
+        # Past the chosen ranges (``~within``) the arithmetic can point beyond the layout: clamped,
+        # and masked out below.
+        where = where.clamp(0, per_kv * stride - 1)
         slots = torch.gather(order.view(b, h_kv, per_kv * stride), 2, where).long()
         ok = within & cache.visible_at(slots) & ~forced_at(state, slots, self.sinks, self.window)
 
         # Each token once (its first position), then the first `free` of them.
         capacity = cache.capacity
         by_slot, at = torch.sort(torch.where(ok, slots, capacity), dim=-1, stable=True)
-        new = torch.ones_like(ok)
-        new[..., 1:] = by_slot[..., 1:] != by_slot[..., :-1]
-        unique = torch.zeros_like(ok).scatter(2, at, new & (by_slot < capacity))
+        first_seen = torch.ones_like(ok)
+        first_seen[..., 1:] = by_slot[..., 1:] != by_slot[..., :-1]
+        unique = torch.zeros_like(ok).scatter(2, at, first_seen & (by_slot < capacity))
         take = unique & (unique.cumsum(-1) <= free)
 
-        chosen = torch.cat([torch.where(take, slots, capacity), torch.where(forced_ok, forced_slots, capacity)[:, None].expand(b, h_kv, -1)], -1)
+        forced = torch.where(forced_ok, forced_slots, capacity)[:, None].expand(b, h_kv, -1)
+        chosen = torch.cat([torch.where(take, slots, capacity), forced], -1)
         chosen = torch.sort(chosen, dim=-1).values[..., :k_max]
         count = n_forced[:, None] + take.sum(-1)
         indices = torch.where(chosen < capacity, chosen, 0).int()
