@@ -119,12 +119,13 @@ class PagedKVCache:
         shape = (self.batch,) + (1,) * (slots.dim() - 1)
         return (slots >= self.start.view(shape)) & (slots < self.length.reshape(-1, *shape[1:]))
 
-    def page_spans(self) -> tuple[Tensor, Tensor]:
-        """``(first, last) int64[B, pages]``: page ``p`` of row ``b`` holds visible slots
-        ``first .. last-1`` (none when ``first >= last``)."""
-        lo = torch.arange(self.num_pages, device=self.device) * self.page_size
+    def page_spans(self, size: int | None = None) -> tuple[Tensor, Tensor]:
+        """``(first, last) int64[B, units]``: unit ``p`` (a page, or a run of ``size`` slots, e.g. a
+        policy's block) of row ``b`` holds visible slots ``first .. last-1`` (none when ``first >= last``)."""
+        size = size or self.page_size
+        lo = torch.arange(-(-self.capacity // size), device=self.device) * size
         first = torch.maximum(lo, self.start[:, None])
-        last = torch.minimum(lo + self.page_size, self.length.expand(self.batch)[:, None])
+        last = torch.minimum(lo + size, self.length.expand(self.batch)[:, None])
         return first, last
 
     def page_counts(self) -> Tensor:

@@ -141,7 +141,7 @@ def test_student_scores_are_what_the_policy_scores_when_it_decodes():
 
     def recording(state, layer, hidden, rotary):
         out = scores_of(state, layer, hidden, rotary)
-        first, last = policy.block_spans(state.cache, out.shape[-1])
+        first, last = state.cache.page_spans(policy.block)
         cache = state.cache
         forced = (first < cache.start[:, None] + policy.sinks) | (last > cache.length - max(policy.window, 1))
         norm = hidden[0].float().pow(2).mean().add(1e-6).sqrt()  # the RMS norm the heads apply in training

@@ -331,7 +331,7 @@ class Forecast(KVSelector):
         cache = state.cache
         scores = self.scores(state, layer, hidden, rotary)
         nb = scores.shape[-1]
-        first, last = self.block_spans(cache, nb)
+        first, last = cache.page_spans(self.block)
         scores = scores.masked_fill(~(first < last)[:, None, :], -torch.inf)
         forced = (first < last) & ((first < cache.start[:, None] + self.sinks) | (last > cache.length - max(self.window, 1)))
         n_visible = (first < last).sum(-1)
@@ -345,13 +345,6 @@ class Forecast(KVSelector):
         # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
         # ``indices[i]·block ..`` and skips those outside the row's visible span.
         return choose_topk(scores, forced, k_max, count, block=self.block)
-
-    def block_spans(self, cache: Any, nb: int) -> tuple[Tensor, Tensor]:
-        """``(first, last) int64[B, NB]``: block ``k`` holds visible slots ``first .. last-1``."""
-        lo = torch.arange(nb, device=cache.start.device) * self.block
-        first = torch.maximum(lo, cache.start[:, None])
-        last = torch.minimum(lo + self.block, cache.length.expand(cache.batch)[:, None])
-        return first, last
 
     # ---------------------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> Path:
