@@ -16,7 +16,7 @@ import torch
 
 import inspect
 
-from policyzoo import SSA, AttentionTopK, Decoder, EntmaxKV, Forecast, PrHS, Quest, Threshold, TopK
+from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, PrHS, Quest, Threshold, TopK
 from policyzoo.bytes import BUILTIN
 from policyzoo.timing import time_ms
 
@@ -86,6 +86,9 @@ def settings() -> dict[str, tuple]:
         # the model's query projections: random weights train nothing), the first and last 64 tokens kept.
         "forecast0.1": (lambda: Forecast(0.1), None, 1.0, 0.1),
         "forecast0.2": (lambda: Forecast(0.2), None, 1.0, 0.2),
+        # CommunityKV: Leiden communities of the prefill's attention graph (of a random prompt on
+        # random weights: the speed of its decode, and what the prefill's clustering costs).
+        "community-kv0.1": (lambda: CommunityKV(0.1), None, 1.0, 0.1),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
@@ -126,6 +129,26 @@ def _selection_ratio_of(policy, r_kv: float) -> float:
     # fp32 mean and std (EntmaxKV's Gaussian) weigh twice the bf16 min and max
     wide = 1.0 + (2.0 if "page_mean" in policy.summaries else 0.0)
     return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide)
+
+
+def community_report(dec: Decoder) -> dict:
+    """For a Decoder whose policy is `CommunityKV`, after its requests: the prefills' clustering time
+    per 1,000 prompt tokens (graph and Leiden seconds summed over the worker processes, and the
+    wall time the session waited for them after the forward), and ``r_select`` as read: every
+    unit's padded table of centroids in the cache's dtype (half a token's key and value bytes per
+    community), which decode scores, against the cache's keys and values. Empty for other policies."""
+    policy = dec.session.runtime.policy
+    if not isinstance(policy, CommunityKV):
+        return {}
+    c = policy.clustering
+    per = 1000 / max(c.tokens, 1)
+    store, cache = dec.session.runtime.states[0].store, dec.session.cache
+    _, units, slots, _ = store["centroid_key"].shape
+    n = int(cache.length - cache.start.max())
+    per_centroid = store["centroid_key"].element_size() / (2 * cache.keys[0].element_size())  # of a token's key and value
+    return {"clustering_graph_s_per_1k": c.graph_seconds * per, "clustering_leiden_s_per_1k": c.leiden_seconds * per,
+            "clustering_wait_s_per_1k": c.wait_seconds * per, "communities": int((store["size"] > 0).sum(-1).float().mean()),
+            "r_select": units * slots * per_centroid / (cache.num_kv_heads * n)}
 
 
 def decoder(model, name: str) -> Decoder:

@@ -300,12 +300,15 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             row.update(e2e.measure(dec, b, n, new_tokens))
             row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
             union = None if b == 1 or r_p == 1 else 1.0
-            sel = common.selection_ratio(name)
+            row.update(common.community_report(dec))
+            sel = row.get("r_select", common.selection_ratio(name))
             floor = acct.floor_ms(n, bw, r_p, r_kv, batch=b, union_keep=union, r_select=sel)
             row.update({"r_select": sel, "floor_ms": floor, "ms/floor": row["generate_ms"] / floor, "tok/s": b * 1e3 / row["generate_ms"]})
             print(f"generate b={b} n={n:>7} {name:<16} generate {row['generate_ms']:7.3f} ms/token (median {row['generate_median_ms']:.3f}), "
                   f"step {row['step_ms']:7.3f} ms, x{row['generate/step']:.3f}; floor {floor:.3f} ms; {row['tokens']} tokens; "
-                  f"setup {row['setup_s']:.1f}s", flush=True)
+                  f"setup {row['setup_s']:.1f}s" + (f"; clustering per 1K tokens: graph {row['clustering_graph_s_per_1k']:.2f}s "
+                  f"leiden {row['clustering_leiden_s_per_1k']:.2f}s (cpu), waited {row['clustering_wait_s_per_1k']:.2f}s, "
+                  f"{row['communities']} communities, r_select {sel:.3f}" if "communities" in row else ""), flush=True)
         rows.append(row)
         save()
     decoders.clear()

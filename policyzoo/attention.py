@@ -137,6 +137,7 @@ def policyzoo_attention(
             out = prefill_attention(query, key, value, cache.start - base, scale, runtime.prefill_padded)
         runtime.policy.prefill(state, query, key, value)
         if runtime.prefill_last and runtime.contexts.keep_previous:  # step 0's "previous": the prompt's last token's
+            runtime.policy.finish_prefill([state])
             runtime.contexts.seed_previous(layer, runtime.policy.select(state, query[:, :, -1]))
         return out.transpose(1, 2), None
     if query.shape[2] != 1:

@@ -265,6 +265,7 @@ class DecodeSession:
                         input_ids=input_ids[:, first:last], position_ids=positions[:, first:last], use_cache=False,
                         logits_to_keep=keep_logits if last == t else 1,
                     )  # fmt: skip
+                self.runtime.policy.finish_prefill(self.runtime.states)
         finally:
             runtime.prompt_slot, runtime.prefill_padded, runtime.prefill_offset, runtime.prefill_last = 0, True, 0, True
         return out.logits
@@ -333,7 +334,10 @@ class DecodeSession:
                 q = torch.randn(q_shape, generator=generator, device=self.device).to(self.dtype)
                 policy.prefill(state, q, cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n])
                 if self.contexts.keep_previous:
+                    policy.finish_prefill([state])
                     self.contexts.seed_previous(layer, policy.select(state, q[:, :, -1]))
+        if self.needs_own_prefill():
+            policy.finish_prefill(self.runtime.states)
 
     def rewind(self, length: int) -> None:
         """Set every row's length back to ``length`` tokens (a benchmark times the same slot again)."""

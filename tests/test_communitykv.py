@@ -156,8 +156,42 @@ def test_appends_keep_every_centroid_the_mean_of_its_keys(graph):
                 want = torch.stack([cache.keys[layer][r, u // per_kv, c].double().mean(0) for c in members])
                 torch.testing.assert_close(centroid[r, u, : len(members)].double(), want, rtol=1e-5, atol=1e-5)
                 assert size[r, u, : len(members)].tolist() == [len(c) for c in members]
+        assert torch.equal(state.store["centroid_key"], centroid.to(cache.dtype))  # what decode scores
     assert policy.clustering.tokens == sum(30 - 3 * i for i in range(3))
     assert policy.clustering.graphs == 2 * 3 * centroid.shape[1] and policy.clustering.leiden_seconds > 0
+
+
+@pytest.mark.parametrize("graph", ["group", "head"])
+def test_a_new_token_joins_the_nearest_candidate_with_room(make_case, graph):
+    """The local rule: one of the last query's best communities (`recent`), the nearest by key among
+    those with room; the roomiest community when none has room."""
+    case = make_case(b=1, h_kv=2, g=2, d=8, page=4, prompt=40, steps=0, starts=[0], seed=0, extra=4)
+    policy = CommunityKV(0.5, graph=graph, candidates=2, **SMALL)
+    state = prefilled(case, policy)
+    policy.select(state, case.q)  # ranks the communities: `recent` becomes this query's best
+    store = state.store
+    units = store["size"].shape[1]
+    for full in (False, True):
+        recent = store["recent"].clone()
+        size, room = store["size"].clone(), store["room"]
+        if full:  # no candidate has room left
+            store["size"].scatter_(2, recent, torch.gather(room, 2, recent))
+            size = store["size"].clone()
+            assert ((room - size) > 0).any(-1).all()  # but some other community has
+        case.cache.length += 1
+        k = torch.randn(1, 2, 1, 8, generator=torch.Generator().manual_seed(int(full)))
+        case.cache.write(0, k, torch.zeros_like(k))
+        centroid = store["centroid"].clone()
+        policy.append(state, k, None)
+        for u in range(units):
+            joined = int((store["size"][0, u] - size[0, u]).argmax())
+            assert int((store["size"][0, u] - size[0, u]).sum()) == 1
+            if full:
+                assert joined == int((room[0, u] - size[0, u]).argmax())
+            else:
+                key = k[0, u // (units // 2), 0]
+                dist = {int(c): float((centroid[0, u, c] - key).square().sum()) for c in recent[0, u]}
+                assert joined == min(dist, key=dist.get)
 
 
 @pytest.mark.parametrize("graph", ["group", "head"])
@@ -185,6 +219,23 @@ def test_compiled_steps_replay_one_graph_and_match_eager():
         second = dec.generate(ids, 30, attention_mask=mask)
     assert torch.equal(first, eager) and torch.equal(second, eager)
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["recompiles"].values()) == 0
+
+
+def test_worker_processes_make_the_communities_this_process_makes():
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch(2, 40)
+    inline, pooled = CommunityKV(0.3, workers=1, **SMALL), CommunityKV(0.3, workers=2, **SMALL)
+    runs = []
+    for policy in (inline, pooled):
+        dec = Decoder(copy.deepcopy(model), kv=policy)
+        runs.append((dec.generate(ids, 10, attention_mask=mask), [dict(s.store) for s in dec.session.runtime.states]))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        for name in ("order", "offset", "size", "room", "centroid"):
+            assert torch.equal(a[name], b[name]), name
+    assert pooled._pool is not None and inline._pool is None  # the pool ran the graphs
+    assert pooled.clustering.graphs == inline.clustering.graphs == 2 * 2 * model.config.num_key_value_heads
+    assert copy.deepcopy(pooled)._pool is None and copy.deepcopy(pooled) == pooled
 
 
 @pytest.mark.parametrize("leiden, missing", [("igraph", "igraph"), ("leidenalg", "leidenalg"), ("leidenalg", "igraph")])
@@ -223,6 +274,8 @@ def test_the_spec_builds_it():
         (dict(sinks=-1), ValueError, "sinks"),
         (dict(window=0), ValueError, "window"),
         (dict(seed=1.5), TypeError, "seed"),
+        (dict(workers=0), ValueError, "workers"),
+        (dict(candidates=0), ValueError, "candidates"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, exc, name):

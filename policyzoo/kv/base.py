@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -97,6 +97,13 @@ class KVSelector:
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Called once per layer after the dense prefill; ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]``."""
+
+    def finish_prefill(self, states: Sequence[KVState]) -> None:
+        """Complete the prefill of ``states`` (layers whose `prefill` has run) before their first
+        `select`. The session calls it once after the prompt's forward, with every layer's state (and
+        for one layer at once where a select follows its prefill directly): a policy whose prefill
+        hands work to other processes (`CommunityKV`'s graph partitions) waits for it here, so the
+        work of all layers runs at once, beside the forward."""
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         """Return the entries the query ``q [B, H, D]`` attends to."""

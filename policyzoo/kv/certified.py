@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, is_dataclass, replace
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -254,6 +255,9 @@ class Certified(KVSelector):
         if bound.device.type == "cuda":
             torch._dynamo.mark_static_address(bound)
         state.store["certified_bound"] = bound
+
+    def finish_prefill(self, states: Sequence[KVState]) -> None:
+        self.policy.finish_prefill(states)
 
     def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
         self.policy.append(state, k, v)

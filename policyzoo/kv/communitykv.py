@@ -20,9 +20,13 @@ Each graph is partitioned by Leiden on the RB-configuration quality (modularity 
 ``resolution`` per 1,000 tokens of the graph), with a fixed ``seed``: by igraph's C implementation
 (``Graph.community_leiden``, the default) or by ``leidenalg.find_partition``. Both reach the same
 quality on SmolLM2's graphs (within 0.3%); igraph's took 0.04 s per graph of 3K tokens where
-leidenalg's took 0.7-1.7 s. The graphs are partitioned one after another: two threads ran leidenalg
-no faster than one (it holds the GIL), and igraph draws its random numbers from one process-wide
-Python generator, so threads would make its partitions depend on their timing. The time the
+leidenalg's took 0.7-1.7 s.
+
+The prefill of a layer finds the edges on the model's device and hands the graphs to ``workers``
+processes (threads would not do: leidenalg holds the GIL, and igraph draws its random numbers from a
+process-wide Python generator); the forward goes on to the next layer meanwhile, and
+`finish_prefill`, after the forward, waits for every layer's partitions and lays them out. Each
+graph reseeds the generator, so the partition does not depend on which process made it. The time the
 prefills take is recorded in `CommunityKV.clustering`.
 
 **Layout.** Per row and graph (a *unit*), ``order`` lists token slots grouped by community: community
@@ -30,7 +34,7 @@ prefills take is recorded in `CommunityKV.clustering`.
 weighted degree in ``W``) first, then the tokens decoding appends to it. Each community's range has
 spare slots behind it (its even share of the cache's free slots plus `SPARE`), so an append writes
 one entry; the shapes are fixed at prefill from the cache's capacity and the community count rounded
-up to a power of two (a prompt with more communities than the last one compiles again).
+up to one of eight sizes per octave (a prompt with more communities than the last one compiles again).
 
 **Decode** (static shapes, no host sync). A community's score is ``scale · q · centroid`` (its mean
 key), the largest over the group's query heads in group mode, its own head's in head mode (where a
@@ -41,21 +45,27 @@ chosen communities' ranges become token slots by a cumulative sum and a binary s
 communities ("ranges to indices"): the step reads ``O(communities + budget)`` entries, never the
 whole context; the kept slots are sorted (a sort over the budget) into ascending order.
 
-**Appends.** A decoded token joins the community whose centroid is nearest to its key (squared
-distance, over the communities with a free slot): ``O(C · d)`` per unit, the k-means assignment,
-which moves the centroid least and so keeps the community's score a faithful summary of its keys. The
-centroid is updated in place, ``c ← c + (k − c) / (n + 1)``; nothing is re-partitioned. The token is
-in the window (always kept) for its first ``window`` steps anyway.
+**Appends.** A decoded token joins, per unit, one of ``candidates`` communities: those its layer's
+last query ranked best (the previous step's selection; at the first step, the communities of the
+prompt's last tokens), the one whose centroid is nearest to its key (squared distance) among those
+with a free slot. That is the local rule: ``O(candidates · d)`` per unit, whatever the context,
+where the nearest of all centroids would read them all (as many bytes as the selection) every step.
+Where no candidate has room, the community with the most room left takes it. The centroid is
+updated in place, ``c ← c + (k − c) / (n + 1)`` (in float32, and copied to the cache's dtype, in
+which decode scores the communities); nothing is re-partitioned. The token is in the window
+(always kept) for its first ``window`` steps anyway.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import os
 import random
 import time
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -71,9 +81,16 @@ LEIDENS = ("igraph", "leidenalg")
 # Spare slots each community's range has beyond its even share of the cache's free slots: room for
 # the tokens decoding appends to it, without moving any other community.
 SPARE = 32
-# Logits per block of queries when the prefill recomputes attention (fp32: 16 MB): small blocks
-# also skip the keys after their last query.
+# Logits per block of queries when the prefill recomputes attention: 16 MB of float32 on the CPU,
+# 512 MB of the cache's dtype on CUDA (where small blocks would mean many small launches). Blocks
+# skip the keys after their last query.
 BLOCK_ELEMENTS = 2**22
+BLOCK_ELEMENTS_CUDA = 2**28
+# Prompts from which the graphs are partitioned in worker processes by default (a pool's start costs
+# a few seconds; shorter prompts partition in this process).
+PARALLEL_TOKENS = 4096
+# Where a policy's prefill leaves its partitions in progress, for `finish_prefill`.
+_JOBS = "communitykv.jobs"
 _INSTALL = 'CommunityKV partitions its token graphs with leidenalg and python-igraph: pip install "policyzoo[community]"'
 
 
@@ -91,11 +108,15 @@ def _leiden(which: str) -> tuple[Any, Any]:
 
 @dataclass
 class ClusteringTime:
-    """Wall time the prefills spent building token graphs and partitioning them (all layers and
-    graphs), and the prompt tokens (rows × visible tokens) they covered."""
+    """Time the prefills spent on communities, all layers and graphs together: finding the edges
+    and building the graphs (``graph_seconds``) and partitioning them (``leiden_seconds``), summed
+    over the processes that did it; ``wait_seconds``, the wall time the session waited for the
+    partitions after the prompt's forward (what parallel workers leave of them). ``tokens``: the
+    prompt tokens (rows × visible tokens) covered."""
 
     graph_seconds: float = 0.0
     leiden_seconds: float = 0.0
+    wait_seconds: float = 0.0
     tokens: int = 0
     graphs: int = 0
 
@@ -115,8 +136,10 @@ class CommunityKV(KVSelector):
     ``resolution``: Leiden's RB-configuration resolution per 1,000 tokens of the graph (larger:
     smaller communities); ``leiden``: the implementation, ``"igraph"`` (igraph's C Leiden,
     ``Graph.community_leiden``) or ``"leidenalg"`` (``leidenalg.find_partition``), which optimise the
-    same quality; ``seed`` fixes the partition. Needs the optional ``community`` extra
-    (``python-igraph``, ``leidenalg``).
+    same quality; ``seed`` fixes the partition (the same with any number of workers);
+    ``workers``: processes that build and partition the graphs, all layers' at once (``None``: one
+    per CPU for prompts of `PARALLEL_TOKENS` tokens or more, else this process; ``1``: this
+    process). Needs the optional ``community`` extra (``python-igraph``, ``leidenalg``).
     """
 
     budget: int | float = 0.1
@@ -128,8 +151,11 @@ class CommunityKV(KVSelector):
     sinks: int = 4
     window: int = 16
     seed: int = 0
+    workers: int | None = None
+    candidates: int = 8
     summaries = ()  # centroids of its own; no page summaries
     clustering: ClusteringTime = field(default_factory=ClusteringTime, init=False, repr=False, compare=False)
+    _pool: tuple[int, Executor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
@@ -137,6 +163,9 @@ class CommunityKV(KVSelector):
         check_count(self.sinks, "sinks")
         check_count(self.window, "window", minimum=1)  # the step's own token is always kept
         check_count(self.seed, "seed", maximum=2**31 - 1)
+        check_count(self.candidates, "candidates", minimum=1)
+        if self.workers is not None:
+            check_count(self.workers, "workers", minimum=1)
         if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0.0 <= self.mix <= 1.0:
             raise ValueError(f"mix must be a number in [0, 1], got {self.mix!r}")
         if isinstance(self.resolution, bool) or not isinstance(self.resolution, (int, float)) or not 0 < self.resolution < math.inf:
@@ -146,66 +175,98 @@ class CommunityKV(KVSelector):
         if self.leiden not in LEIDENS:
             raise ValueError(f"leiden must be 'igraph' or 'leidenalg', got {self.leiden!r}")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the worker pool behind (a copy starts its own)."""
+        return {**self.__dict__, "_pool": None}
+
     # ------------------------------------------------------------------------------- prefill
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
-        """Partition the visible tokens of every row into communities, per graph (see the module
-        docstring), from the queries ``q [B, H, T, D]`` (the prompt's last ``T`` slots) against every
-        visible key in the cache.
+        """Start partitioning the visible tokens of every row into communities, per graph (see the
+        module docstring), from the queries ``q [B, H, T, D]`` (the prompt's last ``T`` slots) against
+        every visible key in the cache. The edges are found here, on the model's device; the graphs
+        are built and partitioned by `workers` processes while the forward goes on, and
+        `finish_prefill` lays the communities out.
 
         A session prefills a policy with a prefill of its own in one forward
         (`DecodeSession._prefill_chunk`); given one chunk of a longer prompt, the graph has that
         chunk's queries only (against all the keys before them), and still covers every visible token.
         """
-        partition = self._partitioner()
+        _leiden(self.leiden)  # missing: said here, not by a worker
         cache = state.cache
-        b, h, t, d = q.shape
+        b, h = q.shape[:2]
         h_kv = state.keys.shape[1]
         per_kv = h // h_kv if self.graph == "head" else 1
+        heads = h // h_kv // per_kv  # query heads whose edges one graph sums
         length, starts = int(cache.length), cache.start.tolist()
-        graph_s = leiden_s = 0.0
-        parts: list[list[tuple[Tensor, Tensor]]] = []  # per row, per unit: (membership, strength) of its visible tokens
+        runner = self._runner(length - min(starts))
+        tic = time.perf_counter()
+        jobs = []
         for row in range(b):
-            tic = time.perf_counter()
             n = length - starts[row]
-            edges = self._edges(state, row, q[row], length, per_kv)
-            graphs = [_graph(src, dst, w, n, self.mix, self.sinks) for src, dst, w in edges]
-            graph_s += time.perf_counter() - tic
-            tic = time.perf_counter()
-            row_parts = []
-            for lo, hi, w in graphs:
-                strength = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
-                row_parts.append((partition(n, lo, hi, w), strength))
-            leiden_s += time.perf_counter() - tic
-            parts.append(row_parts)
-        self._lay_out(state, parts, per_kv)
-        state.store["clustering"] = (graph_s, leiden_s)
-        self.clustering.graph_seconds += graph_s
-        self.clustering.leiden_seconds += leiden_s
-        self.clustering.graphs += b * len(parts[0])
+            dst, p, first = self._edges(state, row, q[row], length)
+            gamma = float(self.resolution) * n / 1000
+            for u in range(h // heads):
+                one = slice(u * heads, (u + 1) * heads)
+                jobs.append(runner.submit(_community, n, first, dst[one], p[one], self.mix, self.sinks, gamma, self.leiden, self.seed))
+        state.store[_JOBS] = (jobs, b, per_kv, length, time.perf_counter() - tic)
         if state.layer == 0:
             self.clustering.tokens += sum(length - s for s in starts)
 
-    def _edges(self, state: KVState, row: int, q: Tensor, length: int, per_kv: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """Row ``row``'s query → key edges per unit, on the CPU: ``(src, dst, p)``, each ``[Q, top]``
-        (a query's top keys in local token indices ``slot - start``, their rounded probabilities;
-        ``p = 0`` where a query sees fewer than ``top`` keys). ``q [H, T, D]`` are the row's queries
-        of the last ``T`` slots; a group's graph stacks its query heads' rows."""
+    def finish_prefill(self, states: Sequence[KVState]) -> None:
+        """Wait for the partitions that `prefill` started and lay each layer's communities out."""
+        for state in states:
+            pending = state.store.pop(_JOBS, None)
+            if pending is None:
+                continue
+            jobs, b, per_kv, length, edge_s = pending
+            tic = time.perf_counter()
+            done = [job.result() for job in jobs]  # (membership, strength, graph_s, leiden_s)
+            units = len(done) // b
+            self._lay_out(state, [[(m, w) for m, w, _, _ in done[r * units : (r + 1) * units]] for r in range(b)], per_kv, length)
+            graph_s, leiden_s = sum(d[2] for d in done), sum(d[3] for d in done)
+            state.store["clustering"] = (edge_s + graph_s, leiden_s)
+            self.clustering.graph_seconds += edge_s + graph_s
+            self.clustering.leiden_seconds += leiden_s
+            self.clustering.wait_seconds += time.perf_counter() - tic
+            self.clustering.graphs += len(done)
+
+    def _runner(self, tokens: int) -> Executor:
+        """Where the graphs go: a pool of `workers` processes (by default one per CPU, for prompts of
+        at least `PARALLEL_TOKENS` tokens), kept for the policy's later prefills; or this process."""
+        workers = self.workers if self.workers is not None else (_cpus() if tokens >= PARALLEL_TOKENS else 1)
+        if workers <= 1:
+            return _INLINE
+        if self._pool is None or self._pool[0] != workers:
+            if self._pool is not None:
+                self._pool[1].shutdown(wait=False)
+            # Spawned, not forked: the parent may hold CUDA. Tensors travel through shared memory.
+            context = torch.multiprocessing.get_context("spawn")
+            self._pool = (workers, ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)))
+        return self._pool[1]
+
+    def _edges(self, state: KVState, row: int, q: Tensor, length: int) -> tuple[Tensor, Tensor, int]:
+        """Row ``row``'s query → key edges, on the CPU: ``(dst, p, first)``, ``dst, p [H, Q, top]``
+        (each query's top keys in local token indices ``slot - start`` and their rounded
+        probabilities; ``p = 0`` where a query sees fewer than ``top`` keys), for the queries of
+        local indices ``first, first + 1, ...``. ``q [H, T, D]`` are the row's queries of the last
+        ``T`` slots. On CUDA the logits are taken in the cache's dtype (as prefill's attention takes
+        them), on the CPU in float32."""
         h, t, d = q.shape
         h_kv = state.keys.shape[1]
         g = h // h_kv
         start = int(state.cache.start[row])
         n = length - start
-        keys = state.keys[row, :, start:length].float().transpose(-1, -2)[:, None]  # [H_kv, 1, D, n]
+        dtype = state.keys.dtype if q.device.type == "cuda" else torch.float32
+        keys = state.keys[row, :, start:length].to(dtype).transpose(-1, -2)[:, None]  # [H_kv, 1, D, n]
         first = max(start - (length - t), 0)  # the first query that is a visible token of the row
-        queries = q[:, first:].float()
+        queries = q[:, first:].to(dtype)
         q_pos0 = length - t + first - start  # its local index
         top = min(self.top, n)
-        rows = max(1, BLOCK_ELEMENTS // (h * n))
-        srcs, dsts, probs = [], [], []
+        rows = max(1, (BLOCK_ELEMENTS_CUDA if q.device.type == "cuda" else BLOCK_ELEMENTS) // (h * n))
+        dsts, probs = [], []
         for lo in range(0, queries.shape[1], rows):
             qb = queries[:, lo : lo + rows]
             r = qb.shape[1]
-            pos = torch.arange(q_pos0 + lo, q_pos0 + lo + r, device=q.device)
             seen = q_pos0 + lo + r  # the keys the block's last query sees: causal, so no more are read
             logits = torch.matmul(qb.reshape(h_kv, g, r, d), keys[..., :seen]) * state.scale  # [H_kv, G, r, seen]
             later = torch.ones(r, r, dtype=torch.bool, device=q.device).triu_(1)  # only the last r keys can be after a query
@@ -213,32 +274,32 @@ class CommunityKV(KVSelector):
             # The top keys by logit are the top by probability; only theirs is computed, rounded to
             # bf16 precision (a row's graph is then the same alone and in a batch).
             best, dst = logits.topk(min(top, seen), dim=-1)
-            p = round_for_ranking(torch.exp(best - torch.logsumexp(logits, dim=-1, keepdim=True)))
+            peak = best[..., :1]  # the row's largest logit: a sum of exponentials in float32 below it
+            total = torch.exp(logits - peak).sum(-1, keepdim=True, dtype=torch.float32)
+            p = round_for_ranking(torch.exp((best - peak).float()) / total)
             pad = top - p.shape[-1]  # a first block that sees fewer than `top` keys: no edge there
-            srcs.append(pos[:, None].expand(r, top).cpu())
-            dsts.append(torch.nn.functional.pad(dst, (0, pad)).reshape(h, r, top).cpu())
-            probs.append(torch.nn.functional.pad(p, (0, pad)).reshape(h, r, top).cpu())
-        src = torch.cat(srcs, 0)  # [Q, top]
-        dst, p = torch.cat(dsts, 1), torch.cat(probs, 1)  # [H, Q, top]
-        heads = g // per_kv  # query heads whose edges one graph sums
-        return [
-            (src.repeat(heads, 1), dst[u * heads : (u + 1) * heads].flatten(0, 1), p[u * heads : (u + 1) * heads].flatten(0, 1))
-            for u in range(h // heads)
-        ]
+            dsts.append(torch.nn.functional.pad(dst.int(), (0, pad)).reshape(h, r, top))
+            probs.append(torch.nn.functional.pad(p, (0, pad)).reshape(h, r, top))
+        return torch.cat(dsts, 1).cpu(), torch.cat(probs, 1).cpu(), q_pos0
 
-    def _lay_out(self, state: KVState, parts: list[list[tuple[Tensor, Tensor]]], per_kv: int) -> None:
-        """Write the decode state (`order`, `offset`, `size`, `room`, `centroid`) into ``state.store``
-        from each row's and unit's ``(membership, strength)`` of its visible tokens."""
+    def _lay_out(self, state: KVState, parts: list[list[tuple[Tensor, Tensor]]], per_kv: int, length: int) -> None:
+        """Write the decode state (`order`, `offset`, `size`, `room`, `centroid` and its copy in the
+        cache's dtype `centroid_key`, the candidates `recent`) into ``state.store``
+        from each row's and unit's ``(membership, strength)`` of its visible tokens, the slots before
+        ``length`` (the cache's length at prefill)."""
         cache = state.cache
         b, units, d = len(parts), len(parts[0]), cache.head_dim
-        length, capacity = int(cache.length), cache.capacity
+        capacity = cache.capacity
         counts = [[int(m.max()) + 1 for m, _ in row] for row in parts]
-        c = 1 << (max(max(row) for row in counts) - 1).bit_length()  # a power of two: few distinct shapes
+        most = max(max(row) for row in counts)
+        step = 1 << max(0, most.bit_length() - 4)  # eight sizes per octave: few distinct shapes, at most 1/8 unused
+        c = -(-most // step) * step
         free = capacity - length
         width = capacity + c * (SPARE + 1)  # holds every unit's ranges (see below), plus one discard slot
         order = torch.zeros(b, units, width + 1, dtype=torch.int32)
         offset, size, room = (torch.zeros(b, units, c, dtype=torch.long) for _ in range(3))
         centroid = torch.zeros(b, units, c, d)
+        recent = torch.zeros(b, units, min(self.candidates, c), dtype=torch.long)
         for row, row_parts in enumerate(parts):
             start = int(cache.start[row])
             keys = state.keys[row, :, start:length].float().cpu()  # [H_kv, n, D]
@@ -259,85 +320,78 @@ class CommunityKV(KVSelector):
                 offset[row, unit, :n_c], size[row, unit, :n_c], room[row, unit, :n_c] = offs, sizes, sizes + spare
                 sums = torch.zeros(n_c, d).index_add_(0, member, keys[unit // per_kv])
                 centroid[row, unit, :n_c] = sums / sizes[:, None]
+                last = member.flip(0)[: recent.shape[-1]]  # the prompt's last tokens' communities, latest first
+                recent[row, unit] = last[torch.arange(recent.shape[-1]) % len(last)]
         device = state.keys.device
-        for name, value in (("order", order), ("offset", offset), ("size", size), ("room", room), ("centroid", centroid)):
+        stored = {"order": order, "offset": offset, "size": size, "room": room, "centroid": centroid,
+                  "centroid_key": centroid.to(state.keys.dtype), "recent": recent}  # fmt: skip
+        for name, value in stored.items():
             value = value.to(device)
             if device.type == "cuda":  # updated in place by decode steps, which a CUDA graph replays
                 torch._dynamo.mark_static_address(value)
             state.store[name] = value
 
-    def _partitioner(self) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
-        """``partition(n, lo, hi, weight) -> membership int64[n]``: Leiden on the undirected graph of
-        ``n`` tokens with edges ``lo[i] -- hi[i]``, by the chosen implementation, reseeded for every
-        graph (a row's partition does not depend on the rows before it).
-
-        The RB-configuration resolution is ``resolution · n / 1000``: at a fixed resolution its
-        communities grow about as ``sqrt(n)`` (measured on SmolLM2, 1K against 3K tokens), so scaling
-        it with the graph keeps their size alike at any prompt length."""
-        igraph, leidenalg = _leiden(self.leiden)
-
-        def partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor) -> Tensor:
-            g = igraph.Graph(n=n, edges=torch.stack([lo, hi], 1).numpy())
-            gamma, weights = float(self.resolution) * n / 1000, weight.tolist()
-            if leidenalg is not None:
-                found = leidenalg.find_partition(
-                    g, leidenalg.RBConfigurationVertexPartition, weights=weights, resolution_parameter=gamma, seed=self.seed
-                ).membership
-            else:  # igraph draws from a Python random generator: a fresh one per graph, then the default again
-                igraph.set_random_number_generator(random.Random(self.seed))
-                try:
-                    found = g.community_leiden(
-                        objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2
-                    ).membership
-                finally:
-                    igraph.set_random_number_generator(random)
-            return torch.tensor(found, dtype=torch.long)
-
-        return partition
-
     # -------------------------------------------------------------------------------- decode
-    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
-        """Put the step's token (slot ``length - 1``, key ``k [B, H_kv, 1, D]``) into the community
-        of the nearest centroid with a free slot, per unit, and move that centroid to the new mean."""
-        store = state.store
-        if "order" not in store:
+    def _ready(self, state: KVState) -> dict[str, Any]:
+        """The layer's store, its communities laid out (a prefill still in progress is finished
+        first: a caller that drives `prefill` itself need not call `finish_prefill`)."""
+        if _JOBS in state.store:
+            self.finish_prefill([state])
+        if "order" not in state.store:
             raise RuntimeError(_NO_PREFILL)
-        order, offset, size, room, centroid = (store[name] for name in ("order", "offset", "size", "room", "centroid"))
+        return state.store
+
+    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
+        """Put the step's token (slot ``length - 1``, key ``k [B, H_kv, 1, D]``) into a community, per
+        unit, and move that community's centroid to the new mean: ``O(candidates · d)`` (see the
+        module docstring)."""
+        store = self._ready(state)
+        order, offset, size, room, centroid, shadow, recent = (
+            store[name] for name in ("order", "offset", "size", "room", "centroid", "centroid_key", "recent")
+        )
         b, units, c, d = centroid.shape
         key = k[:, :, 0].float().repeat_interleave(units // k.shape[1], dim=1)  # [B, U, D]
-        dist = centroid.square().sum(-1) - 2 * torch.matmul(centroid, key[..., None])[..., 0]  # |c - k|² - |k|²
         open_ = size < room  # padding communities have no room
-        # Ranked at bf16 precision, ties to the lower community: a row chooses alike alone and in a batch.
-        nearest = round_for_ranking(dist).masked_fill(~open_, torch.inf).argmin(-1, keepdim=True)  # [B, U, 1]
+        near = torch.gather(centroid, 2, recent[..., None].expand(*recent.shape, d))  # [B, U, M, D]
+        dist = (near - key[:, :, None]).square().sum(-1)
+        open_near = torch.gather(open_, 2, recent)
+        # Ranked at bf16 precision, ties to the earlier candidate: a row chooses alike alone and in a batch.
+        pick = round_for_ranking(dist).masked_fill(~open_near, torch.inf).argmin(-1, keepdim=True)
+        roomiest = (room - size).argmax(-1, keepdim=True)  # where no candidate has room left
+        nearest = torch.where(open_near.any(-1, keepdim=True), torch.gather(recent, 2, pick), roomiest)  # [B, U, 1]
         fits = torch.gather(open_, 2, nearest)  # False only where every range is full (a rewound cache)
         n = torch.gather(size, 2, nearest)
         where = torch.where(fits, torch.gather(offset, 2, nearest) + n, order.shape[-1] - 1)  # else: the discard slot
         order.scatter_(2, where, (state.cache.length - 1).to(order.dtype).expand(b, units, 1))
         at = nearest[..., None].expand(b, units, 1, d)
         old = torch.gather(centroid, 2, at)
-        centroid.scatter_(2, at, old + (key[:, :, None] - old) * (fits / (n + 1))[..., None])
+        new = old + (key[:, :, None] - old) * (fits / (n + 1))[..., None]
+        centroid.scatter_(2, at, new)
+        shadow.scatter_(2, at, new.to(shadow.dtype))
         size.scatter_add_(2, nearest, fits.long())
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         """The sinks, the window and the best-scored communities' tokens, ``count`` of them at most
         (a token selection in ascending slot order; see the module docstring)."""
-        store = state.store
-        if "order" not in store:
-            raise RuntimeError(_NO_PREFILL)
+        store = self._ready(state)
         cache = state.cache
-        order, offset, size, centroid = (store[name] for name in ("order", "offset", "size", "centroid"))
+        order, offset, size, centroid, recent = (store[name] for name in ("order", "offset", "size", "centroid_key", "recent"))
         b, h, d = q.shape
         h_kv = state.keys.shape[1]
         units, c = size.shape[1], size.shape[2]
         per_kv = units // h_kv
         m = per_kv * c  # candidate communities per KV head
+        q = q.to(centroid.dtype)
         if per_kv == 1:  # group: the best of the group's query heads
-            scores = torch.matmul(q.float().view(b, h_kv, h // h_kv, d), centroid.transpose(-1, -2)).amax(2)
+            scores = torch.matmul(q.view(b, h_kv, h // h_kv, d), centroid.transpose(-1, -2)).amax(2)
         else:  # head: each community by its own head's query
-            scores = torch.matmul(centroid, q.float()[..., None])[..., 0]
+            scores = torch.matmul(centroid, q[..., None])[..., 0]
+        scores = round_for_ranking((scores.float() * state.scale).masked_fill(size == 0, -torch.inf))  # [B, U, C]
         sizes = size.view(b, h_kv, m)
-        scores = (scores.reshape(b, h_kv, m) * state.scale).masked_fill(sizes == 0, -torch.inf)
-        best = torch.sort(round_for_ranking(scores), dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
+        best = torch.sort(scores.view(b, h_kv, m), dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
+        # The next token's candidate communities: this query's best, per unit.
+        top = recent.shape[-1]
+        recent.copy_(best[..., :top] if per_kv == 1 else torch.topk(scores, top, dim=-1, sorted=True).indices)
         ranked_sizes = torch.gather(sizes, 2, best)
         ends = ranked_sizes.cumsum(-1)
 
@@ -367,12 +421,15 @@ class CommunityKV(KVSelector):
         slots = torch.gather(order.view(b, h_kv, per_kv * stride), 2, where).long()
         ok = within & cache.visible_at(slots) & ~forced_at(state, slots, self.sinks, self.window)
 
-        # Each token once (its first position), then the first `free` of them.
+        # Each token once (its first position), then the first `free` of them. In group mode a token
+        # is in one community of its KV head: no duplicates.
         capacity = cache.capacity
-        by_slot, at = torch.sort(torch.where(ok, slots, capacity), dim=-1, stable=True)
-        first_seen = torch.ones_like(ok)
-        first_seen[..., 1:] = by_slot[..., 1:] != by_slot[..., :-1]
-        unique = torch.zeros_like(ok).scatter(2, at, first_seen & (by_slot < capacity))
+        unique = ok
+        if per_kv > 1:
+            by_slot, at = torch.sort(torch.where(ok, slots, capacity), dim=-1, stable=True)
+            first_seen = torch.ones_like(ok)
+            first_seen[..., 1:] = by_slot[..., 1:] != by_slot[..., :-1]
+            unique = torch.zeros_like(ok).scatter(2, at, first_seen & (by_slot < capacity))
         take = unique & (unique.cumsum(-1) <= free)
 
         forced = torch.where(forced_ok, forced_slots, capacity)[:, None].expand(b, h_kv, -1)
@@ -395,14 +452,64 @@ class CommunityKV(KVSelector):
     def members(self, state: KVState, row: int, unit: int) -> list[list[int]]:
         """The token slots of each community of ``row``'s graph ``unit`` (a KV head in group mode, a
         query head in head mode), in the order of its range (host reads: for tests and analysis)."""
-        store = state.store
-        if "order" not in store:
-            raise RuntimeError(_NO_PREFILL)
+        store = self._ready(state)
         order = store["order"][row, unit].tolist()
         return [order[o : o + s] for o, s in zip(store["offset"][row, unit].tolist(), store["size"][row, unit].tolist()) if s]
 
 
 _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a Decoder, or call prefill() first"
+
+
+def _community(n: int, first: int, dst: Tensor, p: Tensor, mix: float, sinks: int, gamma: float, which: str, seed: int) -> tuple[Tensor, Tensor, float, float]:
+    """One graph's communities (a job, run in a worker process or in place): ``(membership
+    int64[n], strength float64[n], graph seconds, Leiden seconds)`` for the edges ``dst, p [heads,
+    Q, top]`` of queries ``first, first + 1, ...`` (`CommunityKV._edges`), partitioned at
+    RB-configuration resolution ``gamma``. ``strength``: each token's weighted degree."""
+    tic = time.perf_counter()
+    heads, queries, top = dst.shape
+    src = (torch.arange(queries) + first)[:, None].expand(queries, top).repeat(heads, 1)
+    lo, hi, w = _graph(src, dst.flatten(0, 1).long(), p.flatten(0, 1), n, mix, sinks)
+    strength = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
+    built = time.perf_counter()
+    membership = _partition(n, lo, hi, w, gamma, which, seed)
+    return membership, strength, built - tic, time.perf_counter() - built
+
+
+def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, which: str, seed: int) -> Tensor:
+    """Leiden's ``membership int64[n]`` of the undirected graph of ``n`` tokens with edges ``lo[i] --
+    hi[i]``, by igraph's C implementation or by leidenalg, reseeded for every graph (a partition does
+    not depend on the graphs before it, nor on the process that makes it)."""
+    igraph, leidenalg = _leiden(which)
+    g = igraph.Graph(n=n, edges=torch.stack([lo, hi], 1).numpy())
+    weights = weight.tolist()
+    if leidenalg is not None:
+        found = leidenalg.find_partition(
+            g, leidenalg.RBConfigurationVertexPartition, weights=weights, resolution_parameter=gamma, seed=seed
+        ).membership
+    else:  # igraph draws from a Python random generator: a fresh one per graph, then the default again
+        igraph.set_random_number_generator(random.Random(seed))
+        try:
+            found = g.community_leiden(objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2).membership
+        finally:
+            igraph.set_random_number_generator(random)
+    return torch.tensor(found, dtype=torch.long)
+
+
+class _Inline(Executor):
+    """Runs each job at once, in this process."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+_INLINE = _Inline()
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _graph(src: Tensor, dst: Tensor, p: Tensor, n: int, mix: float, sinks: int) -> tuple[Tensor, Tensor, Tensor]:

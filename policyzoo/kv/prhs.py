@@ -206,6 +206,14 @@ class PrHS(KVSelector):
                 torch._dynamo.mark_static_address(made)
             state.store["prhs.query"] = made
 
+    def finish_prefill(self, states: Sequence[KVState]) -> None:
+        by_policy: dict[int, tuple[KVSelector, list[KVState]]] = {}
+        for state in states:
+            policy = self.policy_at(state.layer)
+            by_policy.setdefault(id(policy), (policy, []))[1].append(state)
+        for policy, own in by_policy.values():
+            policy.finish_prefill(own)
+
     def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
         self.policy_at(state.layer).append(state, k, v)
 
