@@ -406,9 +406,12 @@ class CommunityKV(KVSelector):
         # Ranges to indices: position p of the communities' concatenation (best first) lies in the
         # community of rank r = #{ends <= p}, at p - (its start) in its range. A token is in at most
         # `per_kv` communities of a KV head, so the first per_kv·k_max positions hold enough tokens.
+        # The count is a prefix sum of where the ranges end (not a binary search: Inductor's fused
+        # searchsorted fails to compile on Triton 3.6).
         width = per_kv * k_max
         p = torch.arange(width, device=q.device).expand(b, h_kv, width)
-        rank = torch.searchsorted(ends, p.contiguous(), right=True)
+        ended = torch.zeros(b, h_kv, width + 1, dtype=ends.dtype, device=q.device)
+        rank = ended.scatter_add_(2, ends.clamp(max=width), torch.ones_like(ends)).cumsum(-1)[..., :width]
         within = rank < m
         rank = rank.clamp(max=m - 1)
         range_start = torch.gather(ends - ranked_sizes, 2, rank)  # of the community, in the concatenation
