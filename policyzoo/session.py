@@ -84,6 +84,7 @@ class DecodeSession:
         self._dynamic_capacity = False
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._runs: dict[tuple, int] = {}
+        self._graph_state: tuple = ()  # `policy_state_layout` when the graphs were recorded
 
     # ------------------------------------------------------------------------------ setting
     def available_settings(self) -> tuple[str, ...]:
@@ -266,6 +267,7 @@ class DecodeSession:
                         logits_to_keep=keep_logits if last == t else 1,
                     )  # fmt: skip
                 self.runtime.policy.finish_prefill(self.runtime.states)
+            self._drop_graphs_of_old_state()
         finally:
             runtime.prompt_slot, runtime.prefill_padded, runtime.prefill_offset, runtime.prefill_last = 0, True, 0, True
         return out.logits
@@ -338,6 +340,7 @@ class DecodeSession:
                     self.contexts.seed_previous(layer, policy.select(state, q[:, :, -1]))
         if self.needs_own_prefill():
             policy.finish_prefill(self.runtime.states)
+        self._drop_graphs_of_old_state()
 
     def rewind(self, length: int) -> None:
         """Set every row's length back to ``length`` tokens (a benchmark times the same slot again)."""
@@ -485,6 +488,16 @@ class DecodeSession:
         self._tokens.copy_(token[:, None])
         return token
 
+    def _drop_graphs_of_old_state(self) -> None:
+        """After a prefill: a recorded CUDA graph reads the policy's tensors at the addresses they had
+        when it was recorded, so where the new request's policy made new ones (a store remade in
+        prefill), the graphs are recorded again (and the compiled step warmed up again)."""
+        layout = policy_state_layout(self.runtime)
+        if layout != self._graph_state:
+            self._graphs.clear()
+            self._runs.clear()
+            self._graph_state = layout
+
     def _replay(self) -> tuple[Tensor, Tensor]:
         key = (self.setting, self.sampler.mode)  # and the cache: `release` drops its graphs
         entry = self._graphs.get(key)
@@ -500,6 +513,27 @@ class DecodeSession:
         graph, outputs = entry
         graph.replay()
         return outputs
+
+
+def policy_state_layout(runtime: Runtime) -> tuple:
+    """Where the policy's per-request tensors live: ``(address, shape, dtype)`` of every tensor in the
+    layers' stores and the step context's shared dict (nested dicts, lists and tuples included), in
+    a fixed order. Equal for two requests exactly when a graph recorded on one reads the other's."""
+    out: list = []
+
+    def visit(value: object) -> None:
+        if isinstance(value, Tensor):
+            out.append((value.data_ptr(), tuple(value.shape), value.dtype))
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                visit(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit([state.store for state in runtime.states])
+    visit(runtime.contexts.shared if runtime.contexts is not None else {})
+    return tuple(out)
 
 
 def _mark_capacity_dynamic(cache: PagedKVCache) -> None:

@@ -302,3 +302,21 @@ def test_bad_session_arguments_name_themselves():
     session.sample(eos_token_id=3)  # one id, or a list of them
     session.choose(logits[:, -1])
     assert session.step().shape == (2, 128)
+
+
+def test_recorded_graphs_are_dropped_when_a_request_remakes_the_policys_tensors():
+    """A CUDA graph reads the store's tensors where they were when it was recorded: a request whose
+    policy made new ones (CommunityKV remakes its layout) drops the graphs; one that keeps them
+    (a policy with no store) keeps them."""
+    from policyzoo.session import policy_state_layout
+
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch(2, 30)
+    for policy, kept in ((CommunityKV(0.3, sinks=2, window=2), False), (Quest(0.3, page=4), True)):
+        session = Decoder(copy.deepcopy(model), kv=policy).session
+        session.prefill(ids, mask, capacity=40)
+        before = policy_state_layout(session.runtime)
+        session._graphs[("kv", "greedy")] = "recorded"  # as a CUDA replay leaves it
+        session.prefill(ids, mask, capacity=40)
+        assert (policy_state_layout(session.runtime) == before) == kept
+        assert bool(session._graphs) == kept
