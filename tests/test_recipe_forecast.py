@@ -1,4 +1,4 @@
-"""The Forecast fine-tuning recipe (``recipes/forecast/train.py``): its teacher and loss on small
+"""The Forecast fine-tuning recipe (``recipes/forecast/``): its teacher and loss on small
 hand-made tensors, its student against the policy's own scores in a real decode, its errors, and a
 short end-to-end run on the embedded model whose heads file the policy loads and decodes with."""
 
@@ -13,8 +13,22 @@ from tiny_models import tiny_model
 
 from policyzoo import Decoder
 from policyzoo.kv.forecast import Forecast, ForecastHeads, block_scores
-from recipes.forecast import train as recipe
-from recipes.forecast.train import Geometry
+from recipes.forecast.data import load_texts
+from recipes.forecast.errors import UsageError
+from recipes.forecast.evaluate import format_tasks
+from recipes.forecast.examples import make_example
+from recipes.forecast.geometry import Geometry
+from recipes.forecast.objective import (
+    LayerQueries,
+    candidate_blocks,
+    forecast_loss,
+    slot_page_means,
+    student_scores,
+    teacher_block_mass,
+    teacher_distribution,
+    topk_recall,
+)
+from recipes.forecast.train import build_parser, initial_heads, main, run
 
 SMALL = Geometry(block=8, kernel=4, stride=2, sinks=8, window=8)
 
@@ -23,14 +37,14 @@ SMALL = Geometry(block=8, kernel=4, stride=2, sinks=8, window=8)
 def test_candidates_leave_out_the_sink_block_and_the_blocks_of_the_last_window():
     geo = SMALL
     positions = torch.tensor([31, 39])  # blocks of 8 tokens
-    cand = recipe.candidate_blocks(positions, 5, geo)
+    cand = candidate_blocks(positions, 5, geo)
     # t = 31: block 0 (sinks), block 3 (tokens 24..31, the window and t's own) forced; block 4 unseen
     assert cand[0].tolist() == [False, True, True, False, False]
     # t = 39: the window is tokens 32..39, block 4 only
     assert cand[1].tolist() == [False, True, True, True, False]
     # slot offset 3: token j sits in slot j + 3, so the sinks (slots 3..10) reach block 1, and t = 36
     # (slot 39) has the window in block 4 alone
-    shifted = recipe.candidate_blocks(torch.tensor([36]), 5, geo, offset=3)
+    shifted = candidate_blocks(torch.tensor([36]), 5, geo, offset=3)
     assert shifted[0].tolist() == [False, False, True, True, False]
 
 
@@ -47,15 +61,15 @@ def test_the_teacher_is_a_distribution_over_candidates_led_by_the_dominant_key()
     keys[0, 12:14] += 8 * direction
     keys[1, 21:23] += 8 * direction
     queries[:, :, 0] += 1.0
-    teacher = recipe.teacher_distribution(queries, keys, positions, 1.0, geo)
+    teacher = teacher_distribution(queries, keys, positions, 1.0, geo)
     assert teacher.shape == (2, h_kv, 5)
-    cand = recipe.candidate_blocks(positions, 5, geo)
+    cand = candidate_blocks(positions, 5, geo)
     torch.testing.assert_close(teacher.sum(-1), torch.ones(2, h_kv))
     assert bool((teacher[~cand[:, None, :].expand_as(teacher)] == 0).all())  # forced blocks carry nothing
     assert teacher[:, 0].argmax(-1).tolist() == [1, 1]
     assert teacher[:, 1].argmax(-1).tolist() == [2, 2]
     # before renormalising, each row is the group's mean attention, all of it credited to blocks
-    mass = recipe.teacher_block_mass(queries, keys, positions, 1.0, geo.block)
+    mass = teacher_block_mass(queries, keys, positions, 1.0, geo.block)
     torch.testing.assert_close(mass.sum(-1), torch.ones(2, h_kv))
 
 
@@ -65,7 +79,7 @@ def test_the_teacher_sees_only_windows_ending_at_or_before_the_query():
     keys[0, 20, 0] = 100.0  # a key the query would love, but after it
     queries = torch.zeros(1, 1, 4)
     queries[0, 0, 0] = 1.0
-    mass = recipe.teacher_block_mass(queries, keys, torch.tensor([18]), 1.0, geo.block)
+    mass = teacher_block_mass(queries, keys, torch.tensor([18]), 1.0, geo.block)
     # 18 windows seen (0..17), all scoring 0: windows 16 and 17 in block 2, none of those with key 20
     assert mass[0, 0].tolist() == pytest.approx([8 / 18, 8 / 18, 2 / 18])
 
@@ -82,9 +96,9 @@ def _distribution_case(seed=0, nb=12):
 def test_the_loss_is_zero_when_the_student_is_the_teacher_and_positive_otherwise():
     teacher, cand = _distribution_case()
     same = teacher.clamp(min=1e-12).log() + 3.0  # any shift: the student is a softmax
-    assert float(recipe.forecast_loss(same, teacher, cand, k=4)) == pytest.approx(0.0, abs=1e-6)
+    assert float(forecast_loss(same, teacher, cand, k=4)) == pytest.approx(0.0, abs=1e-6)
     other = torch.randn(teacher.shape, generator=torch.Generator().manual_seed(1))
-    assert float(recipe.forecast_loss(other, teacher, cand, k=4)) > 1e-3
+    assert float(forecast_loss(other, teacher, cand, k=4)) > 1e-3
     # outside the teacher's top k only the rest's total counts
     top = teacher.masked_fill(~cand, -1).topk(4, -1).indices
     in_top = torch.zeros_like(cand).scatter(-1, top, True)
@@ -94,8 +108,8 @@ def test_the_loss_is_zero_when_the_student_is_the_teacher_and_positive_otherwise
     per_row = (teacher * rest).sum(-1, keepdim=True) / (shuffled * rest).sum(-1, keepdim=True).clamp(min=1e-30)
     shuffled = torch.where(rest, shuffled * per_row, teacher)  # same rest total per row
     moved = shuffled.clamp(min=1e-12).log()
-    assert float(recipe.forecast_loss(moved, teacher, cand, k=4)) == pytest.approx(0.0, abs=1e-5)
-    assert float(recipe.forecast_loss(moved, teacher, cand, k=12)) > 1e-4  # the full KL sees it
+    assert float(forecast_loss(moved, teacher, cand, k=4)) == pytest.approx(0.0, abs=1e-5)
+    assert float(forecast_loss(moved, teacher, cand, k=12)) > 1e-4  # the full KL sees it
 
 
 def test_the_loss_gradient_reaches_the_heads():
@@ -105,14 +119,14 @@ def test_the_loss_gradient_reaches_the_heads():
     heads = ForecastHeads(layers, d_model, h_kv, d, rank=4)
     keys = torch.randn(layers, h_kv, t, d, generator=g)
     positions = torch.tensor([33, 37, 39])
-    means, counts = recipe.slot_page_means(keys, 0, geo.stride)
+    means, counts = slot_page_means(keys, 0, geo.stride)
     hidden = torch.randn(layers, len(positions), d_model, generator=g)
     rotary = (torch.ones(len(positions), d), torch.zeros(len(positions), d))
-    queries = recipe.LayerQueries(heads)(hidden)
-    scores = recipe.student_scores(queries, rotary, means, counts, torch.ones(layers), geo)
-    teacher = torch.stack([recipe.teacher_distribution(torch.randn(2 * h_kv, 3, d, generator=g), keys[i], positions, 1.0, geo) for i in range(layers)])
-    cand = recipe.candidate_blocks(positions, teacher.shape[-1], geo)[None, :, None, :]
-    loss = recipe.forecast_loss(scores, teacher, cand, k=2)
+    queries = LayerQueries(heads)(hidden)
+    scores = student_scores(queries, rotary, means, counts, torch.ones(layers), geo)
+    teacher = torch.stack([teacher_distribution(torch.randn(2 * h_kv, 3, d, generator=g), keys[i], positions, 1.0, geo) for i in range(layers)])
+    cand = candidate_blocks(positions, teacher.shape[-1], geo)[None, :, None, :]
+    loss = forecast_loss(scores, teacher, cand, k=2)
     loss.backward()
     for p in (heads.down, heads.up):
         assert p.grad is not None and bool(torch.isfinite(p.grad).all()) and float(p.grad.abs().sum()) > 0
@@ -122,8 +136,8 @@ def test_recall_counts_the_shared_top_blocks_where_there_is_a_choice():
     teacher = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.6, 0.4, 0.0, 0.0]])
     cand = torch.tensor([[True, True, True, False], [True, True, False, False]])
     scores = torch.tensor([[0.0, 2.0, 1.0, 9.0], [1.0, 0.0, 5.0, 5.0]])
-    assert recipe.topk_recall(scores, teacher, cand, 2) == (0.5, 1)  # row 2 has only 2 candidates
-    assert recipe.topk_recall(scores, teacher, cand, 1) == (1.0, 2)  # row 1 misses, row 2 hits
+    assert topk_recall(scores, teacher, cand, 2) == (0.5, 1)  # row 2 has only 2 candidates
+    assert topk_recall(scores, teacher, cand, 1) == (1.0, 2)  # row 1 misses, row 2 hits
 
 
 # ------------------------------------------------------------------------------------ student
@@ -157,8 +171,8 @@ def test_student_scores_are_what_the_policy_scores_when_it_decodes():
 
     geo = Geometry.of(policy)
     offset = -prompt % geo.block  # where the session put token 0 (`DecodeSession.prompt_slot`)
-    example = recipe.make_example(model, out[0, : prompt + 1], torch.tensor([prompt]), offset, geo)
-    student = recipe.student_scores(recipe.LayerQueries(heads)(example.inputs), example.rotary, example.means, example.counts, example.scales, geo)
+    example = make_example(model, out[0, : prompt + 1], torch.tensor([prompt]), offset, geo)
+    student = student_scores(LayerQueries(heads)(example.inputs), example.rotary, example.means, example.counts, example.scales, geo)
     nb = student.shape[-1]
     cand = example.candidates[0]
     assert int(cand.sum()) >= 2
@@ -176,8 +190,8 @@ def test_student_block_scores_rank_as_a_brute_force_over_windows():
     t, offset, d = 29, 3, 4
     keys = torch.randn(1, 1, t, d, generator=g)
     q = torch.randn(1, 1, 1, d, generator=g)
-    means, counts = recipe.slot_page_means(keys, offset, geo.stride)
-    got = recipe.student_scores(q, None, means, counts, torch.tensor([0.5]), geo)[0, 0, 0]
+    means, counts = slot_page_means(keys, offset, geo.stride)
+    got = student_scores(q, None, means, counts, torch.tensor([0.5]), geo)[0, 0, 0]
     slots = offset + t
     want = torch.full((math.ceil(slots / geo.block),), -math.inf)
     for w in range(0, math.ceil(slots / geo.stride)):  # window from page w: slots 2w .. 2w + 3
@@ -205,15 +219,15 @@ def test_student_block_scores_rank_as_a_brute_force_over_windows():
 )
 def test_bad_options_name_themselves(argv, option, capsys):
     with pytest.raises(SystemExit) as e:
-        recipe.main(argv + ["--no-task-eval"])
+        main(argv + ["--no-task-eval"])
     assert e.value.code == 2
     assert option in capsys.readouterr().err
 
 
 def test_a_dataset_without_the_text_column_is_refused(tmp_path):
     (tmp_path / "data.csv").write_text("body,id\nsome text,1\nmore text,2\n")
-    with pytest.raises(recipe.UsageError, match="--text-column"):
-        recipe.load_texts(str(tmp_path), None, "train", "text")
+    with pytest.raises(UsageError, match="--text-column"):
+        load_texts(str(tmp_path), None, "train", "text")
 
 
 def test_an_init_file_that_is_not_forecast_heads_is_refused(tmp_path):
@@ -226,10 +240,10 @@ def test_an_init_file_that_is_not_forecast_heads_is_refused(tmp_path):
     text.write_text("not a tensor file")
     wrong = Forecast(0.1, heads=ForecastHeads(5, 64, 2, 16, rank=4)).save(tmp_path / "wrong.safetensors")
     for path in (other, text, wrong):
-        with pytest.raises(recipe.UsageError, match="--init"):
-            recipe.initial_heads(model, str(path), None)
+        with pytest.raises(UsageError, match="--init"):
+            initial_heads(model, str(path), None)
     good = Forecast(0.1, heads=ForecastHeads.from_model(model, rank=4)).save(tmp_path / "good.safetensors")
-    assert recipe.initial_heads(model, str(good), None).rank == 4
+    assert initial_heads(model, str(good), None).rank == 4
 
 
 def test_the_task_table_has_a_line_per_setting_and_length():
@@ -238,7 +252,7 @@ def test_the_task_table_has_a_line_per_setting_and_length():
         {"setting": "dense", "task": "ppl", "length": 1024, "ppl": 10.0, "dense_ppl": 10.0, "ppl_increase_rel": 0.0, "kv_keep": 1.0},
         {"setting": "forecast trained", "task": "passkey", "length": 1024, "accuracy": 0.5},
     ]
-    lines = recipe.format_tasks(rows).splitlines()
+    lines = format_tasks(rows).splitlines()
     assert len(lines) == 3 and "forecast trained" in lines[2] and "0.50" in lines[2]
 
 
@@ -250,11 +264,11 @@ def test_a_short_run_writes_heads_the_policy_decodes_with(tmp_path):
 
     model, tokenizer = load_model()
     out = tmp_path / "run"
-    args = recipe.build_parser().parse_args(
+    args = build_parser().parse_args(
         ["--steps", "20", "--seq-len", "512", "--positions", "16", "--holdout", "0.2", "--max-chunks", "5",
          "--save-every", "10", "--no-task-eval", "--no-progress", "--out", str(out)]
     )  # fmt: skip
-    metrics = recipe.run(args, model, tokenizer)
+    metrics = run(args, model, tokenizer)
 
     for name in ("heads.safetensors", "checkpoint-0.safetensors", "checkpoint-10.safetensors", "checkpoint-20.safetensors", "loss.png", "metrics.json"):
         assert (out / name).is_file(), name
