@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import padded_batch, tiny_model
 
-from policyzoo import Decoder
+from policyzoo import Certified, Decoder, PrHS
 from policyzoo.kv import CommunityKV
 from policyzoo.spec import parse_kv
 
@@ -236,6 +236,18 @@ def test_worker_processes_make_the_communities_this_process_makes():
     assert pooled._pool is not None and inline._pool is None  # the pool ran the graphs
     assert pooled.clustering.graphs == inline.clustering.graphs == 2 * 2 * model.config.num_key_value_heads
     assert copy.deepcopy(pooled)._pool is None and copy.deepcopy(pooled) == pooled
+
+
+@pytest.mark.parametrize("wrap", [lambda p: PrHS(p, time=0.9), lambda p: Certified(p, eps=0.1)], ids=["prhs-time", "certified"])
+def test_wrapping_policies_finish_its_prefill(wrap):
+    """`finish_prefill` reaches the policy through PrHS (whose time reuse selects right after each
+    layer's prefill) and Certified: every layer is laid out, nothing is left pending."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch(2, 40)
+    dec = Decoder(model, kv=wrap(CommunityKV(0.3, **SMALL)))
+    dec.session.prefill(ids, mask, capacity=50)  # no step yet: only finish_prefill lays them out
+    for state in dec.session.runtime.states:
+        assert "order" in state.store and not any(key.endswith(".jobs") for key in state.store)
 
 
 @pytest.mark.parametrize("leiden, missing", [("igraph", "igraph"), ("leidenalg", "leidenalg"), ("leidenalg", "igraph")])
