@@ -41,8 +41,8 @@ key), the largest over the group's query heads in group mode, its own head's in 
 KV head's candidates are the communities of all its query heads). The sinks and the window are kept,
 then whole communities in score order fill the budget; the last one that does not fit is cut after
 its most central tokens. A token reached through several communities (head mode) counts once. The
-chosen communities' ranges become token slots by a cumulative sum and a binary search over the
-communities ("ranges to indices"): the step reads ``O(communities + budget)`` entries, never the
+chosen communities' ranges become token slots by prefix sums over the ranked communities' sizes
+and over where their ranges end ("ranges to indices"): the step reads ``O(communities + budget)`` entries, never the
 whole context; the kept slots are sorted (a sort over the budget) into ascending order.
 
 **Appends.** A decoded token joins, per unit, one of ``candidates`` communities: those its layer's
@@ -111,7 +111,7 @@ class ClusteringTime:
     """Time the prefills spent on communities, all layers and graphs together: finding the edges
     and building the graphs (``graph_seconds``) and partitioning them (``leiden_seconds``), summed
     over the processes that did it; ``wait_seconds``, the wall time the session waited for the
-    partitions after the prompt's forward (what parallel workers leave of them). ``tokens``: the
+    partitions and laid them out after the prompt's forward (what parallel workers leave of the work). tokens: the
     prompt tokens (rows × visible tokens) covered."""
 
     graph_seconds: float = 0.0
@@ -224,7 +224,6 @@ class CommunityKV(KVSelector):
             units = len(done) // b
             self._lay_out(state, [[(m, w) for m, w, _, _ in done[r * units : (r + 1) * units]] for r in range(b)], per_kv, length)
             graph_s, leiden_s = sum(d[2] for d in done), sum(d[3] for d in done)
-            state.store["clustering"] = (edge_s + graph_s, leiden_s)
             self.clustering.graph_seconds += edge_s + graph_s
             self.clustering.leiden_seconds += leiden_s
             self.clustering.wait_seconds += time.perf_counter() - tic
