@@ -110,9 +110,9 @@ def _leiden(which: str) -> tuple[Any, Any]:
 class ClusteringTime:
     """Time the prefills spent on communities, all layers and graphs together: finding the edges
     and building the graphs (``graph_seconds``) and partitioning them (``leiden_seconds``), summed
-    over the processes that did it; ``wait_seconds``, the wall time the session waited for the
-    partitions and laid them out after the prompt's forward (what parallel workers leave of the work). tokens: the
-    prompt tokens (rows × visible tokens) covered."""
+    over the processes that did it; ``wait_seconds``, the wall time the session spent after the
+    prompt's forward waiting for the partitions and laying them out (what parallel workers leave of
+    the work). ``tokens``: the prompt tokens (rows × visible tokens) covered."""
 
     graph_seconds: float = 0.0
     leiden_seconds: float = 0.0
