@@ -32,11 +32,12 @@ import traceback
 from contextlib import ExitStack
 from typing import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from policyzoo import SSA, AttentionTopK, EntmaxKV, Forecast, Quest, kernels
+from policyzoo import SSA, AttentionTopK, CommunityKV, EntmaxKV, Forecast, Quest, kernels
 from policyzoo.cache import SUMMARIES, PagedKVCache
 from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
@@ -506,12 +507,27 @@ def select_policies(keep: float = 0.1) -> dict:
         f"ssa{keep / 2}+{keep / 2}-rescore5": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64, rescore=5),
         # One head per KV group scores one mean key per page: the next layer's blocks of 64.
         f"forecast{keep}": lambda: Forecast(keep, heads=ForecastHeads(1, HIDDEN, H_KV, D, rank=128)),
+        # Communities forced to runs of 10 tokens (`common.runs_partition`); its step's append included.
+        f"community-kv{keep}-runs10 (+append)": lambda: CommunityKV(keep, partition=partial(common.runs_partition, size=10), workers=1),
     }
 
 
 def select_call(policy, state: KVState, q: torch.Tensor) -> Callable:
     """The call that makes ``policy``'s selection of one layer. Forecast's is made from the hidden
-    state of the layer below (a random one here) and needs its page means first; the others' from ``q``."""
+    state of the layer below (a random one here) and needs its page means first; CommunityKV's needs
+    its communities (a prefill from random queries at every slot) and includes the step's append;
+    the others' from ``q``."""
+    if isinstance(policy, CommunityKV):
+        n = int(state.cache.length)
+        policy.prefill(state, torch.randn(q.shape[0], q.shape[1], n, q.shape[2], device=q.device, dtype=q.dtype), None, None)
+        policy.finish_prefill([state])
+        k = state.keys[:, :, n - 1 : n]
+
+        def step():
+            policy.append(state, k, None)
+            return policy.select(state, q)
+
+        return step
     if not isinstance(policy, Forecast):
         return lambda: policy.select(state, q)
     heads = policy.predictor.to(device=q.device, dtype=q.dtype)
@@ -533,8 +549,13 @@ def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
     return cache
 
 
-def section_select(contexts, rows, deadline: float, keep: float = 0.1):
-    """Per layer: selection time, attention time over it, and dense attention, for each policy."""
+def section_select(contexts, rows, deadline: float, keep: float = 0.1, names: list[str] | None = None):
+    """Per layer: selection time, attention time over it, and dense attention, for each policy (of
+    ``names``, matched up to the first space of `select_policies`' names; all by default)."""
+    policies = {name: make for name, make in select_policies(keep).items() if not names or name.split()[0] in names}
+    if names and len(policies) < len(set(names)):
+        known = sorted(name.split()[0] for name in select_policies(keep))
+        raise ValueError(f"unknown select policies {sorted(set(names) - {n.split()[0] for n in policies})}; known: {known}")
     dev = common.DEVICE
     for n in contexts:
         if time.perf_counter() > deadline:
@@ -550,7 +571,7 @@ def section_select(contexts, rows, deadline: float, keep: float = 0.1):
 
         dense_us = common.graph_time_ms(lambda: attend(dense)) * 1e3
         rows.append({"section": "select", "setting": "dense", "context": n, "attention_us": dense_us, "total_us": dense_us})
-        for name, make in select_policies(keep).items():
+        for name, make in policies.items():
             row = {"section": "select", "setting": name, "context": n}
             try:
                 policy = make()

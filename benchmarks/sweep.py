@@ -407,6 +407,7 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="select_top,merge,page_bound,attention_pages", help="groups of the variants section")
     p.add_argument("--gemv-batches", default="1,4,16", help="batch sizes of the gemvfused section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
+    p.add_argument("--select-policies", default="", help="select section: these policies only (names up to the first space; default all)")
     p.add_argument("--compile-policies", default=",".join(compile_time.policies()),
                    help="policies of the compile section (benchmarks.compile_time.policies)")
     p.add_argument("--compile-modes", default="regional,whole", help="compile section: regional (one compiled layer for all) and/or whole")
@@ -487,7 +488,8 @@ def main(argv=None) -> None:
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
         "gemvfused": lambda: probes.section_gemv_fused(rows, deadline, batches=[int(b) for b in args.gemv_batches.split(",")]),
-        "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline),
+        "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline,
+                                                names=[x for x in args.select_policies.split(",") if x]),
         "profile": run_profile,
         "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline),
         "batch": run_batch,

@@ -6,6 +6,7 @@ with one graph, and a missing extra says how to install it."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 
@@ -250,6 +251,36 @@ def test_wrapping_policies_finish_its_prefill(wrap):
         assert "order" in state.store and not any(key.endswith(".jobs") for key in state.store)
 
 
+def runs_of(n, lo, hi, weight, gamma, seed, size):
+    """A partition function: runs of ``size`` consecutive tokens, whatever the graph."""
+    assert lo.dtype == hi.dtype == torch.long and weight.dtype == torch.float64 and bool((lo < hi).all())
+    return torch.arange(n) // size
+
+
+def test_a_partition_function_replaces_leiden(make_case, monkeypatch):
+    """``partition`` gets each graph as edge tensors and its answer is the layout's communities
+    (Leiden is not even imported: the extra is not needed)."""
+    monkeypatch.setitem(sys.modules, "igraph", None)
+    case = make_case(b=2, h_kv=2, g=2, d=8, page=4, prompt=30, steps=0, starts=[0, 5], seed=0)
+    policy = CommunityKV(0.5, partition=functools.partial(runs_of, size=4), **SMALL)
+    state = prefilled(case, policy)
+    for row, start in enumerate([0, 5]):
+        for unit in range(case.h_kv):
+            members = policy.members(state, row, unit)
+            assert sorted(map(sorted, members)) == [list(range(s, min(s + 4, 30))) for s in range(start, 30, 4)]
+    assert policy.clustering.graphs == 2 * case.h_kv
+
+
+@pytest.mark.parametrize("answer", [lambda n: torch.zeros(n + 1, dtype=torch.long), lambda n: torch.zeros(n),
+                                    lambda n: torch.full((n,), -1)], ids=["length", "float", "negative"])
+def test_a_partition_function_that_answers_wrong_is_refused(make_case, answer):
+    case = make_case(b=1, h_kv=1, g=2, d=8, page=4, prompt=12, steps=0, starts=[0], seed=0)
+    with pytest.raises(ValueError, match="partition function"):
+        policy = CommunityKV(0.5, partition=lambda n, *_: answer(n))
+        prefilled(case, policy)
+        policy.finish_prefill([])
+
+
 @pytest.mark.parametrize("leiden, missing", [("igraph", "igraph"), ("leidenalg", "leidenalg"), ("leidenalg", "igraph")])
 def test_a_missing_extra_says_how_to_install_it(make_case, monkeypatch, leiden, missing):
     case = make_case(b=1, h_kv=1, g=2, d=8, page=4, prompt=12, steps=0, starts=[0], seed=0)
@@ -288,6 +319,7 @@ def test_the_spec_builds_it():
         (dict(seed=1.5), TypeError, "seed"),
         (dict(workers=0), ValueError, "workers"),
         (dict(candidates=0), ValueError, "candidates"),
+        (dict(partition="runs"), TypeError, "partition"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, exc, name):

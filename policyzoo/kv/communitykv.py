@@ -20,7 +20,8 @@ Each graph is partitioned by Leiden on the RB-configuration quality (modularity 
 ``resolution`` per 1,000 tokens of the graph), with a fixed ``seed``: by igraph's C implementation
 (``Graph.community_leiden``, the default) or by ``leidenalg.find_partition``. Both reach the same
 quality on SmolLM2's graphs (within 0.3%); igraph's took 0.04 s per graph of 3K tokens where
-leidenalg's took 0.7-1.7 s.
+leidenalg's took 0.7-1.7 s. A ``partition`` function replaces Leiden (a GPU Leiden, or a fixed
+partition for timing): it gets each graph as edge tensors.
 
 The prefill of a layer finds the edges on the model's device and hands the graphs to ``workers``
 processes (threads would not do: leidenalg holds the GIL, and igraph draws its random numbers from a
@@ -74,6 +75,9 @@ from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, forced_at, round_for_ranking
 
+# partition(n, lo, hi, weight, gamma, seed) -> membership int64[n]: one graph's communities (see
+# `CommunityKV.partition`).
+Partition = Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]
 Graph = Literal["group", "head"]
 GRAPHS = ("group", "head")
 Leiden = Literal["igraph", "leidenalg"]
@@ -139,7 +143,12 @@ class CommunityKV(KVSelector):
     same quality; ``seed`` fixes the partition (the same with any number of workers);
     ``workers``: processes that build and partition the graphs, all layers' at once (``None``: one
     per CPU for prompts of `PARALLEL_TOKENS` tokens or more, else this process; ``1``: this
-    process). Needs the optional ``community`` extra (``python-igraph``, ``leidenalg``).
+    process). ``partition``: a function ``(n, lo, hi, weight, gamma, seed) -> membership int64[n]``
+    that partitions one graph of ``n`` tokens, given as undirected edges ``lo[i] -- hi[i]`` (``lo <
+    hi``, int64, on the CPU) of float64 ``weight[i]`` at RB-configuration resolution ``gamma``;
+    ``None`` (the default): Leiden by ``leiden``. It runs in the worker processes, so it must
+    pickle (a module-level function or a `functools.partial` of one). Leiden needs the optional
+    ``community`` extra (``python-igraph``, ``leidenalg``).
     """
 
     budget: int | float = 0.1
@@ -153,6 +162,7 @@ class CommunityKV(KVSelector):
     seed: int = 0
     workers: int | None = None
     candidates: int = 8
+    partition: Partition | None = None
     summaries = ()  # centroids of its own; no page summaries
     clustering: ClusteringTime = field(default_factory=ClusteringTime, init=False, repr=False, compare=False)
     _pool: tuple[int, Executor] | None = field(default=None, init=False, repr=False, compare=False)
@@ -174,6 +184,8 @@ class CommunityKV(KVSelector):
             raise ValueError(f"graph must be 'group' or 'head', got {self.graph!r}")
         if self.leiden not in LEIDENS:
             raise ValueError(f"leiden must be 'igraph' or 'leidenalg', got {self.leiden!r}")
+        if self.partition is not None and not callable(self.partition):
+            raise TypeError(f"partition must be a function (n, lo, hi, weight, gamma, seed) -> membership, got {self.partition!r}")
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the worker pool behind (a copy starts its own)."""
@@ -191,7 +203,8 @@ class CommunityKV(KVSelector):
         (`DecodeSession._prefill_chunk`); given one chunk of a longer prompt, the graph has that
         chunk's queries only (against all the keys before them), and still covers every visible token.
         """
-        _leiden(self.leiden)  # missing: said here, not by a worker
+        if self.partition is None:
+            _leiden(self.leiden)  # missing: said here, not by a worker
         cache = state.cache
         b, h = q.shape[:2]
         h_kv = state.keys.shape[1]
@@ -201,13 +214,14 @@ class CommunityKV(KVSelector):
         runner = self._runner(length - min(starts))
         tic = time.perf_counter()
         jobs = []
+        how = (self.leiden, self.seed, self.partition)
         for row in range(b):
             n = length - starts[row]
             dst, p, first = self._edges(state, row, q[row], length)
             gamma = float(self.resolution) * n / 1000
             for u in range(h // heads):
                 one = slice(u * heads, (u + 1) * heads)
-                jobs.append(runner.submit(_community, n, first, dst[one], p[one], self.mix, self.sinks, gamma, self.leiden, self.seed))
+                jobs.append(runner.submit(_community, n, first, dst[one], p[one], self.mix, self.sinks, gamma, *how))
         state.store[_JOBS] = (jobs, b, per_kv, length, time.perf_counter() - tic)
         if state.layer == 0:
             self.clustering.tokens += sum(length - s for s in starts)
@@ -220,7 +234,7 @@ class CommunityKV(KVSelector):
                 continue
             jobs, b, per_kv, length, edge_s = pending
             tic = time.perf_counter()
-            done = [job.result() for job in jobs]  # (membership, strength, graph_s, leiden_s)
+            done = [job.result() for job in jobs]  # (membership, strength, graph_s, partition_s)
             units = len(done) // b
             self._lay_out(state, [[(m, w) for m, w, _, _ in done[r * units : (r + 1) * units]] for r in range(b)], per_kv, length)
             graph_s, leiden_s = sum(d[2] for d in done), sum(d[3] for d in done)
@@ -279,6 +293,7 @@ class CommunityKV(KVSelector):
             pad = top - p.shape[-1]  # a first block that sees fewer than `top` keys: no edge there
             dsts.append(torch.nn.functional.pad(dst.int(), (0, pad)).reshape(h, r, top))
             probs.append(torch.nn.functional.pad(p, (0, pad)).reshape(h, r, top))
+        # The edges go to the workers, which sum them into the graph: they are 4-5x smaller than it.
         return torch.cat(dsts, 1).cpu(), torch.cat(probs, 1).cpu(), q_pos0
 
     def _lay_out(self, state: KVState, parts: list[list[tuple[Tensor, Tensor]]], per_kv: int, length: int) -> None:
@@ -462,28 +477,61 @@ class CommunityKV(KVSelector):
 _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a Decoder, or call prefill() first"
 
 
-def _community(n: int, first: int, dst: Tensor, p: Tensor, mix: float, sinks: int, gamma: float, which: str, seed: int) -> tuple[Tensor, Tensor, float, float]:
-    """One graph's communities (a job, run in a worker process or in place): ``(membership
-    int64[n], strength float64[n], graph seconds, Leiden seconds)`` for the edges ``dst, p [heads,
-    Q, top]`` of queries ``first, first + 1, ...`` (`CommunityKV._edges`), partitioned at
-    RB-configuration resolution ``gamma``. ``strength``: each token's weighted degree."""
+def _community(n: int, first: int, dst: Tensor, p: Tensor, mix: float, sinks: int, gamma: float, which: str, seed: int,
+               partition: Partition | None) -> tuple[Tensor, Tensor, float, float]:
+    """One graph's communities from its edges (a job, run in a worker process or in place):
+    `_communities` of the graph `_graph` sums from the edges ``dst, p [heads, Q, top]`` of queries
+    ``first, first + 1, ...`` (`CommunityKV._edges`), the summing counted as graph seconds."""
     tic = time.perf_counter()
-    heads, queries, top = dst.shape
-    src = (torch.arange(queries) + first)[:, None].expand(queries, top).repeat(heads, 1)
-    lo, hi, w = _graph(src, dst.flatten(0, 1).long(), p.flatten(0, 1), n, mix, sinks)
+    lo, hi, w = _graph(_sources(dst, first), dst.flatten(0, 1).long(), p.flatten(0, 1), n, mix, sinks)
+    membership, strength, _, partition_s = _communities(n, lo, hi, w, gamma, which, seed, partition)
+    return membership, strength, time.perf_counter() - tic - partition_s, partition_s
+
+
+def _communities(n: int, lo: Tensor, hi: Tensor, w: Tensor, gamma: float, which: str, seed: int,
+                 partition: Partition | None) -> tuple[Tensor, Tensor, float, float]:
+    """One graph's communities (a job, run in a worker process or in place): ``(membership
+    int64[n], strength float64[n], graph seconds, partition seconds)`` of the undirected graph of
+    edges ``lo[i] -- hi[i]`` of weight ``w[i]``, at RB-configuration resolution ``gamma``: by
+    ``partition`` where given, else by Leiden (`_partition`, whose igraph graph build is counted as
+    graph seconds). ``strength``: each token's weighted degree."""
+    tic = time.perf_counter()
     strength = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
-    built = time.perf_counter()
-    membership = _partition(n, lo, hi, w, gamma, which, seed)
-    return membership, strength, built - tic, time.perf_counter() - built
+    if partition is not None:
+        built = time.perf_counter()
+        membership = _checked(partition(n, lo, hi, w, gamma, seed), n)
+        return membership, strength, built - tic, time.perf_counter() - built
+    membership, build_s = _partition(n, lo, hi, w, gamma, which, seed)
+    leiden_s = time.perf_counter() - tic - build_s
+    return membership, strength, time.perf_counter() - tic - leiden_s, leiden_s
 
 
-def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, which: str, seed: int) -> Tensor:
+def _checked(membership: Tensor, n: int) -> Tensor:
+    """A `CommunityKV.partition` function's answer, as int64 community ids ``0 .. C-1`` (each used)."""
+    membership = torch.as_tensor(membership)
+    if membership.shape != (n,) or membership.dtype.is_floating_point or membership.dtype == torch.bool:
+        raise ValueError(f"a partition function must return n={n} integer community ids, got {membership.dtype} {tuple(membership.shape)}")
+    if n and int(membership.min()) < 0:
+        raise ValueError("a partition function's community ids must be >= 0")
+    return torch.unique(membership.long(), return_inverse=True)[1]  # ids made dense: no empty community
+
+
+def _sources(dst: Tensor, first: int) -> Tensor:
+    """``[heads·Q, top]``: the query (local token index) each edge of ``dst [heads, Q, top]`` leaves."""
+    heads, queries, top = dst.shape
+    return (torch.arange(queries, device=dst.device) + first)[:, None].expand(queries, top).repeat(heads, 1)
+
+
+def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, which: str, seed: int) -> tuple[Tensor, float]:
     """Leiden's ``membership int64[n]`` of the undirected graph of ``n`` tokens with edges ``lo[i] --
     hi[i]``, by igraph's C implementation or by leidenalg, reseeded for every graph (a partition does
-    not depend on the graphs before it, nor on the process that makes it)."""
+    not depend on the graphs before it, nor on the process that makes it); and the seconds igraph
+    took to build its graph."""
     igraph, leidenalg = _leiden(which)
+    tic = time.perf_counter()
     g = igraph.Graph(n=n, edges=torch.stack([lo, hi], 1).numpy())
     weights = weight.tolist()
+    build_s = time.perf_counter() - tic
     if leidenalg is not None:
         found = leidenalg.find_partition(
             g, leidenalg.RBConfigurationVertexPartition, weights=weights, resolution_parameter=gamma, seed=seed
@@ -494,7 +542,7 @@ def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, whi
             found = g.community_leiden(objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2).membership
         finally:
             igraph.set_random_number_generator(random)
-    return torch.tensor(found, dtype=torch.long)
+    return torch.tensor(found, dtype=torch.long), build_s
 
 
 class _Inline(Executor):
@@ -520,7 +568,7 @@ def _graph(src: Tensor, dst: Tensor, p: Tensor, n: int, mix: float, sinks: int) 
     pair once. Tokens before ``sinks`` take part in no edge."""
     ok = (p > 0) & (dst >= sinks) & (src >= sinks)
     e = ok & (src != dst)
-    a, b = torch.triu_indices(p.shape[1], p.shape[1], 1)  # pairs of one query's top keys
+    a, b = torch.triu_indices(p.shape[1], p.shape[1], 1, device=p.device)  # pairs of one query's top keys
     co = ok[:, a] & ok[:, b]
     pieces = []
     for lo, hi, w, share in (
@@ -531,9 +579,9 @@ def _graph(src: Tensor, dst: Tensor, p: Tensor, n: int, mix: float, sinks: int) 
         if share > 0 and total > 0:
             pieces.append((torch.minimum(lo, hi), torch.maximum(lo, hi), w * (share / total)))
     if not pieces:
-        empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty, torch.zeros(0, dtype=torch.float64)
+        empty = torch.zeros(0, dtype=torch.long, device=p.device)
+        return empty, empty, torch.zeros(0, dtype=torch.float64, device=p.device)
     lo, hi, w = (torch.cat(x) for x in zip(*pieces))
     pairs, which = torch.unique(lo * n + hi, return_inverse=True)
-    weight = torch.zeros(pairs.shape[0], dtype=torch.float64).index_add_(0, which, w)
+    weight = torch.zeros(pairs.shape[0], dtype=torch.float64, device=w.device).index_add_(0, which, w)
     return pairs // n, pairs % n, weight
