@@ -110,7 +110,7 @@ def test_the_policy_contract_on_filled_caches(data, cases, contract, args, appen
         for r in range(case.b):
             for hk in range(case.h_kv):
                 kept = contract.selected(sel, r, hk)
-                assert kept == sorted(set(kept)), "ascending and unique"
+                assert len(kept) == len(set(kept)), "each token once"
 
 
 @SETTINGS

@@ -43,8 +43,10 @@ KV head's candidates are the communities of all its query heads). The sinks and 
 then whole communities in score order fill the budget; the last one that does not fit is cut after
 its most central tokens. A token reached through several communities (head mode) counts once. The
 chosen communities' ranges become token slots by prefix sums over the ranked communities' sizes
-and over where their ranges end ("ranges to indices"): the step reads ``O(communities + budget)`` entries, never the
-whole context; the kept slots are sorted (a sort over the budget) into ascending order.
+and over where their ranges end ("ranges to indices"): the step reads ``O(communities + budget)``
+entries, never the whole context. The kept slots are compacted in rank order (best community first,
+then the sinks and the window), not sorted. The communities are scored by the candidates' logit
+kernel (`kernels.gathered_logits`, the centroids as keys) and ranked by a sort on 16-bit keys.
 
 **Appends.** A decoded token joins, per unit, one of ``candidates`` communities: those its layer's
 last query ranked best (the previous step's selection; at the first step, the communities of the
@@ -71,6 +73,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, forced_at, round_for_ranking
@@ -376,17 +379,19 @@ class CommunityKV(KVSelector):
         fits = torch.gather(open_, 2, nearest)  # False only where every range is full (a rewound cache)
         n = torch.gather(size, 2, nearest)
         where = torch.where(fits, torch.gather(offset, 2, nearest) + n, order.shape[-1] - 1)  # else: the discard slot
-        order.scatter_(2, where, (state.cache.length - 1).to(order.dtype).expand(b, units, 1))
-        at = nearest[..., None].expand(b, units, 1, d)
-        old = torch.gather(centroid, 2, at)
+        old = torch.gather(centroid, 2, nearest[..., None].expand(b, units, 1, d))
         new = old + (key[:, :, None] - old) * (fits / (n + 1))[..., None]
-        centroid.scatter_(2, at, new)
-        shadow.scatter_(2, at, new.to(shadow.dtype))
-        size.scatter_add_(2, nearest, fits.long())
+        # Written by index_put_, not scatter_: a compiled step then updates the tables in place (Inductor
+        # re-inplaces index_put, where a scatter into a step's input copies the whole table twice).
+        rows, heads = torch.arange(b, device=k.device)[:, None, None], torch.arange(units, device=k.device)[None, :, None]
+        order.index_put_((rows, heads, where), (state.cache.length - 1).to(order.dtype).expand(b, units, 1))
+        centroid.index_put_((rows, heads, nearest), new)
+        shadow.index_put_((rows, heads, nearest), new.to(shadow.dtype))
+        size.index_put_((rows, heads, nearest), fits.long(), accumulate=True)
 
     def select(self, state: KVState, q: Tensor) -> Selection:
-        """The sinks, the window and the best-scored communities' tokens, ``count`` of them at most
-        (a token selection in ascending slot order; see the module docstring)."""
+        """The best-scored communities' tokens (best first), then the sinks and the window, ``count``
+        of them at most (a token selection; see the module docstring)."""
         store = self._ready(state)
         cache = state.cache
         order, offset, size, centroid, recent = (store[name] for name in ("order", "offset", "size", "centroid_key", "recent"))
@@ -395,14 +400,15 @@ class CommunityKV(KVSelector):
         units, c = size.shape[1], size.shape[2]
         per_kv = units // h_kv
         m = per_kv * c  # candidate communities per KV head
-        q = q.to(centroid.dtype)
-        if per_kv == 1:  # group: the best of the group's query heads
-            scores = torch.matmul(q.view(b, h_kv, h // h_kv, d), centroid.transpose(-1, -2)).amax(2)
-        else:  # head: each community by its own head's query
-            scores = torch.matmul(centroid, q[..., None])[..., 0]
-        scores = round_for_ranking((scores.float() * state.scale).masked_fill(size == 0, -torch.inf))  # [B, U, C]
+        # Each unit's communities scored as keys: the group's best (group mode; one head per unit in
+        # head mode) of scale·q·centroid, by the candidates' logit kernel (read once per group).
+        ids = torch.arange(c, device=q.device, dtype=torch.int32).expand(b, units, c)
+        scores = kernels.gathered_logits(q.to(centroid.dtype), centroid, ids, state.scale, agg="max")  # [B, U, C]
+        scores = round_for_ranking(scores.masked_fill(size == 0, -torch.inf))
         sizes = size.view(b, h_kv, m)
-        best = torch.sort(scores.view(b, h_kv, m), dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
+        # Exact at the ranking's bf16 precision, and a 16-bit sort key is half the radix passes.
+        ranked = scores.view(b, h_kv, m).to(torch.bfloat16)
+        best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
         # The next token's candidate communities: this query's best, per unit.
         top = recent.shape[-1]
         recent.copy_(best[..., :top] if per_kv == 1 else torch.topk(scores, top, dim=-1, sorted=True).indices)
@@ -447,14 +453,18 @@ class CommunityKV(KVSelector):
             first_seen = torch.ones_like(ok)
             first_seen[..., 1:] = by_slot[..., 1:] != by_slot[..., :-1]
             unique = torch.zeros_like(ok).scatter(2, at, first_seen & (by_slot < capacity))
-        take = unique & (unique.cumsum(-1) <= free)
+        place = unique.cumsum(-1)
+        take = unique & (place <= free)
 
-        forced = torch.where(forced_ok, forced_slots, capacity)[:, None].expand(b, h_kv, -1)
-        chosen = torch.cat([torch.where(take, slots, capacity), forced], -1)
-        chosen = torch.sort(chosen, dim=-1).values[..., :k_max]
-        count = n_forced[:, None] + take.sum(-1)
-        indices = torch.where(chosen < capacity, chosen, 0).int()
-        return Selection(indices=indices, count=count.int(), block=1)
+        # Compacted, not sorted: the taken tokens in rank order (the i-th at entry i), then the forced
+        # ones; the rest of the row is padding (written to a spare last entry and dropped).
+        n_taken = take.sum(-1)
+        forced_place = n_taken[..., None] + forced_ok.cumsum(-1)[:, None]
+        at = torch.cat([torch.where(take, place - 1, k_max), torch.where(forced_ok[:, None], forced_place - 1, k_max)], -1)
+        forced = forced_slots[:, None].expand(b, h_kv, -1)
+        indices = torch.zeros(b, h_kv, k_max + 1, dtype=torch.int32, device=q.device)
+        indices.scatter_(2, at, torch.cat([slots, forced], -1).int())
+        return Selection(indices=indices[..., :k_max], count=(n_taken + n_forced[:, None]).int(), block=1)
 
     def _forced(self, cache: PagedKVCache) -> tuple[Tensor, Tensor]:
         """``(slots, visible) [B, F]``: the sinks then the window of every row, each forced token once."""
