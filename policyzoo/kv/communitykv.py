@@ -382,12 +382,13 @@ class CommunityKV(KVSelector):
         old = torch.gather(centroid, 2, nearest[..., None].expand(b, units, 1, d))
         new = old + (key[:, :, None] - old) * (fits / (n + 1))[..., None]
         # Written by index_put_, not scatter_: a compiled step then updates the tables in place (Inductor
-        # re-inplaces index_put, where a scatter into a step's input copies the whole table twice).
+        # re-inplaces index_put, where a scatter into a step's input copies the whole table twice). No
+        # accumulating put: on CUDA an int64 one falls back to ATen, with bounds-check launches.
         rows, heads = torch.arange(b, device=k.device)[:, None, None], torch.arange(units, device=k.device)[None, :, None]
         order.index_put_((rows, heads, where), (state.cache.length - 1).to(order.dtype).expand(b, units, 1))
         centroid.index_put_((rows, heads, nearest), new)
         shadow.index_put_((rows, heads, nearest), new.to(shadow.dtype))
-        size.index_put_((rows, heads, nearest), fits.long(), accumulate=True)
+        size.index_put_((rows, heads, nearest), n + fits.long())
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         """The best-scored communities' tokens (best first), then the sinks and the window, ``count``
