@@ -1,0 +1,52 @@
+"""CommunityKV's prefill clustering time per token graph on this machine's CPUs.
+
+The graphs are shaped as a random 8B model's prefill makes them: 4 query heads per KV head, each
+query's top 8 keys spread over the preceding 256 tokens, mixed half and half with co-attention.
+``workers`` graphs are built and partitioned at once, in as many processes (as `CommunityKV` does)::
+
+    python -m benchmarks.clustering --contexts 32768,131072 --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from policyzoo.kv.communitykv import _community
+
+
+def synthetic_edges(n: int, seed: int, heads: int = 4, top: int = 8, spread: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, p) [heads, n, top]``: each query's ``top`` keys among the ``spread`` before it, with
+    descending probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    dst = (torch.arange(n)[None, :, None] - torch.randint(0, spread, (heads, n, top), generator=g)).clamp(min=0).int()
+    p = torch.sort(torch.rand(heads, n, top, generator=g) ** 3, descending=True, dim=-1).values / 3
+    return dst, p
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="32768", help="prompt lengths, comma-separated")
+    parser.add_argument("--workers", type=int, default=8, help="processes, and graphs per context")
+    parser.add_argument("--resolution", type=float, default=10.0, help="CommunityKV's resolution per 1,000 tokens")
+    args = parser.parse_args()
+    print(f"{os.cpu_count()} CPUs, {args.workers} processes", flush=True)
+    context = mp.get_context("spawn")
+    with ProcessPoolExecutor(args.workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        for n in (int(c) for c in args.contexts.split(",")):
+            tic = time.perf_counter()
+            jobs = [pool.submit(_community, n, 0, *synthetic_edges(n, seed), 0.5, 4, args.resolution * n / 1000, "igraph", 0, None)
+                    for seed in range(args.workers)]
+            done = [job.result() for job in jobs]
+            k = len(done)
+            print(f"n={n}: {k} graphs in {time.perf_counter() - tic:.1f} s wall; per graph: build {sum(d[2] for d in done) / k:.2f} s, "
+                  f"Leiden {sum(d[3] for d in done) / k:.2f} s, {sum(int(d[0].max()) + 1 for d in done) / k:.0f} communities", flush=True)
+
+
+if __name__ == "__main__":
+    main()
