@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import _compat, kernels
+from .distributed import shard_of
 from .kv.base import KVSelector, check_count, two_stage
 from .kv.context import check_parts
 from .kv.dense import Dense
@@ -95,6 +96,8 @@ class Decoder:
         _check_flags(compile=compile)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+        if proj is not None and shard_of(model) is not None:
+            raise NotImplementedError("proj= on a tensor-parallel (sharded) model is not supported yet: decode it with kv= only")
         offloaded = _compat.offloaded_parameters(model)
         if proj is not None and offloaded:
             raise ValueError(
