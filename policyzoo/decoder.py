@@ -96,8 +96,8 @@ class Decoder:
         _check_flags(compile=compile)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
-        if proj is not None and shard_of(model) is not None:
-            raise NotImplementedError("proj= on a tensor-parallel (sharded) model is not supported yet: decode it with kv= only")
+        if proj is not None and shard_of(model) is not None and not proj.shardable:
+            raise NotImplementedError(f"{type(proj).__name__} does not decode a tensor-parallel (sharded) model: use TopK or Threshold")
         offloaded = _compat.offloaded_parameters(model)
         if proj is not None and offloaded:
             raise ValueError(

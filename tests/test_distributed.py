@@ -1,6 +1,6 @@
 """Contract of `policyzoo.distributed` (issue 21): a model sharded over two gloo ranks decodes the
-tokens one process decodes (dense and Quest, eager and compiled, its collectives traced with no
-graph break), and bad uses say what is wrong."""
+tokens one process decodes (dense, Quest, exact and fast TopK and Quest with TopK; eager and
+compiled, its collectives traced with no graph break), and bad uses say what is wrong."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from tiny_models import tiny_model
 
-from policyzoo import Decoder, Quest, TopK
+from policyzoo import Decoder, Quest, Threshold, TopK
+from policyzoo.proj.base import ProjectionSparsifier
 from policyzoo.distributed import shard, shard_of
-from policyzoo.spec import parse_kv
+from policyzoo.spec import parse_kv, parse_proj
 
 PROMPT = [5, 9, 11, 100, 3, 17, 42, 8, 99, 1] + list(range(2, 40))
-SPECS = ["dense", "quest:0.3,page=4"]
+KV = ["dense", "quest:0.3,page=4"]
 
 
 def _free_port() -> int:
@@ -30,25 +31,34 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
+    """The tiny model's directory, and the projection specs to decode it with (fast TopK's ratios
+    calibrated on the whole model, before sharding, and saved beside it)."""
     path = tmp_path_factory.mktemp("tiny_llama")
-    tiny_model("llama", layers=2).save_pretrained(path)
-    return path
+    model = tiny_model("llama", layers=2)
+    model.save_pretrained(path)
+    texts = [torch.randint(1, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    ratios = TopK(0.5, mode="fast").calibrate(model, texts).save(path / "ratios.safetensors")
+    return path, ["none", "topk:0.5", f"topk:mode=fast,path={ratios}"]
 
 
 def one_process(path, spec, new_tokens=12):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    out, logits = Decoder(model, kv=parse_kv(spec)).generate(torch.tensor([PROMPT]), new_tokens, eos_token_id=[], output_logits=True)
+    kv, proj = spec.split("+")
+    dec = Decoder(model, kv=parse_kv(kv), proj=parse_proj(proj))
+    out, logits = dec.generate(torch.tensor([PROMPT]), new_tokens, eos_token_id=[], output_logits=True)
     return out[0, len(PROMPT) :], logits[0]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_two_ranks_decode_what_one_process_decodes(saved_model, tmp_path, compiled):
+    saved_model, projs = saved_model
+    kvs = KV[1:] if compiled else KV  # compiled: Quest with each sparsifier and none (compiles are slow on CPU)
     out = tmp_path / "tp.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), "-m", "policyzoo.distributed", "--model", str(saved_model),
-           "--ids", ",".join(map(str, PROMPT)), "--kv", *SPECS, "--new-tokens", "12", "--out", str(out)]
+           "--ids", ",".join(map(str, PROMPT)), "--kv", *kvs, "--proj", *projs, "--new-tokens", "12", "--out", str(out)]
     if compiled:
         cmd.append("--compile")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -58,7 +68,7 @@ def test_two_ranks_decode_what_one_process_decodes(saved_model, tmp_path, compil
     saved = torch.load(out)
     if compiled:
         assert saved["graph_breaks"] == 0  # the all-reduces are traced into the step
-    for spec in SPECS:
+    for spec in (f"{kv}+{proj}" for kv in kvs for proj in projs):
         tokens, logits = saved["results"][spec]
         want_tokens, want_logits = one_process(saved_model, spec)
         assert torch.equal(tokens, want_tokens), spec
@@ -89,11 +99,25 @@ def test_bad_uses_say_what_is_wrong(one_rank_group, monkeypatch):
     shard(model)
     with pytest.raises(ValueError, match="already sharded"):
         shard(model)
-    with pytest.raises(NotImplementedError, match="proj="):
-        Decoder(model, proj=TopK(0.5))
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        Decoder(model, proj=Unshardable())
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)  # 4 heads, 2 KV heads: no split in 3
     with pytest.raises(ValueError, match="do not split over 3 ranks"):
         shard(tiny_model("llama", layers=2))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    halved = tiny_model("llama", layers=2)
+    shard(halved)  # as rank 0 of 2: o and down now read shards of their inputs
+    with pytest.raises(ValueError, match="before sharding"):
+        Threshold(0.5).calibrate(halved, [torch.tensor(PROMPT)])
+
+
+class Unshardable(ProjectionSparsifier):
+    """A sparsifier that does not say it handles input shards."""
+
+    keep, targets = 0.5, ("down",)
+
+    def keep_mask(self, name, x):
+        return x.abs() > 0
 
 
 def test_sharding_needs_a_process_group():

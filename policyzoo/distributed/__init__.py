@@ -24,9 +24,14 @@ policy selects on them with no communication. Launch one process per rank, e.g. 
     shard(model)
     out = Decoder(model, kv=Quest(0.1)).generate(ids, 64, streamer=streamer if rank == 0 else None)
 
-Not supported yet: projection sparsity (``proj=``) on a sharded model (a row-parallel projection
-would rank its local input shard, which is not what one process ranks), and models whose q/k/v or
-gate/up are one fused linear.
+Projection sparsity works per shard. q/k/v and gate/up read the whole (replicated) input, so every
+rank keeps the features one process keeps. ``o`` and ``down`` read this rank's shard of their input:
+a sparsifier that declares ``shardable`` thresholds the shard at the whole input's threshold, found
+with one small collective (`TopK`: the k-th largest magnitude over the ranks' shards, by an
+all-gather of each shard's top k; fast `TopK`: the mean magnitude, by an all-reduce; `Threshold`'s
+calibrated thresholds need none). Calibrate before sharding: a sharded model's inputs are shards.
+
+Not supported yet: models whose q/k/v or gate/up are one fused linear.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from .. import _compat
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# The projections (`_compat.PROJECTIONS` names) whose input a rank holds a shard of.
+ROW_PARALLEL = ("o", "down")
 
 
 @dataclass(frozen=True)
@@ -161,3 +168,24 @@ def _summed_over(group: dist.ProcessGroup | None):
 
 def _all_reduce(funcol: Any, x: Tensor, group: Any) -> Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+
+def is_row_parallel(part: Shard | None, name: str) -> bool:
+    """Whether projection ``name`` (``"<layer>.<target>"``) reads a shard of its input on this rank."""
+    return part is not None and part.world > 1 and name.rsplit(".", 1)[-1] in ROW_PARALLEL
+
+
+def sum_over_ranks(x: Tensor, part: Shard) -> Tensor:
+    """``x`` summed over ``part``'s ranks (a traceable all-reduce)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return _all_reduce(funcol, x, part.group if part.group is not None else dist.group.WORLD)
+
+
+def concat_over_ranks(x: Tensor, part: Shard) -> Tensor:
+    """The ranks' ``x`` concatenated along the last dimension, in rank order (a traceable all-gather)."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = part.group if part.group is not None else dist.group.WORLD
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))  # [world·B, ..., n]
+    return torch.cat(gathered.chunk(part.world, dim=0), dim=-1)

@@ -12,13 +12,13 @@ from transformers import TextStreamer
 
 from ..assets import DEFAULT_MODEL, load_model, load_tokenizer
 from ..decoder import Decoder
-from ..spec import parse_kv
+from ..spec import parse_kv, parse_proj
 from . import shard
 
 
 def main(argv: list[str] | None = None) -> None:
     """``torchrun --nproc-per-node N -m policyzoo.distributed ...``: load a model on every rank,
-    shard it, decode a prompt with each ``--kv`` setting; rank 0 streams the text (prints the ids
+    shard it, decode a prompt with each ``--kv`` and ``--proj`` setting; rank 0 streams the text (prints the ids
     with ``--ids``; or, with
     ``--out``, saves the new token ids and logits of every setting, and the graph breaks a compile
     met, with `torch.save`)."""
@@ -27,11 +27,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Hub name or local path (default: the embedded model)")
     parser.add_argument("--prompt", default="The capital of France is", help="prompt text")
     parser.add_argument("--ids", default="", help="prompt token ids, comma-separated (instead of --prompt; no tokenizer is loaded)")
-    parser.add_argument("--kv", nargs="+", default=["dense"], help="KV policy specs, decoded one after another")
+    parser.add_argument("--kv", nargs="+", default=["dense"], help="KV policy specs")
+    parser.add_argument("--proj", nargs="+", default=["none"], help="projection sparsifier specs; every --kv with every --proj is decoded")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--compile", action="store_true", help="compile each rank's decode step (CUDA graphs on GPUs)")
-    parser.add_argument("--out", default="", help="rank 0 saves {'results': {spec: (new ids, logits)}, 'graph_breaks': n} here")
+    parser.add_argument("--out", default="", help="rank 0 saves {'results': {'KV+PROJ': (new ids, logits)}, 'graph_breaks': n} here")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{part.world} ranks: {part.local_heads}/{part.num_heads} heads, {part.local_kv_heads}/{part.num_kv_heads} KV heads "
                   f"and {part.local_intermediate}/{part.intermediate_size} MLP channels each", flush=True)
         results = {}
-        for spec in args.kv:
-            dec = Decoder(model, kv=parse_kv(spec))
+        for spec in (f"{kv}+{proj}" for kv in args.kv for proj in args.proj):
+            kv, proj = spec.split("+")
+            dec = Decoder(model, kv=parse_kv(kv), proj=parse_proj(proj))
             if args.compile:
                 dec.compile()
             streamer = None

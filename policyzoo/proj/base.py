@@ -57,6 +57,9 @@ class ProjectionSparsifier:
     targets: tuple[str, ...]
     # True when `keep_mask` ignores ``name``: projections of one input can then share a selection.
     input_only: bool = False
+    # True when it decodes a tensor-parallel model (`policyzoo.distributed`): it keeps, on a rank's
+    # shard of a row-parallel projection's input, the features one process keeps.
+    shardable: bool = False
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         raise NotImplementedError  # abstract

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .._compat import PROJECTIONS, check_supported, decoder_layers
+from ..distributed import shard_of
 
 
 def check_values(values: object, what: str) -> None:
@@ -42,6 +43,9 @@ def collect_inputs(
     """Run the dense ``model`` over ``texts`` (strings need ``tokenizer``; each is cut to
     ``max_tokens``) and return, per projection ``"<layer>.<target>"``, the concatenation of
     ``summarise(x)`` over its inputs ``x [tokens, d_in]`` (on the CPU)."""
+    part = shard_of(model)
+    if part is not None and part.world > 1:
+        raise ValueError("calibrate the model before sharding it (policyzoo.distributed.shard): a rank sees shards of some inputs")
     check_supported(model)
     if len(texts) == 0:
         raise ValueError("texts must hold at least one text")

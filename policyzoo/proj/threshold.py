@@ -38,6 +38,8 @@ class Threshold(ProjectionSparsifier):
     targets: Sequence[str] = ALL_TARGETS
     thresholds: dict[str, float] = field(default_factory=dict)
 
+    shardable = True  # calibrated thresholds apply to a rank's shard of an input as to the whole
+
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
         self.targets = check_targets(self.targets)

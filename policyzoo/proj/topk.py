@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels
+from ..distributed import concat_over_ranks, is_row_parallel, shard_of, sum_over_ranks
 from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, kept_features, topk_mask
 from .calibration import DeviceScalars, check_values, collect_inputs, load_values, save_values
 
@@ -44,6 +45,8 @@ class TopK(ProjectionSparsifier):
     mode: str = "exact"
     ratios: dict[str, float] = field(default_factory=dict)
     input_only = True  # the kept set is the input's top-k: q/k/v (and gate/up) share it
+    shardable = True  # a row-parallel shard is cut at the whole input's threshold (`_shard_threshold`)
+    _shard = None  # the tensor-parallel model's `Shard` (set by `install`): not a dataclass field
 
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
@@ -57,21 +60,37 @@ class TopK(ProjectionSparsifier):
 
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
         super().install(model, runtime)
+        self._shard = shard_of(model)
         if self.mode == "fast":
             self._device.install(next(model.parameters()).device)
 
     def threshold(self, name: str, x: Tensor) -> Tensor:
-        """Fast mode: ``[B, 1]`` fp32 thresholds, ``ratio · mean|x|`` per row of ``x [B, d_in]``."""
-        return self._device.scalar(name, x.device) * x.abs().float().mean(-1, keepdim=True)
+        """Fast mode: ``[B, 1]`` fp32 thresholds, ``ratio · mean|x|`` per row of ``x [B, d_in]`` (the
+        whole input's mean where ``x`` is a rank's shard of it)."""
+        mags = x.abs().float()
+        if not is_row_parallel(self._shard, name):
+            return self._device.scalar(name, x.device) * mags.mean(-1, keepdim=True)
+        total = sum_over_ranks(mags.sum(-1, keepdim=True), self._shard)
+        return self._device.scalar(name, x.device) * total / (x.shape[-1] * self._shard.world)
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
-        if self.mode == "fast":
-            return x.abs().float() >= self.threshold(name, x)
+        if self.mode == "fast" or is_row_parallel(self._shard, name):
+            return x.abs().float() >= self._shard_threshold(name, x)
         return topk_mask(x, self.keep)
 
-    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+    def _shard_threshold(self, name: str, x: Tensor) -> Tensor:
+        """``[..., 1]``: the fast mode's threshold, or, on a rank's shard of a row-parallel input, the
+        whole input's ``ceil(keep·d_in)``-th largest magnitude (each rank's best that many, gathered)."""
         if self.mode == "fast":
-            return kernels.sparse_gemv_threshold(x, self.threshold(name, x), w_t, bias)
+            return self.threshold(name, x)
+        mags = x.abs().float()
+        k = kept_features(self.keep, x.shape[-1] * self._shard.world)
+        best = concat_over_ranks(mags.topk(min(k, mags.shape[-1]), dim=-1).values, self._shard)
+        return best.topk(k, dim=-1).values[..., -1:]
+
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+        if self.mode == "fast" or is_row_parallel(self._shard, name):
+            return kernels.sparse_gemv_threshold(x, self._shard_threshold(name, x), w_t, bias)
         # The kept features in ascending order (one threshold search, not a sorted top-k), so the
         # GEMV reads the weight rows in memory order.
         k = kept_features(self.keep, x.shape[-1])
