@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,17 @@ class ByteAccount:
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"config lacks the dimensions a byte account needs: {err}") from None
+
+    def per_rank(self, world: int) -> "ByteAccount":
+        """One rank's account under tensor parallelism over ``world`` ranks (`policyzoo.distributed`):
+        a ``1/world`` share of the heads, KV heads and MLP channels (so of the projections and the
+        KV cache); the LM head and norms, replicated, are read whole by every rank."""
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"world must be a positive int, got {world!r}")
+        for name in ("heads", "kv_heads", "ffn"):
+            if getattr(self, name) % world:
+                raise ValueError(f"{name}={getattr(self, name)} does not split over {world} ranks")
+        return replace(self, heads=self.heads // world, kv_heads=self.kv_heads // world, ffn=self.ffn // world)
 
     # ------------------------------------------------------------------ elements per layer / step
     @property

@@ -98,3 +98,23 @@ def test_selection_bytes_of_page_and_two_stage_policies():
     assert extra == pytest.approx(acct.layers * acct.kv_per_token * n * 0.25 * acct.element_size)
     with pytest.raises(ValueError, match="r_select"):
         acct.step_bytes(n, r_select=-0.1)
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1-8b", "llama-3.1-70b"])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_a_ranks_share_splits_all_but_the_replicated_head(shape, world):
+    """Per rank: the projections and the KV cache split ``world`` ways; the LM head and norms are read
+    whole by every rank."""
+    whole = ByteAccount.from_config(shape)
+    rank = whole.per_rank(world)
+    fixed = whole.fixed * whole.element_size
+    for n, r_kv in ((4096, 1.0), (32768, 0.1)):
+        assert rank.step_bytes(n, r_kv=r_kv) == pytest.approx((whole.step_bytes(n, r_kv=r_kv) - fixed) / world + fixed)
+    assert whole.per_rank(1) == whole
+
+
+def test_a_ranks_share_needs_whole_heads():
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        ByteAccount.from_config("llama-3.1-8b").per_rank(3)
+    with pytest.raises(ValueError, match="positive int"):
+        ByteAccount.from_config("llama-3.1-8b").per_rank(0)
