@@ -37,6 +37,7 @@ Not supported yet: models whose q/k/v or gate/up are one fused linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,6 +76,10 @@ class Shard:
     def local_intermediate(self) -> int:
         return self.intermediate_size // self.world
 
+    def own(self, size: int) -> slice:
+        """This rank's slice of a dimension it holds ``size`` entries of (the world holds ``world·size``)."""
+        return slice(self.rank * size, (self.rank + 1) * size)
+
 
 def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> Shard:
     """Split ``model``'s decoder layers across the ranks of ``group`` (default: the whole world), in
@@ -98,8 +103,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> Shard:
         if missing:
             raise NotImplementedError(f"layer {i} has no separate linear {missing}: only models with separate q/k/v/o and gate/up/down projections shard")
     part = Shard(rank, world, group, h, h_kv, ff)
-    heads, kv_heads = slice(rank * part.local_heads * d, (rank + 1) * part.local_heads * d), slice(rank * part.local_kv_heads * d, (rank + 1) * part.local_kv_heads * d)
-    channels = slice(rank * part.local_intermediate, (rank + 1) * part.local_intermediate)
+    heads, kv_heads, channels = part.own(part.local_heads * d), part.own(part.local_kv_heads * d), part.own(part.local_intermediate)
     for layer in _compat.decoder_layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         _keep_rows(attn, "q_proj", heads)
@@ -110,7 +114,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> Shard:
         _keep_rows(mlp, "up_proj", channels)
         _keep_columns(mlp, "down_proj", channels, rank)
         for module in (attn, mlp):
-            module.register_forward_hook(_summed_over(group))
+            module.register_forward_hook(partial(_summed_over_ranks, part))
         for attr, value in (("num_heads", part.local_heads), ("num_key_value_heads", part.local_kv_heads)):
             if hasattr(attn, attr):  # older transformers keep the counts on the module
                 setattr(attn, attr, value)
@@ -151,23 +155,12 @@ def _keep_columns(parent: nn.Module, name: str, columns: slice, rank: int) -> No
     setattr(parent, name, new)
 
 
-def _summed_over(group: dist.ProcessGroup | None):
-    """A forward hook that sums a row-parallel block's output (its first element, for the attention's
-    ``(output, weights)``) over ``group``'s ranks."""
-    import torch.distributed._functional_collectives as funcol
-
-    ranks = group if group is not None else dist.group.WORLD
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (_all_reduce(funcol, output[0], ranks), *output[1:])
-        return _all_reduce(funcol, output, ranks)
-
-    return hook
-
-
-def _all_reduce(funcol: Any, x: Tensor, group: Any) -> Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+def _summed_over_ranks(part: Shard, module: nn.Module, args: Any, output: Any) -> Any:
+    """The forward hook of a row-parallel block: its output (the first element of the attention's
+    ``(output, weights)``) summed over the ranks."""
+    if isinstance(output, tuple):
+        return (sum_over_ranks(output[0], part), *output[1:])
+    return sum_over_ranks(output, part)
 
 
 def is_row_parallel(part: Shard | None, name: str) -> bool:
@@ -177,15 +170,24 @@ def is_row_parallel(part: Shard | None, name: str) -> bool:
 
 def sum_over_ranks(x: Tensor, part: Shard) -> Tensor:
     """``x`` summed over ``part``'s ranks (a traceable all-reduce)."""
-    import torch.distributed._functional_collectives as funcol
-
-    return _all_reduce(funcol, x, part.group if part.group is not None else dist.group.WORLD)
+    funcol = _functional_collectives()
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", _group(part)))
 
 
 def concat_over_ranks(x: Tensor, part: Shard) -> Tensor:
     """The ranks' ``x`` concatenated along the last dimension, in rank order (a traceable all-gather)."""
+    funcol = _functional_collectives()
+    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, _group(part)))  # [world·B, ..., n]
+    return torch.cat(gathered.chunk(part.world, dim=0), dim=-1)
+
+
+def _group(part: Shard) -> Any:
+    return part.group if part.group is not None else dist.group.WORLD
+
+
+def _functional_collectives() -> Any:
+    """`torch.distributed._functional_collectives`, imported on first use (only builds with
+    torch.distributed have it)."""
     import torch.distributed._functional_collectives as funcol
 
-    group = part.group if part.group is not None else dist.group.WORLD
-    gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, group))  # [world·B, ..., n]
-    return torch.cat(gathered.chunk(part.world, dim=0), dim=-1)
+    return funcol
