@@ -1,6 +1,7 @@
 """Contract of `policyzoo.distributed` (issue 21): a model sharded over two gloo ranks decodes the
-tokens one process decodes (dense, Quest, exact and fast TopK and Quest with TopK; eager and
-compiled, its collectives traced with no graph break), and bad uses say what is wrong."""
+tokens one process decodes (dense and Quest, each alone and with exact TopK, fast TopK and
+Threshold; eager and compiled, its collectives traced with no graph break), and bad uses say what is
+wrong."""
 
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    """The tiny model's directory, and the projection specs to decode it with (fast TopK's ratios
-    calibrated on the whole model, before sharding, and saved beside it)."""
+    """The tiny model's directory, and the projection specs to decode it with (fast TopK's ratios and
+    Threshold's thresholds calibrated on the whole model, before sharding, and saved beside it)."""
     path = tmp_path_factory.mktemp("tiny_llama")
     model = tiny_model("llama", layers=2)
     model.save_pretrained(path)
     texts = [torch.randint(1, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     ratios = TopK(0.5, mode="fast").calibrate(model, texts).save(path / "ratios.safetensors")
-    return path, ["none", "topk:0.5", f"topk:mode=fast,path={ratios}"]
+    thresholds = Threshold(0.5).calibrate(model, texts).save(path / "thresholds.safetensors")
+    return path, ["none", "topk:0.5", f"topk:mode=fast,path={ratios}", f"threshold:path={thresholds}"]
 
 
 def one_process(path, spec, new_tokens=12):
