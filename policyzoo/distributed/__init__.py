@@ -20,7 +20,7 @@ policy selects on them with no communication. Launch one process per rank, e.g. 
 (``python -m policyzoo.distributed --help``, `policyzoo.distributed.__main__`)::
 
     torch.distributed.init_process_group("nccl")   # "gloo" on CPUs
-    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16).to(device)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).to(device)
     shard(model)
     out = Decoder(model, kv=Quest(0.1)).generate(ids, 64, streamer=streamer if rank == 0 else None)
 
