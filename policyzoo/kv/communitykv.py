@@ -490,31 +490,22 @@ _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a D
 
 def _community(n: int, first: int, dst: Tensor, p: Tensor, mix: float, sinks: int, gamma: float, which: str, seed: int,
                partition: Partition | None) -> tuple[Tensor, Tensor, float, float]:
-    """One graph's communities from its edges (a job, run in a worker process or in place):
-    `_communities` of the graph `_graph` sums from the edges ``dst, p [heads, Q, top]`` of queries
-    ``first, first + 1, ...`` (`CommunityKV._edges`), the summing counted as graph seconds."""
+    """One graph's communities (a job, run in a worker process or in place): ``(membership
+    int64[n], strength float64[n], graph seconds, partition seconds)`` for the edges ``dst, p
+    [heads, Q, top]`` of queries ``first, first + 1, ...`` (`CommunityKV._edges`), summed into the
+    graph by `_graph` and partitioned at RB-configuration resolution ``gamma``: by ``partition``
+    where given, else by Leiden (`_partition`; igraph building its graph counts as graph seconds).
+    ``strength``: each token's weighted degree."""
     tic = time.perf_counter()
     lo, hi, w = _graph(_sources(dst, first), dst.flatten(0, 1).long(), p.flatten(0, 1), n, mix, sinks)
-    membership, strength, _, partition_s = _communities(n, lo, hi, w, gamma, which, seed, partition)
-    return membership, strength, time.perf_counter() - tic - partition_s, partition_s
-
-
-def _communities(n: int, lo: Tensor, hi: Tensor, w: Tensor, gamma: float, which: str, seed: int,
-                 partition: Partition | None) -> tuple[Tensor, Tensor, float, float]:
-    """One graph's communities (a job, run in a worker process or in place): ``(membership
-    int64[n], strength float64[n], graph seconds, partition seconds)`` of the undirected graph of
-    edges ``lo[i] -- hi[i]`` of weight ``w[i]``, at RB-configuration resolution ``gamma``: by
-    ``partition`` where given, else by Leiden (`_partition`, whose igraph graph build is counted as
-    graph seconds). ``strength``: each token's weighted degree."""
-    tic = time.perf_counter()
     strength = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
+    graph_s = time.perf_counter() - tic
     if partition is not None:
-        built = time.perf_counter()
+        tic = time.perf_counter()
         membership = _checked(partition(n, lo, hi, w, gamma, seed), n)
-        return membership, strength, built - tic, time.perf_counter() - built
-    membership, build_s = _partition(n, lo, hi, w, gamma, which, seed)
-    leiden_s = time.perf_counter() - tic - build_s
-    return membership, strength, time.perf_counter() - tic - leiden_s, leiden_s
+        return membership, strength, graph_s, time.perf_counter() - tic
+    membership, build_s, leiden_s = _partition(n, lo, hi, w, gamma, which, seed)
+    return membership, strength, graph_s + build_s, leiden_s
 
 
 def _checked(membership: Tensor, n: int) -> Tensor:
@@ -533,16 +524,17 @@ def _sources(dst: Tensor, first: int) -> Tensor:
     return (torch.arange(queries, device=dst.device) + first)[:, None].expand(queries, top).repeat(heads, 1)
 
 
-def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, which: str, seed: int) -> tuple[Tensor, float]:
+def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, which: str, seed: int) -> tuple[Tensor, float, float]:
     """Leiden's ``membership int64[n]`` of the undirected graph of ``n`` tokens with edges ``lo[i] --
     hi[i]``, by igraph's C implementation or by leidenalg, reseeded for every graph (a partition does
     not depend on the graphs before it, nor on the process that makes it); and the seconds igraph
-    took to build its graph."""
+    took to build its graph and Leiden took to partition it."""
     igraph, leidenalg = _leiden(which)
     tic = time.perf_counter()
     g = igraph.Graph(n=n, edges=torch.stack([lo, hi], 1).numpy())
     weights = weight.tolist()
     build_s = time.perf_counter() - tic
+    tic = time.perf_counter()
     if leidenalg is not None:
         found = leidenalg.find_partition(
             g, leidenalg.RBConfigurationVertexPartition, weights=weights, resolution_parameter=gamma, seed=seed
@@ -553,7 +545,7 @@ def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, whi
             found = g.community_leiden(objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2).membership
         finally:
             igraph.set_random_number_generator(random)
-    return torch.tensor(found, dtype=torch.long), build_s
+    return torch.tensor(found, dtype=torch.long), build_s, time.perf_counter() - tic
 
 
 class _Inline(Executor):
