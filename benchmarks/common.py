@@ -188,19 +188,26 @@ def source_digest(root: Path = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
-def random_model(shape: str = "llama-3.1-8b", layers: int | None = None, tiny: bool = False, device: str = DEVICE):
-    """A Llama-architecture model of a `policyzoo.bytes.BUILTIN` shape with random weights (bf16 on
-    CUDA; speed does not depend on the weight values), or a toy of the same structure (``tiny``, for
-    CPU smoke tests); ``layers`` defaults to the shape's (2 when tiny)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def random_config(shape: str = "llama-3.1-8b", layers: int | None = None, tiny: bool = False):
+    """The Llama config of a `policyzoo.bytes.BUILTIN` shape, or of a toy of the same structure
+    (``tiny``, for CPU smoke tests); ``layers`` defaults to the shape's (2 when tiny)."""
+    from transformers import LlamaConfig
 
     d, ff, n_layers, h, h_kv, hd, vocab, tied = BUILTIN[shape]
     dims = dict(hidden_size=d, intermediate_size=ff, num_attention_heads=h, num_key_value_heads=h_kv, head_dim=hd, vocab_size=vocab)
     if tiny:
         dims, tied = TINY, False
-    cfg = LlamaConfig(**dims, num_hidden_layers=layers or (2 if tiny else n_layers), max_position_embeddings=262144,
-                      rope_theta=500000.0, tie_word_embeddings=tied, pad_token_id=0, eos_token_id=None,
-                      bos_token_id=None)  # fmt: skip
+    return LlamaConfig(**dims, num_hidden_layers=layers or (2 if tiny else n_layers), max_position_embeddings=262144,
+                       rope_theta=500000.0, tie_word_embeddings=tied, pad_token_id=0, eos_token_id=None,
+                       bos_token_id=None)  # fmt: skip
+
+
+def random_model(shape: str = "llama-3.1-8b", layers: int | None = None, tiny: bool = False, device: str = DEVICE):
+    """A Llama-architecture model of `random_config` with random weights (bf16 on CUDA; speed does
+    not depend on the weight values)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = random_config(shape, layers, tiny)
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)

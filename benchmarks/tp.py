@@ -34,18 +34,13 @@ from .sweep import copy_bandwidth
 
 
 def sharded_random_model(shape: str, device: torch.device, layers: int | None = None, tiny: bool = False):
-    """This rank's shard of a random Llama-architecture model of ``shape`` (`common.random_model`'s
-    config), built on the meta device, sharded, and filled on ``device``: normal(0, 0.02) matrices,
+    """This rank's shard of a random Llama-architecture model of ``shape`` (`common.random_config`),
+    built on the meta device, sharded, and filled on ``device``: normal(0, 0.02) matrices,
     unit norms."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    d, ff, n_layers, h, h_kv, hd, vocab, tied = BUILTIN[shape]
-    dims = dict(hidden_size=d, intermediate_size=ff, num_attention_heads=h, num_key_value_heads=h_kv, head_dim=hd, vocab_size=vocab)
-    if tiny:
-        dims, tied = common.TINY, False
-    cfg = LlamaConfig(**dims, num_hidden_layers=layers or (2 if tiny else n_layers), max_position_embeddings=262144,
-                      rope_theta=500000.0, tie_word_embeddings=tied, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    cfg = common.random_config(shape, layers, tiny)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)

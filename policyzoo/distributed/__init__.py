@@ -87,7 +87,7 @@ def shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> Shard:
     rank must hold the same full weights when it is called. Returns this rank's `Shard`."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed initialised: call torch.distributed.init_process_group first (torchrun sets it up)")
-    if getattr(model, "policyzoo_shard", None) is not None:
+    if shard_of(model) is not None:
         raise ValueError("the model is already sharded")
     _compat.check_supported(model)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
