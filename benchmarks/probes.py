@@ -37,7 +37,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from policyzoo import SSA, AttentionTopK, CommunityKV, EntmaxKV, Forecast, Quest, kernels
+from policyzoo import SSA, AttentionTopK, CommunityKV, EntmaxKV, Forecast, Quest, inductor_compat, kernels
 from policyzoo.cache import SUMMARIES, PagedKVCache
 from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
@@ -181,25 +181,24 @@ def _rotating(fns: list) -> Callable[[], object]:
     return lambda: fns[next(it) % len(fns)]()
 
 
-def gemv_grid(batch: int) -> list[dict]:
-    """Tile shapes the fused-threshold probe tries first: 8 to 64 fp32 accumulators per thread at
-    batch 1 (``block_k x block_n`` products over the warps' threads), then TEAL's layout (small tiles
-    summed at once, `GemvConfig.tile_sum`, one or a few tiles per program, the slices' sums written
-    as partials or added atomically, `GemvConfig.atomic_sum`); the tl.dot tiles at batch > 1."""
+def gemv_grid(batch: int, full: bool = True) -> list[dict]:
+    """Tile shapes the fused-threshold probe tries first. At batch 1: the scanning loop with 8 to
+    64 fp32 accumulators per thread (``block_k x block_n`` products over the warps' threads), and the
+    row-block kernel through tl.dot with the one row in a block (`GemvConfig.dot_from_rows` 1),
+    whose weight tiles Triton pipelines as dot operands. (TEAL's layout, `tile_sum` and
+    `atomic_sum`, was 13-20% slower than the loop at best on every 8B group: no longer tried.)
+    The tl.dot tiles at batch > 1. Without ``full``, batch 1 tries the tl.dot tiles alone (the loop's
+    tiles were measured in H200 run 10: `GemvConfig`'s shape rule follows them)."""
+    dot = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (16, 32, 64) for w in (4, 8)
+           if bn * bk // (32 * w) <= 64]
     if batch == 1:
+        one_row_dot = [dict(c, dot_from_rows=1, num_stages=st) for c in dot for st in (3, 5)]
+        if not full:
+            return one_row_dot
         loop = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
                 for w in (2, 4, 8) if 8 <= bn * bk // (32 * w) <= 64]
-        small = ((128, 32, 4), (256, 16, 4), (256, 32, 4), (512, 16, 4), (512, 32, 8), (1024, 16, 8), (64, 64, 2),
-                 (128, 64, 4))
-        teal = [dict(block_n=bn, block_k=bk, num_warps=w, tile_sum=True, target_programs=tp, min_tiles_per_split=1)
-                for bn, bk, w in small for tp in (512, 4096)]
-        # 1 << 20 programs: one tile per program, as TEAL's kernel.
-        atomic = [dict(block_n=bn, block_k=bk, num_warps=w, tile_sum=ts, atomic_sum=True, target_programs=tp,
-                       min_tiles_per_split=1)
-                  for bn, bk, w in small for tp in (2048, 1 << 20) for ts in (True, False)]
-        return loop + teal + atomic
-    return [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (16, 32, 64) for w in (4, 8)
-            if bn * bk // (32 * w) <= 64]
+        return one_row_dot + loop
+    return dot
 
 
 def gemv_refinements(best: dict) -> list[dict]:
@@ -209,7 +208,8 @@ def gemv_refinements(best: dict) -> list[dict]:
         dict(best, target_programs=tp, min_tiles_per_split=mt) for tp in (256, 1024, 2048) for mt in (1, 4)]
 
 
-def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 16), tune: bool = True):
+def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 16), tune: bool = True,
+                       full_grid: bool = True):
     """Per projection group and batch: cuBLAS ``x @ W^T`` and the threshold GEMV (per-column
     thresholds where the group has several members), each member keeping about ``keep`` of every
     row's inputs. ``union`` is the fraction of weight rows some row keeps, what the kernel reads;
@@ -266,7 +266,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             run_config("default", {})
             if tune:
                 first = len(rows)
-                for c in gemv_grid(b)[: 1 if dev == "cpu" else None]:
+                for c in gemv_grid(b, full_grid)[: 1 if dev == "cpu" else None]:
                     run_config(" ".join(f"{k}={v}" for k, v in c.items()), c)
                 timed = [r for r in rows[first:] if "us" in r]
                 if timed:
@@ -578,6 +578,7 @@ def section_select(contexts, rows, deadline: float, keep: float = 0.1, names: li
                 call = select_call(policy, state, q)
                 call()  # eager first: lazily made state (SSA's generator) exists before tracing
                 torch._dynamo.reset()
+                inductor_compat.apply()  # as `Decoder.compile` does
                 t0 = time.perf_counter()
                 try:
                     select = torch.compile(call, dynamic=False)

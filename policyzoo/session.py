@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from . import _compat
+from . import _compat, inductor_compat
 from .attention import ATTN_IMPLEMENTATION
 from .bytes import SETTINGS
 from .cache import PagedKVCache
@@ -123,6 +123,8 @@ class DecodeSession:
             raise ValueError(f"mode={mode!r} records CUDA graphs itself; pass cuda_graphs=False with it")
         self._graphs.clear()
         self._runs.clear()
+        if backend == "inductor":
+            inductor_compat.apply()
         if dynamic_capacity:
             # Inductor's rewrite of a scatter into a zero tensor as a pointwise select gave `SSA` a
             # wrong selection with symbolic sizes (a sampled page lost on caches of up to 8 pages;

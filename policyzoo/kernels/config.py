@@ -226,6 +226,10 @@ class GemvConfig:
     block_b: int = 16
     """Batch rows per program of the threshold and mask kernels at batch > 1 (a power of two, 16 at
     least: tl.dot's size). A program reads each weight row once for the union of its rows."""
+    dot_from_rows: int = 2
+    """Batch rows from which the scanning kernels take row blocks through tl.dot (`block_b` rows per
+    program, the absent rows masked); 1 takes them for a single row too, whose weight tiles Triton
+    then pipelines as tl.dot operands."""
 
     def __post_init__(self) -> None:
         _powers_of_two(self, "num_warps", "sum_block", "block_b")
@@ -233,7 +237,7 @@ class GemvConfig:
         _positive(self, "wide_d_out")
         if self.block_b < 16:
             raise ValueError(f"GemvConfig.block_b must be 16 at least (tl.dot's size), got {self.block_b}")
-        _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split")
+        _positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split", "dot_from_rows")
         _non_negative(self, "split")
         for name in ("fuse_epilogue", "prefetch", "tile_sum", "atomic_sum"):
             if not isinstance(getattr(self, name), bool):

@@ -229,8 +229,9 @@ def _slice_len(k: int, split: int, block_k: int) -> int:
 
 
 def row_block(rows: int, cfg: GemvConfig) -> int:
-    """Batch rows per program of the scanning kernels: 1 for one row, else `GemvConfig.block_b`."""
-    return 1 if rows <= 1 else cfg.block_b
+    """Batch rows per program of the scanning kernels: 1 below `GemvConfig.dot_from_rows` rows,
+    else `GemvConfig.block_b` (through tl.dot)."""
+    return 1 if rows < cfg.dot_from_rows else cfg.block_b
 
 
 def gemv_config(k: int, d_out: int, rows: int, align: int = 0, dot: bool = False, gather: bool = False) -> GemvConfig:
