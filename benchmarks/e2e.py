@@ -23,15 +23,20 @@ SKIP = 4  # deliveries left out at the start: the prefill, and steps enqueued be
 
 @dataclass
 class StampStreamer:
-    """An HF-protocol streamer that records when each ``put`` arrives (the first is the prompt)."""
+    """An HF-protocol streamer that records when each ``put`` arrives (the first is the prompt).
+    With ``announce``, it reports the first new token's arrival as it happens: the prefill is then
+    over, so a long setup shows whether the prefill or the compile takes the time."""
 
     times: list[float] = field(default_factory=list)
     tokens: int = 0
     ended: bool = False
+    announce: Callable[[str], None] | None = None
 
     def put(self, value: torch.Tensor) -> None:
         self.times.append(time.perf_counter())
         self.tokens += 1
+        if self.announce is not None and self.tokens == 2:
+            self.announce(f"first token {self.times[1] - self.times[0]:.1f} s after the prompt (the prefill)")
 
     def end(self) -> None:
         self.ended = True
@@ -70,15 +75,21 @@ def random_prompt(batch: int, context: int, vocab: int, device: str | torch.devi
     return torch.randint(1, vocab - 1, (batch, context), generator=g).to(device)
 
 
-def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_calls: int = 20, step_reps: int = 10) -> dict:
+def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_calls: int = 20, step_reps: int = 10,
+            log: Callable[[str], None] | None = None) -> dict:
     """One row: `generate` per-token time (a first call compiles and captures, a second is timed),
-    then the compiled step alone at the same context, and their ratio."""
+    then the compiled step alone at the same context, and their ratio. ``log`` gets a line as the
+    set-up call starts and as its prefill ends (``prefill_s`` in the row)."""
     vocab = dec.session.vocab_size
     ids = random_prompt(batch, context, vocab, dec.device)
     eos = vocab - 1  # set, as chat users set it; the prompt never holds it
+    if log is not None:
+        log(f"set-up generate (prefill, compile, warm-up, capture) at context {context}, batch {batch}")
+    setup = StampStreamer(announce=log)
     t0 = time.perf_counter()
-    dec.generate(ids, new_tokens, eos_token_id=eos)  # compile, warm up, capture
+    dec.generate(ids, new_tokens, streamer=setup, eos_token_id=eos)  # compile, warm up, capture
     setup_s = time.perf_counter() - t0
+    prefill_s = setup.times[1] - t0 if len(setup.times) > 1 else float("nan")
     gen = time_generate(dec, ids, new_tokens, eos)
     dec.session.rewind(context)  # the step alone from the prompt's end, in the room generate had
     step_ms = dec.session.time_step(calls=min(step_calls, new_tokens - 1), reps=step_reps)
@@ -90,6 +101,7 @@ def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_c
         "tokens": gen.tokens,
         "generate_wall_s": gen.wall_s,
         "setup_s": setup_s,
+        "prefill_s": prefill_s,
     }
 
 

@@ -297,7 +297,9 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             dec = decoders[key]
             row["dynamic_capacity"] = dynamic_capacity_refused(dec) is None
             graphs = counters["stats"]["unique_graphs"]
-            row.update(e2e.measure(dec, b, n, new_tokens))
+            label = f"generate b={b} n={n:>7} {name}"
+            row.update(e2e.measure(dec, b, n, new_tokens,
+                                   log=lambda line: print(f"{label}: {time.strftime('%H:%M:%S')} {line}", flush=True)))
             row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
             union = None if b == 1 or r_p == 1 else 1.0
             row.update(common.community_report(dec))
