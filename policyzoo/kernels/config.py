@@ -226,6 +226,8 @@ class GemvConfig:
     block_b: int = 16
     """Batch rows per program of the threshold and mask kernels at batch > 1 (a power of two, 16 at
     least: tl.dot's size). A program reads each weight row once for the union of its rows."""
+    # 2: a single row through tl.dot measured 1.3-1.5x slower than the loop on every 8B group (H200),
+    # despite Triton pipelining its weight tiles as dot operands.
     dot_from_rows: int = 2
     """Batch rows from which the scanning kernels take row blocks through tl.dot (`block_b` rows per
     program, the absent rows masked); 1 takes them for a single row too, whose weight tiles Triton
