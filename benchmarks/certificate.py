@@ -35,6 +35,7 @@ from torch import Tensor
 
 from policyzoo import Decoder
 from policyzoo.assets import load_model, passkey_prompt
+from policyzoo.kernels import reference
 from policyzoo.kv import AttentionTopK, KVState
 from policyzoo.selection import Selection
 from policyzoo.spec import parse_kv
@@ -85,6 +86,8 @@ def overshoot(q: Tensor, keys: Tensor, scale: float, kind: str, page: int = 16) 
                            torch.einsum("ked,kpd->kpe", rot, centre))  # fmt: skip
     base = torch.einsum("kgd,kpd->kgp", qg, centre)
     huge = torch.finfo(dev.dtype).max
+    if kind == "sketch":
+        return (_sketch_page_bound(qg, kp, valid, scale) - best)[:, :, valid.any(-1)]
     if kind == "ball":
         radius = dev.norm(dim=-1).masked_fill(~valid, 0).amax(-1)
         u = base + qg.norm(dim=-1)[..., None] * radius[:, None]
@@ -96,6 +99,19 @@ def overshoot(q: Tensor, keys: Tensor, scale: float, kind: str, page: int = 16) 
         radius = dev[..., split:].norm(dim=-1).masked_fill(~valid, 0).amax(-1)
         u = base + box + qg[..., split:].norm(dim=-1)[..., None] * radius[:, None]
     return (u * scale - best)[:, :, valid.any(-1)]
+
+
+def _sketch_page_bound(qg: Tensor, kp: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """``[H_kv, G, P]``: the cache's 4-bit key-sketch bound of each page's best logit (`kernels.reference`)."""
+    h_kv, g, d = qg.shape
+    n_pages, page = valid.shape
+    vm = valid[None, :, :, None]
+    huge = torch.finfo(kp.dtype).max
+    lo = torch.where(valid.any(-1)[None, :, None], kp.masked_fill(~vm, huge).amin(2), 0.0)[None]  # [1, H_kv, P, D]
+    hi = torch.where(valid.any(-1)[None, :, None], kp.masked_fill(~vm, -huge).amax(2), 0.0)[None]
+    codes = reference.sketch_encode(kp[None], lo, hi).flatten(2, 3)  # [1, H_kv, P·page, D/2]
+    tb = reference.sketch_token_bound(qg.reshape(1, h_kv * g, d), codes, lo, hi, scale)
+    return tb.view(h_kv, g, n_pages, page).masked_fill(~valid, -math.inf).amax(-1)
 
 
 def drift_overshoot(q0: Tensor, q: Tensor, keys: Tensor, scale: float, page: int = 16) -> Tensor:
@@ -130,7 +146,7 @@ def _pca(keys: Tensor) -> Tensor:
 
 
 KINDS = {"box (page 16)": ("box", 16), "ball (page 16)": ("ball", 16), "pca-box8+ball (page 16)": ("pca", 16),
-         "box (page 8)": ("box", 8)}
+         "box (page 8)": ("box", 8), "4-bit key sketch on the box's grid (page 16)": ("sketch", 16)}
 DRIFT_LAGS = (1, 4)  # decode steps between the exact score and the query it bounds
 
 

@@ -1,8 +1,10 @@
 """Static, preallocated, paged KV cache with per-page key summaries.
 
 Layout per layer: keys and values ``[B, H_kv, capacity, D]`` (capacity a multiple of the page size;
-``keys.view(B, H_kv, pages, page_size, D)`` is the page view), and four summaries
-``[B, H_kv, pages, D]``: per-page key min, max, mean and std over the page's *visible* tokens.
+``keys.view(B, H_kv, pages, page_size, D)`` is the page view), four summaries
+``[B, H_kv, pages, D]``: per-page key min, max, mean and std over the page's *visible* tokens, and
+optionally ``key_sketch``: every key coded in 4 bits per channel on its page's min/max grid, from
+which a policy bounds each token's logit within about a nat without reading the keys.
 Min and max are stored in the cache's dtype: they are key values, so they are exact there, and a
 page policy reads them every step (in fp32 they would be 12.5% of the KV bytes at page 16 in bf16;
 in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values). A cache keeps
@@ -23,10 +25,14 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .kernels import reference
 from .kernels.reference import page_summaries, visible
 
 SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
 PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, or not at all
+# A per-token summary: the 4-bit key sketch on its page's min/max grid (`reference.sketch_encode`),
+# ``uint8[B, H_kv, capacity, ceil(D/2)]``. It needs the min/max pair, which the cache then keeps too.
+SKETCH = "key_sketch"
 
 
 class NotKept:
@@ -62,11 +68,13 @@ class PagedKVCache:
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        unknown = [name for name in summaries if name not in SUMMARIES]
+        unknown = [name for name in summaries if name not in SUMMARIES + (SKETCH,)]
         if unknown:
-            raise ValueError(f"summaries must be a subset of {SUMMARIES}, got {list(summaries)}")
-        # A pair's kernel computes both halves from one pass over the page.
-        self.summaries = tuple(n for pair in PAIRS if any(x in summaries for x in pair) for n in pair)
+            raise ValueError(f"summaries must be a subset of {SUMMARIES + (SKETCH,)}, got {list(summaries)}")
+        # A pair's kernel computes both halves from one pass over the page; the sketch's grid is min/max.
+        wanted = set(summaries) | ({"page_min"} if SKETCH in summaries else set())
+        self.summaries = tuple(n for pair in PAIRS if wanted & set(pair) for n in pair)
+        self.summaries += (SKETCH,) if SKETCH in summaries else ()
         self.num_layers, self.batch, self.num_kv_heads, self.head_dim = num_layers, batch, num_kv_heads, head_dim
         self.page_size = page_size
         num_pages = math.ceil(capacity / page_size)
@@ -81,6 +89,11 @@ class PagedKVCache:
                 continue
             kind = dtype if name in PAIRS[0] else torch.float32
             setattr(self, name, [torch.zeros(page_shape, dtype=kind, device=device) for _ in range(num_layers)])
+        if self.keeps(SKETCH):
+            code_shape = (batch, num_kv_heads, num_pages * page_size, -(-head_dim // 2))
+            self.key_sketch = [torch.zeros(code_shape, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+        else:
+            self.key_sketch = NotKept(SKETCH)
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         if self.device.type == "cuda":
@@ -158,6 +171,19 @@ class PagedKVCache:
         """
         kept = tuple(getattr(self, name)[layer] if self.keeps(name) else None for name in SUMMARIES)
         kernels.cache_append(k, v, self.keys[layer], self.values[layer], kept, self.start, self.length, self.page_size)
+        if self.keeps(SKETCH):
+            # The page's min or max may have moved, which moves its grid: recode the whole page.
+            page = torch.div(self.length - 1, self.page_size, rounding_mode="floor").reshape(1)
+            self._encode(layer, page)
+
+    def _encode(self, layer: int, pages: Tensor) -> None:
+        """Recompute the sketch codes of ``pages int64[n]`` from their keys and min/max."""
+        b, h, d, p = self.batch, self.num_kv_heads, self.head_dim, self.page_size
+        k = self.keys[layer].view(b, h, self.num_pages, p, d).index_select(2, pages)
+        lo, hi = self.page_min[layer].index_select(2, pages), self.page_max[layer].index_select(2, pages)
+        codes = reference.sketch_encode(k, lo, hi)  # [B, H_kv, n, page, ceil(D/2)]
+        slots = (pages[:, None] * p + torch.arange(p, device=pages.device)).flatten()
+        self.key_sketch[layer].index_copy_(2, slots, codes.flatten(2, 3))
 
     def summarise(self, layer: int, pages: slice) -> None:
         """Recompute the kept summaries of ``pages`` over their visible slots (after a prefill, or
@@ -172,6 +198,8 @@ class PagedKVCache:
             if self.keeps(name):
                 dest = getattr(self, name)[layer]
                 dest[:, :, pages] = value.to(dest.dtype)  # exact for min and max: they are key values
+        if self.keeps(SKETCH):
+            self._encode(layer, torch.arange(self.num_pages, device=self.device)[pages])
 
 
-__all__ = ["PagedKVCache", "SUMMARIES", "NotKept", "page_summaries"]
+__all__ = ["PagedKVCache", "SUMMARIES", "SKETCH", "NotKept", "page_summaries"]

@@ -33,7 +33,7 @@ import pytest
 from hypothesis import strategies as st
 from torch import Tensor
 
-from policyzoo.cache import PagedKVCache
+from policyzoo.cache import SKETCH, SUMMARIES, PagedKVCache
 from policyzoo.eval.metrics import dropped_mass
 from policyzoo.kernels import reference
 from policyzoo.kv.base import KVState
@@ -153,6 +153,7 @@ def build_case(
     sharp: float = 1.0,
     num_layers: int = 1,
     dtype: torch.dtype = torch.float32,
+    sketch: bool = False,
 ) -> Case:
     """Fill a cache the way the Decoder does and draw a query.
 
@@ -160,11 +161,13 @@ def build_case(
     are appended. ``extra`` spare slots are added to the capacity (a partial last page is then
     common). ``reuse`` first fills the cache with a longer garbage sequence, as when the Decoder
     reuses a cache across ``generate`` calls. ``sharp`` scales the query (peakier attention).
+    ``sketch`` makes the cache keep the 4-bit key sketch beside the page summaries.
     """
     gen = torch.Generator().manual_seed(seed)
     total = prompt + steps
     capacity = total + extra
-    cache = PagedKVCache(num_layers, b, h_kv, d, capacity, page_size=page, dtype=dtype)
+    summaries = SUMMARIES + ((SKETCH,) if sketch else ())
+    cache = PagedKVCache(num_layers, b, h_kv, d, capacity, page_size=page, dtype=dtype, summaries=summaries)
 
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen).to(dtype)
@@ -195,7 +198,7 @@ def build_case(
     q = (rand(b, h_kv * g, d) * sharp).to(dtype)
     params = dict(
         b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts,
-        seed=seed, extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=str(dtype),
+        seed=seed, extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=str(dtype), sketch=sketch,
     )  # fmt: skip
     return Case(params, cache, q, d**-0.5, real_k=k_all[0], real_v=v_all[0])
 
@@ -210,6 +213,7 @@ def _cases(
     min_len: int = 1,
     min_extra: int = 0,
     dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    sketch: tuple[bool, ...] = (False,),
 ) -> Case:
     b = draw(st.integers(1, 3))
     h_kv = draw(st.integers(1, 3))
@@ -229,7 +233,7 @@ def _cases(
     dtype = draw(st.sampled_from(dtypes))
     return build_case(
         b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts, seed=seed,
-        extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=dtype,
+        extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=dtype, sketch=draw(st.sampled_from(sketch)),
     )  # fmt: skip
 
 

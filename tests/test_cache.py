@@ -8,7 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch import Tensor
+
 from policyzoo.cache import SUMMARIES, PagedKVCache, page_summaries
+from policyzoo.kernels import reference
 
 SETTINGS = settings(max_examples=50, deadline=None)
 
@@ -255,3 +258,34 @@ def test_kept_summaries_equal_recomputation_when_others_are_dropped(data, cases)
 def test_unknown_summary_is_rejected():
     with pytest.raises(ValueError, match="summaries must be a subset"):
         PagedKVCache(1, 1, 1, 8, capacity=16, page_size=4, summaries=("page_median",))
+
+
+# ------------------------------------------------------------------------------------ key sketch
+def _visible_codes(c: PagedKVCache, layer: int) -> Tensor:
+    """``uint8[B, H_kv, N, ceil(D/2)]`` with the codes of slots not visible zeroed (they are masked)."""
+    return c.key_sketch[layer] * c.token_valid()[:, None, :, None]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_the_key_sketch_after_every_append_equals_recoding_the_cache(data, cases):
+    """A write recodes its page (its grid may have moved): after any prefill and appends the sketch of
+    every visible key equals `reference.sketch_encode` of the keys on the current min/max."""
+    case = data.draw(cases(num_layers=2, max_steps=10, sketch=(True,), dtypes=(torch.float32, torch.bfloat16)))
+    c = case.cache
+    for layer in range(2):
+        b, h, n, d = c.keys[layer].shape
+        pages = c.keys[layer].view(b, h, c.num_pages, c.page_size, d)
+        want = reference.sketch_encode(pages, c.page_min[layer], c.page_max[layer]).view(b, h, n, -1)
+        want = want * c.token_valid()[:, None, :, None]
+        assert torch.equal(_visible_codes(c, layer), want)
+
+
+def test_the_key_sketch_brings_its_grid_and_is_refused_when_not_kept():
+    c = PagedKVCache(2, 1, 2, 9, capacity=16, page_size=4, summaries=("key_sketch",))
+    assert c.summaries == ("page_min", "page_max", "key_sketch") and c.keeps("key_sketch")
+    assert c.key_sketch[1].shape == (1, 2, 16, 5) and c.key_sketch[1].dtype == torch.uint8  # odd D: 9 channels in 5 bytes
+    assert len(c.tensors()) == 2 * 5 + 2
+    plain = PagedKVCache(1, 1, 1, 8, capacity=16, page_size=4)
+    with pytest.raises(RuntimeError, match="keeps no key_sketch"):
+        plain.key_sketch[0]

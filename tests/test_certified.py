@@ -36,31 +36,34 @@ def true_delta(case, sel) -> torch.Tensor:
 
 
 @st.composite
-def any_selection_policy(draw, page: int):
+def any_selection_policy(draw, page: int, sketch: bool = False):
     kind = draw(st.sampled_from(["quest", "topk", "entmax", "window", "ssa0"]))
     budget = draw(st.integers(1, 60)) if draw(st.booleans()) else draw(st.floats(1e-3, 1.0))
     sinks, window = draw(st.integers(0, 6)), draw(st.integers(0, 12))
     rescore = draw(st.sampled_from([0, 0, 2]))  # two-stage: token selections (pages for SSA)
+    bound = draw(st.sampled_from(["box", "sketch"])) if sketch else "box"  # ranking; the certificate uses the cache's best
     if kind == "quest":
-        return Quest(budget=budget, page=page, sinks=sinks, window=window, rescore=rescore)
+        return Quest(budget=budget, page=page, sinks=sinks, window=window, rescore=rescore, bound=bound)
     if kind == "topk":
         budget = max(budget, sinks + window) if isinstance(budget, int) else budget
         return AttentionTopK(budget=budget, sinks=sinks, window=window, aggregate=draw(st.sampled_from(["sum", "max"])))
     if kind == "entmax":
         return EntmaxKV(budget=budget, page=page, sinks=sinks, window=window, mode=draw(st.sampled_from(["gaussian", "topk"])),
-                        rescore=rescore)
+                        rescore=rescore, bound=bound)
     if kind == "window":
         return Window(sinks=sinks, window=max(window, 1))
     proxy = draw(st.sampled_from(["page", "exact"]))
-    return SSA(budget=budget, sample=0, proxy=proxy, page=page, sinks=sinks, window=window, rescore=rescore if proxy == "page" else 0)
+    return SSA(budget=budget, sample=0, proxy=proxy, page=page, sinks=sinks, window=window,
+               rescore=rescore if proxy == "page" else 0, bound=bound if proxy == "page" else "box")
 
 
 @SETTINGS
 @given(data=st.data())
 def test_bound_holds_for_every_selection(data, cases, contract):
-    """``δ ≤ U/(Z_S + U)`` per query head, for page and token selections of every policy."""
-    case = data.draw(cases(dtypes=(torch.float32, torch.bfloat16)))
-    policy = data.draw(any_selection_policy(case.page))
+    """``δ ≤ U/(Z_S + U)`` per query head, for page and token selections of every policy, with the
+    box's page bounds or (where the cache keeps the key sketch) each token's sketch bound."""
+    case = data.draw(cases(dtypes=(torch.float32, torch.bfloat16), sketch=(False, True)))
+    policy = data.draw(any_selection_policy(case.page, sketch=case.params["sketch"]))
     state = case.state()
     sel = policy.select(state, case.q)
     _, lse = contract.attend(case, sel)
@@ -121,8 +124,8 @@ def test_weighted_selection_is_rejected(make_case, contract):
 def test_grow_until_certified(data, cases, contract, eps, tokens, sinks, window):
     """The shortest certified prefix: its bound is ≤ eps (or it is the whole candidate list), it
     equals the bound computed from the kernel's lse, it is ≥ the true δ, and one entry less (above
-    the minimum) would not certify."""
-    case = data.draw(cases(max_prompt=40))
+    the minimum) would not certify; with the box's bounds or the key sketch's."""
+    case = data.draw(cases(max_prompt=40, sketch=(False, True)))
     state = case.state()
     if tokens:
         wide = AttentionTopK(budget=1.0, sinks=sinks, window=window).select(state, case.q)
@@ -157,8 +160,8 @@ def test_full_candidates_certify_zero(make_case):
 @SETTINGS
 @given(data=st.data(), eps=st.sampled_from([0.01, 0.2, 0.6]))
 def test_certified_policy(data, cases, contract, eps):
-    case = data.draw(cases(max_prompt=40))
-    base = Quest(budget=0.25, page=case.page, sinks=2, window=4)
+    case = data.draw(cases(max_prompt=40, sketch=(False, True)))
+    base = Quest(budget=0.25, page=case.page, sinks=2, window=4, bound="sketch" if case.params["sketch"] else "box")
     policy = Certified(base, eps=eps, max_budget=0.75)
     assert policy.page_size == case.page and policy.attention == "softmax"
     state = case.state()
@@ -167,6 +170,30 @@ def test_certified_policy(data, cases, contract, eps):
     assert bool((sel.count >= base.select(state, case.q).count).all())
     bound = state.store["certified_bound"]
     assert bool((bound >= true_delta(case, sel) - 1e-6).all())
+
+
+def test_the_sketch_makes_the_bound_follow_delta(make_case, contract):
+    """Keys in tight clusters, one of which the query hits: the box's bound of the selection that holds
+    that cluster says little, the key sketch's is within a small factor of the true δ."""
+    case = make_case(b=1, h_kv=2, g=2, d=32, page=8, prompt=256, steps=0, starts=[0], seed=5, sketch=True)
+    gen = torch.Generator().manual_seed(1)
+    centres = torch.randn(2, 32, 32, generator=gen)  # [H_kv, clusters, D]
+    keys = (centres.repeat_interleave(8, 1) + 0.05 * torch.randn(2, 256, 32, generator=gen))[None]
+    case.cache.reset(torch.tensor([0]), 256)
+    case.cache.write_prefill(0, keys, keys)
+    q = 4.0 * centres[:, 7].repeat_interleave(2, 0)[None]  # both heads of each group look for cluster 7
+    case.q.copy_(q)
+    state = case.state()
+    sel = Quest(budget=0.25, page=8, sinks=0, window=0, bound="sketch").select(state, case.q)
+    _, lse = contract.attend(case, sel)
+    delta = true_delta(case, sel)
+    tight = certified_dropped_mass(state, case.q, sel, lse)
+    boxed = make_case(b=1, h_kv=2, g=2, d=32, page=8, prompt=256, steps=0, starts=[0], seed=5)
+    boxed.cache.reset(torch.tensor([0]), 256)
+    boxed.cache.write_prefill(0, keys, keys)
+    loose = certified_dropped_mass(boxed.state(), case.q, sel, lse)
+    assert bool((tight >= delta - 1e-6).all()) and bool((loose >= tight - 1e-6).all())
+    assert float(delta.max()) < 1e-3 and float(tight.max()) < 0.05, (delta, tight, loose)
 
 
 def test_certified_bound_is_written_in_place(make_case):

@@ -27,10 +27,10 @@ def quest_args(draw):
 
 
 @SETTINGS
-@given(data=st.data(), args=quest_args())
-def test_quest_contract(data, cases, contract, args):
-    case = data.draw(cases())
-    policy = Quest(page=case.page, **args)
+@given(data=st.data(), args=quest_args(), bound=st.sampled_from(["box", "sketch"]))
+def test_quest_contract(data, cases, contract, args, bound):
+    case = data.draw(cases(sketch=(bound == "sketch",)))
+    policy = Quest(page=case.page, bound=bound, **args)
     assert policy.page_size == case.page
     sel = policy.select(case.state(), case.q)
     assert sel.block == case.page and sel.log_weight is None
@@ -40,15 +40,18 @@ def test_quest_contract(data, cases, contract, args):
 
 
 @SETTINGS
-@given(data=st.data(), args=quest_args())
-def test_quest_keeps_the_best_bounds(data, cases, contract, args):
+@given(data=st.data(), args=quest_args(), kind=st.sampled_from(["box", "sketch"]))
+def test_quest_keeps_the_best_bounds(data, cases, contract, args, kind):
     """Every kept non-forced page has a (group-aggregated) bound at least that of every dropped page,
     up to the ranking's bf16 precision (`choose_topk`: scores within 2^-8 of each other tie)."""
-    case = data.draw(cases())
-    policy = Quest(page=case.page, **args)
+    case = data.draw(cases(sketch=(kind == "sketch",)))
+    policy = Quest(page=case.page, bound=kind, **args)
     sel = policy.select(case.state(), case.q)
     c = case.cache
-    bound = reference.quest_page_bound(case.q, c.page_min[0], c.page_max[0], case.scale).double()
+    if kind == "box":
+        bound = reference.quest_page_bound(case.q, c.page_min[0], c.page_max[0], case.scale).double()
+    else:
+        bound = reference.sketch_page_bound(case.q, c.key_sketch[0], c.page_min[0], c.page_max[0], c.start, c.length, case.scale).double()
     bound = bound.view(case.b, case.h_kv, case.g, -1)
     for r in range(case.b):
         visible = case.visible_pages(r)
@@ -72,11 +75,12 @@ def test_quest_keeps_the_best_bounds(data, cases, contract, args):
     window=st.integers(0, 20),
     aggregate=st.sampled_from(["sum", "max"]),
     full=st.sampled_from(["ratio", "tokens"]),
+    bound=st.sampled_from(["box", "sketch"]),
 )
-def test_full_budget_is_dense(data, cases, contract, sinks, window, aggregate, full):
-    case = data.draw(cases())
+def test_full_budget_is_dense(data, cases, contract, sinks, window, aggregate, full, bound):
+    case = data.draw(cases(sketch=(bound == "sketch",)))
     budget = 1.0 if full == "ratio" else case.cache.capacity
-    policy = Quest(budget=budget, page=case.page, sinks=sinks, window=window, aggregate=aggregate)
+    policy = Quest(budget=budget, page=case.page, sinks=sinks, window=window, aggregate=aggregate, bound=bound)
     sel = policy.select(case.state(), case.q)
     for r in range(case.b):
         for hk in range(case.h_kv):
@@ -132,11 +136,23 @@ def test_quest_hand_made(contract):
         (dict(window=-1), ValueError, "window"),
         (dict(window=1.5), TypeError, "window"),
         (dict(aggregate="min"), ValueError, "aggregate"),
+        (dict(bound="pca"), ValueError, "bound"),
     ],
 )
 def test_quest_rejects_bad_args(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         Quest(**kwargs)
+
+
+def test_the_sketch_bound_names_the_summaries_it_reads():
+    assert Quest().summaries == ("page_min", "page_max")
+    assert Quest(bound="sketch").summaries == ("page_min", "page_max", "key_sketch")
+
+
+def test_a_sketch_policy_on_a_cache_without_the_sketch_says_so(make_case):
+    case = make_case(b=1, h_kv=1, g=1, d=8, page=4, prompt=12, steps=0, starts=[0], seed=0)
+    with pytest.raises(RuntimeError, match="keeps no key_sketch"):
+        Quest(0.5, page=4, bound="sketch").select(case.state(), case.q)
 
 
 # ------------------------------------------------------------------------------ two-stage (rescore)

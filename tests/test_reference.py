@@ -249,3 +249,46 @@ def test_sparse_linear_is_linear_of_kept_inputs():
     want = torch.stack([w[:, keep[i]] @ x[i, keep[i]] + bias for i in range(3)])
     torch.testing.assert_close(reference.sparse_linear(x, w, bias, keep), want)
     torch.testing.assert_close(reference.sparse_linear(x, w, None, torch.ones_like(keep)), x @ w.T)
+
+
+# ------------------------------------------------------------------------------------ key sketch
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 40), page=st.integers(1, 16), pages=st.integers(1, 4), g=st.integers(1, 4),
+    spread=st.sampled_from([0.0, 1e-3, 1.0, 50.0]), sharp=st.sampled_from([0.1, 1.0, 10.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1),
+)
+def test_the_sketch_bound_is_above_every_key_and_within_its_radius(d, page, pages, g, spread, sharp, dtype, seed):
+    """Decoded keys sit within the radius of the keys they code, and the token bound is at least the
+    exact logit of every key: any head dim (odd ones pack a spare nibble), page, spread and dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(1, 2, pages, page, d, generator=gen) * spread + torch.randn(1, 2, pages, 1, d, generator=gen)).to(dtype)
+    lo, hi = keys.amin(3), keys.amax(3)
+    codes = reference.sketch_encode(keys, lo, hi)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == -(-d // 2)
+    low, step, radius = reference.sketch_grid(lo, hi)
+    decoded = low.unsqueeze(3) + reference.sketch_decode_codes(codes, d) * step.unsqueeze(3)
+    assert bool(((decoded - keys.float()).abs() <= radius.unsqueeze(3)).all())
+    q = (torch.randn(1, 2 * g, d, generator=gen) * sharp).to(dtype)
+    scale = d**-0.5
+    bound = reference.sketch_token_bound(q, codes.flatten(2, 3), lo, hi, scale)  # [1, H, N]
+    exact = torch.einsum("kgd,kpnd->kgpn", q.float().view(2, g, d), keys[0].float()).reshape(1, 2 * g, -1) * scale
+    assert bool((bound >= exact - 1e-5 * (1 + exact.abs())).all())
+    assert bool((bound <= exact + scale * 2 * (q.float().abs().view(2, g, 1, d) * radius[0, :, None]).sum(-1).repeat_interleave(page, -1).reshape(1, 2 * g, -1) + 1e-4).all())
+
+
+def test_the_sketch_page_bound_masks_invisible_slots_and_folds_groups():
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 1, 3, 4, 6, generator=gen)
+    start, length = torch.tensor([0, 5]), torch.tensor(10)
+    seen = reference.visible(start, length, 12).view(2, 1, 3, 4, 1)
+    lo = keys.masked_fill(~seen, math.inf).amin(3).nan_to_num(0.0, posinf=0.0)
+    hi = keys.masked_fill(~seen, -math.inf).amax(3).nan_to_num(0.0, neginf=0.0)
+    codes = reference.sketch_encode(keys, lo, hi).flatten(2, 3)
+    q = torch.randn(2, 2, 6, generator=gen)
+    per_head = reference.sketch_page_bound(q, codes, lo, hi, start, length, 0.5)
+    tokens = reference.sketch_token_bound(q, codes, lo, hi, 0.5).view(2, 2, 3, 4)
+    want = tokens.masked_fill(~seen.view(2, 1, 3, 4), -math.inf).amax(-1)
+    assert torch.equal(per_head, want)
+    assert bool(per_head[1, :, 0].isneginf().all()) and bool(per_head[0].isfinite().all())  # row 1's page 0 is padding
+    assert torch.equal(reference.sketch_page_bound(q, codes, lo, hi, start, length, 0.5, "max"), want.amax(1, keepdim=True))

@@ -55,6 +55,12 @@ def quest_page_bound_grouped(q, page_min, page_max, scale, agg="max"):
     return reference.quest_page_bound_grouped(q, page_min, page_max, scale, agg)
 
 
+def sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg="none"):
+    """Upper bound of each page's best logit from the 4-bit key sketch → ``float32[B, H, P]`` (or the
+    group's max ``[B, H_kv, P]`` with ``agg="max"``); see `reference.sketch_page_bound`."""
+    return reference.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+
+
 # Entries of a `select_top` row one program holds; longer rows are taken in bf16 only (by histograms).
 SELECT_TOP_ROW = dispatch._select.MAX_BLOCK_N if dispatch.HAS_TRITON else 16384
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels
-from ..cache import SUMMARIES, PagedKVCache
+from ..cache import SKETCH, SUMMARIES, PagedKVCache
 from ..selection import Selection
 from .context import ContextStore, StepContext
 
@@ -264,18 +264,54 @@ def exact_scores(state: KVState, q: Tensor) -> Tensor:
     return s.reshape(b, h, -1)
 
 
-def page_bound_scores(state: KVState, q: Tensor) -> Tensor:
-    """``float32[B, H, P]``: the Quest upper bound of ``scale·q·k`` per page, from the summaries."""
-    return kernels.quest_page_bound(q, state.cache.page_min[state.layer], state.cache.page_max[state.layer], state.scale)
+PageBound = Literal["box", "sketch"]
+PAGE_BOUNDS = ("box", "sketch")
 
 
-def group_page_bounds(state: KVState, q: Tensor) -> Tensor:
-    """``float32[B, H_kv, P]``: the largest Quest bound over each GQA group's query heads, ``-inf`` on
+def check_page_bound(value: object) -> None:
+    """A page policy's ``bound``: ``"box"`` (Quest's min/max) or ``"sketch"`` (the 4-bit key sketch)."""
+    if value not in PAGE_BOUNDS:
+        raise ValueError(f"bound must be one of {PAGE_BOUNDS}, got {value!r}")
+
+
+def bound_summaries(bound: PageBound) -> tuple[str, ...]:
+    """The cache summaries a page bound of kind ``bound`` reads."""
+    return ("page_min", "page_max", SKETCH) if bound == "sketch" else ("page_min", "page_max")
+
+
+def page_bound_scores(state: KVState, q: Tensor, bound: PageBound = "box") -> Tensor:
+    """``float32[B, H, P]``: an upper bound of ``scale·q·k`` per page and query head.
+
+    ``"box"``: Quest's ``Σ_d max(q_d·min_d, q_d·max_d)`` from the page min/max, which overshoots a
+    page's best key by many nats on real models (13 on SmolLM2, pages of 16). ``"sketch"``: the best
+    per-token bound of the page from the 4-bit key sketch (`kernels.sketch_page_bound`), about a nat
+    over; ``-inf`` on pages without visible tokens."""
+    c = state.cache
+    if bound == "sketch":
+        return kernels.sketch_page_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer],
+                                         c.start, c.length, state.scale)
+    return kernels.quest_page_bound(q, c.page_min[state.layer], c.page_max[state.layer], state.scale)
+
+
+def group_page_bounds(state: KVState, q: Tensor, bound: PageBound = "box") -> Tensor:
+    """``float32[B, H_kv, P]``: the largest page bound over each GQA group's query heads, ``-inf`` on
     pages without visible tokens. Equal to ``aggregate_groups(page_bound_scores(...), ..., "max")``,
     but the kernel folds the group itself, so the per-head bounds ``[B, H, P]`` are never written."""
     c = state.cache
-    bound = kernels.quest_page_bound_grouped(q, c.page_min[state.layer], c.page_max[state.layer], state.scale, "max")
-    return bound.masked_fill(~state.page_valid()[:, None, :], -torch.inf)
+    if bound == "sketch":
+        return kernels.sketch_page_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer],
+                                         c.start, c.length, state.scale, "max")
+    out = kernels.quest_page_bound_grouped(q, c.page_min[state.layer], c.page_max[state.layer], state.scale, "max")
+    return out.masked_fill(~state.page_valid()[:, None, :], -torch.inf)
+
+
+def token_bound_scores(state: KVState, q: Tensor) -> Tensor:
+    """``float32[B, H, N]``: an upper bound of ``scale·q·k_t`` for every cache slot from the key
+    sketch (`reference.sketch_token_bound`), ``-inf`` where the slot is not visible. Reads the sketch
+    of the whole cache: for certificates and audits, not for a fast selection."""
+    c = state.cache
+    tb = kernels.reference.sketch_token_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer], state.scale)
+    return tb.masked_fill(~state.token_valid()[:, None, :], -torch.inf)
 
 
 def aggregate_groups(scores: Tensor, valid: Tensor, num_kv_heads: int, how: Aggregate) -> Tensor:

@@ -11,6 +11,12 @@ for the selection, and ``u_p``, ``n_p``, ``k_p`` come from the cache summaries a
 indices: the bound costs no KV read. It is computed in log space (``sigmoid(log U − lse)``; the
 ``exp(u_p − m)`` shift of the formula is the logsumexp's), per query head.
 
+The page bound overshoots a page's best key by many nats on real models (13 on SmolLM2, pages of 16),
+and the certificate multiplies each unselected token's mass by that factor: with the box alone it
+reads about 1 whatever the selection. Where the cache keeps the 4-bit key sketch (a policy with
+``bound="sketch"``), every unselected token gets its own bound from its sketch instead,
+``U = Σ_{t∉S} e^{û_t}`` with ``û_t`` about a nat over ``z_t``, and the certificate follows δ.
+
 The bound needs the *unweighted* normaliser of ``S``: a selection with ``log_weight`` (SSA's
 Horvitz–Thompson weights) gets an lse that estimates the dense one, not ``Z_S``, and is rejected.
 It is a softmax statement; entmax attention has exact zeros and its own support test (`EntmaxKV`).
@@ -31,15 +37,30 @@ import torch
 from torch import Tensor
 
 from ..selection import Selection
-from .base import KVSelector, KVState, check_budget, page_bound_scores, selection_logits
+from ..cache import SKETCH
+from .base import KVSelector, KVState, check_budget, page_bound_scores, selection_logits, token_bound_scores
 
 DEFAULT_SLACK = 1e-5
 
 
+def _widen(u: Tensor, slack: float) -> Tensor:
+    """``float64`` bounds widened by ``slack·(1 + |u|)`` (float rounding of the kernels); ``-inf`` stays."""
+    u = u.double()
+    return torch.where(u > -torch.inf, u + slack * (1.0 + u.abs()), u)
+
+
+def _has_sketch(state: KVState) -> bool:
+    return state.cache.keeps(SKETCH)
+
+
 def _page_bounds(state: KVState, q: Tensor, slack: float) -> Tensor:
-    """``float64[B, H, P]`` Quest bounds widened by ``slack·(1 + |u|)`` (float rounding of the kernels)."""
-    u = page_bound_scores(state, q).double()
-    return u + slack * (1.0 + u.abs())
+    """``float64[B, H, P]`` widened page bounds: the sketch's where the cache keeps it, else the box."""
+    return _widen(page_bound_scores(state, q, "sketch" if _has_sketch(state) else "box"), slack)
+
+
+def _token_bounds(state: KVState, q: Tensor, slack: float) -> Tensor:
+    """``float64[B, H, N]`` widened per-token bounds from the key sketch (``-inf`` where not visible)."""
+    return _widen(token_bound_scores(state, q), slack)
 
 
 def _kept_per_page(state: KVState, sel: Selection) -> Tensor:
@@ -77,6 +98,9 @@ def _log_dropped_bound(state: KVState, q: Tensor, sel: Selection, slack: float) 
     """``float64[B, H]``: ``log U`` over the pages' unselected visible tokens."""
     b, h, _ = q.shape
     h_kv = state.keys.shape[1]
+    if _has_sketch(state):
+        out = ~sel.token_mask(state.cache.capacity).repeat_interleave(h // h_kv, dim=1)  # [B, H, N]
+        return torch.logsumexp(_token_bounds(state, q, slack).masked_fill(~out, -torch.inf), dim=-1)
     u = _page_bounds(state, q, slack).view(b, h_kv, h // h_kv, -1)
     rest = state.cache.page_counts()[:, None, :] - _kept_per_page(state, sel)  # [B, H_kv, P]
     log_rest = torch.log(rest.clamp(min=0).double())[:, :, None, :]  # log 0 = -inf: nothing dropped
@@ -179,13 +203,21 @@ def grow_until_certified(
     else:
         raise ValueError(f"selection block {blk} must be 1 or the cache page size {cache.page_size}")
     tokens = torch.where(entry_ok, tokens, 0)
-    entry_u = torch.gather(u, 3, page_of[:, :, None, :].expand(-1, -1, g, -1))
-    entry_w = entry_u + torch.log(tokens.double())[:, :, None, :]  # [B, H_kv, G, K]
+    outside = Selection(ranked.indices, ranked.count, block=blk)
+    if _has_sketch(state):  # each token's own bound: an entry's is the logsumexp of its tokens'
+        tb = _token_bounds(state, q, slack).view(b, h_kv, g, n)
+        at = torch.gather(tb, 3, pos.clamp(0, n - 1)[:, :, None, :].expand(-1, -1, g, -1))
+        at = at.masked_fill(~ok[:, :, None, :], -torch.inf).view(b, h_kv, g, k_max, blk)
+        entry_w = torch.logsumexp(at, dim=-1)  # [B, H_kv, G, K]
+        rest_mask = ~outside.token_mask(n)[:, :, None, :]
+        log_out = torch.logsumexp(tb.masked_fill(~rest_mask, -torch.inf), dim=-1, keepdim=True)
+    else:
+        entry_u = torch.gather(u, 3, page_of[:, :, None, :].expand(-1, -1, g, -1))
+        entry_w = entry_u + torch.log(tokens.double())[:, :, None, :]  # [B, H_kv, G, K]
+        rest = counts[:, None, :] - _kept_per_page(state, outside)
+        log_out = torch.logsumexp(u + torch.log(rest.clamp(min=0).double())[:, :, None, :], dim=-1, keepdim=True)
     suffix = torch.logcumsumexp(entry_w.flip(-1), dim=-1).flip(-1)
     suffix = torch.cat([suffix, neg], -1)  # [.., K+1]: mass of the entries from k on
-    outside = Selection(ranked.indices, ranked.count, block=blk)
-    rest = counts[:, None, :] - _kept_per_page(state, outside)
-    log_out = torch.logsumexp(u + torch.log(rest.clamp(min=0).double())[:, :, None, :], dim=-1, keepdim=True)
     log_u = torch.logaddexp(suffix, log_out.expand_as(suffix))
 
     bound = torch.sigmoid(log_u - prefix_lse).nan_to_num(0.0)  # [B, H_kv, G, K+1]

@@ -57,7 +57,10 @@ from .base import (
     KVSelector,
     KVState,
     aggregate_groups,
+    PageBound,
+    bound_summaries,
     check_count,
+    check_page_bound,
     check_rescore,
     choose_pages,
     forced_pages,
@@ -96,6 +99,8 @@ class EntmaxKV(KVSelector):
         aggregate: how the second stage folds a GQA group's exact logits: ``"max"`` (the group's
             best logit) or ``"sum"`` (its summed softmax mass). Pages are always ranked by the
             group's max.
+        bound: the page bound: ``"box"`` (the page min/max) or ``"sketch"`` (the 4-bit key sketch,
+            about a nat over a page's best key instead of many; `kv.base.page_bound_scores`).
     """
 
     budget: int | float = 0.25
@@ -109,9 +114,11 @@ class EntmaxKV(KVSelector):
     iters: int = 12
     rescore: float = 0.0
     aggregate: Aggregate = "max"
+    bound: PageBound = "box"
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
+        check_page_bound(self.bound)
         if self.aggregate not in ("sum", "max"):
             raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha != 1.5:
@@ -132,6 +139,11 @@ class EntmaxKV(KVSelector):
     def page_size(self) -> int:  # type: ignore[override]
         return self.page
 
+    @property
+    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
+        moments = ("page_mean", "page_std") if self.mode == "gaussian" else ()
+        return bound_summaries(self.bound) + moments
+
     def page_scores(self, state: KVState, q: Tensor) -> Tensor:
         """``float32[B, H_kv, P]`` ranking scores (``-inf`` on pages without visible tokens).
 
@@ -139,10 +151,11 @@ class EntmaxKV(KVSelector):
         ``min(μ_p/2 + z·σ_p/2, u_p/2) − τ̂_h``; a page is a candidate iff its margin is positive.
         """
         if self.mode == "topk":
-            return group_page_bounds(state, q)
+            return group_page_bounds(state, q, self.bound)
         valid = state.page_valid()
         h_kv = state.keys.shape[1]
-        bound = page_bound_scores(state, q)  # [B, H, P]
+        bound = page_bound_scores(state, q, self.bound)  # [B, H, P]
+        bound = torch.where(valid[:, None, :], bound, 0.0)  # a finite cap on empty pages (the sketch gives -inf)
         mu, sigma = page_gaussians(state, q)
         counts = state.cache.page_counts()[:, None, :].expand_as(mu)
         m = torch.where(valid[:, None, :], mu * 0.5, -torch.inf)

@@ -8,6 +8,11 @@ keys are scored exactly, and the best tokens are kept, the same number of tokens
 hold (`kv.base.rescore_pages`). The bound of a page of 16 overshoots its best key by many nats on real
 models (13 on SmolLM2), so it ranks pages poorly; exact scores over a few times the budget find what
 the bound misses, at the cost of reading the candidates' keys.
+
+With ``bound="sketch"`` the pages are ranked by a bound from a 4-bit copy of every key on its page's
+min/max grid (`kv.base.page_bound_scores`): about one nat over the page's best key instead of 13, for
+an eighth of the KV bytes read to choose. The same sketch makes the certified dropped mass
+(`kv.certified`) informative.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from ..selection import Selection
 from .base import (
     Aggregate,
     Budget,
+    PageBound,
     KVSelector,
     KVState,
     aggregate_groups,
+    bound_summaries,
     check_count,
+    check_page_bound,
     check_rescore,
     choose_pages,
     forced_pages,
@@ -40,7 +48,9 @@ class Quest(KVSelector):
     ``page`` is the cache page size this policy needs; ``sinks`` and ``window`` (tokens) force the
     pages that hold them; the last page is always kept. ``rescore`` > 0 (at least 1) makes it a
     two-stage selection: ``rescore`` times the pages as candidates, then the best tokens by exact
-    score (a token selection of the same token budget).
+    score (a token selection of the same token budget). ``bound`` is the page bound that ranks the
+    pages: ``"box"`` (the page min/max) or ``"sketch"`` (the 4-bit key sketch; tighter, and it reads
+    half a byte per key channel more).
     """
 
     budget: int | float = 0.25
@@ -49,7 +59,7 @@ class Quest(KVSelector):
     window: int = 16
     aggregate: Aggregate = "max"
     rescore: float = 0.0
-    summaries = ("page_min", "page_max")
+    bound: PageBound = "box"
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
@@ -59,6 +69,11 @@ class Quest(KVSelector):
         if self.aggregate not in ("sum", "max"):
             raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
         check_rescore(self.rescore)
+        check_page_bound(self.bound)
+
+    @property
+    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
+        return bound_summaries(self.bound)
 
     @property
     def page_size(self) -> int:  # type: ignore[override]
@@ -67,9 +82,9 @@ class Quest(KVSelector):
     def select(self, state: KVState, q: Tensor) -> Selection:
         k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "Quest")
         if self.aggregate == "max":
-            scores = group_page_bounds(state, q)
+            scores = group_page_bounds(state, q, self.bound)
         else:
-            scores = aggregate_groups(page_bound_scores(state, q), state.page_valid(), state.keys.shape[1], "sum")
+            scores = aggregate_groups(page_bound_scores(state, q, self.bound), state.page_valid(), state.keys.shape[1], "sum")
         forced = forced_pages(state, self.sinks, self.window)
         return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, sinks=self.sinks,
                             window=self.window, aggregate=self.aggregate)

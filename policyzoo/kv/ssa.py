@@ -72,9 +72,12 @@ from .base import (
     Budget,
     KVSelector,
     KVState,
+    PageBound,
     aggregate_groups,
+    bound_summaries,
     check_budget,
     check_count,
+    check_page_bound,
     candidate_budget,
     check_rescore,
     choose_topk,
@@ -116,6 +119,8 @@ class SSA(KVSelector):
             exact for the candidates (from their keys) and estimated for the rest from their bound
             and the bound's overshoot on the candidates (`kv.base.page_log_mass`); both strata rank
             and sample on it.
+        bound: page proxy only: the page bound, ``"box"`` (the page min/max) or ``"sketch"`` (the
+            4-bit key sketch, about a nat over a page's best key; `kv.base.page_bound_scores`).
     """
 
     budget: int | float = 0.1
@@ -130,6 +135,7 @@ class SSA(KVSelector):
     seed: int = 0
     generator: torch.Generator | None = field(default=None, repr=False, compare=False)
     rescore: float = 0.0
+    bound: PageBound = "box"
     _rng: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +160,9 @@ class SSA(KVSelector):
         check_rescore(self.rescore)
         if self.rescore and self.proxy != "page":
             raise ValueError("rescore applies to the page proxy: proxy='exact' scores every key exactly already")
+        check_page_bound(self.bound)
+        if self.bound != "box" and self.proxy != "page":
+            raise ValueError("bound applies to the page proxy: proxy='exact' scores every key exactly already")
 
     @property
     def page_size(self) -> int | None:  # type: ignore[override]
@@ -161,7 +170,7 @@ class SSA(KVSelector):
 
     @property
     def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
-        return ("page_min", "page_max") if self.proxy == "page" else ()
+        return bound_summaries(self.bound) if self.proxy == "page" else ()
 
     # ------------------------------------------------------------------------------- randomness
     def reseed(self, seed: int) -> None:
@@ -222,7 +231,7 @@ class SSA(KVSelector):
             if state.page_size != self.page:
                 raise ValueError(f"SSA(page={self.page}) needs a cache with page_size={self.page}, got {state.page_size}")
             valid = state.page_valid()
-            raw = page_bound_scores(state, q)
+            raw = page_bound_scores(state, q, self.bound)
             forced = forced_pages(state, self.sinks, self.window)
             unit, n_units = self.page, cache.num_pages
             # Sinks and window may each straddle one more page than their length needs (as Quest).
@@ -240,7 +249,7 @@ class SSA(KVSelector):
         if self.rescore:  # both strata on the pages' log-mass: exact for the candidates
             m_max, m_count = self._widths(self.sample, unit, n_units, n_valid)
             wide, wide_count = candidate_budget(k_det + m_max, count_det + m_count, self.rescore, n_units)
-            candidates = choose_topk(group_page_bounds(state, q), forced, wide, wide_count, block=unit)
+            candidates = choose_topk(group_page_bounds(state, q, self.bound), forced, wide, wide_count, block=unit)
             raw = page_log_mass(state, q, raw, candidates)
             ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
         det = choose_topk(ranking, forced, k_det, count_det, block=unit)
