@@ -178,12 +178,14 @@ def test_generate_stops_where_a_step_by_step_loop_stops_and_streams_nothing_afte
             assert all(t == 0 for t in row[ended[0] + 1 :])  # nothing after a row's EOS but the pad id
 
 
-def test_decode_step_compiles_once_and_does_not_recompile():
+@pytest.mark.parametrize("bound", ["box", "sketch"])
+def test_decode_step_compiles_once_and_does_not_recompile(bound):
+    """The same tokens as eager, one graph; with the key sketch the step also recodes a page per write."""
     torch._dynamo.reset()
     model = tiny_model("qwen3", layers=1)
     ids, mask = padded_batch(2, 17)
-    eager = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4)).generate(ids, 22, attention_mask=mask)
-    dec = Decoder(model, kv=Quest(0.5, page=4), compile=True)
+    eager = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4, bound=bound)).generate(ids, 22, attention_mask=mask)
+    dec = Decoder(model, kv=Quest(0.5, page=4, bound=bound), compile=True)
     from torch._dynamo.utils import counters
 
     counters.clear()

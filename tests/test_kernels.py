@@ -47,6 +47,7 @@ from policyzoo.kernels.config import (  # noqa: E402
     GatheredLogitsConfig,
     GemvConfig,
     PageScoreConfig,
+    SketchScoreConfig,
     SelectTopConfig,
     override,
 )
@@ -359,6 +360,48 @@ def test_quest_page_bound_grouped_negative(group, method):
     expected = ref.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
     assert (expected < 0).all()
     assert_close(got, expected, torch.float32)
+
+
+@here
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    d=st.sampled_from([7, 64, 128]),  # 7: an odd head dim, whose last byte holds one code
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 2),
+    group=st.integers(1, 5),
+    pages=st.integers(1, 11),
+    page=st.sampled_from([1, 4, 16]),
+    agg=st.sampled_from(["none", "max"]),
+    block_p=st.sampled_from([1, 4]),
+)
+def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, block_p):
+    """The kernel's page bound is the reference's (masked slots, padding rows and all), and above
+    every visible key's exact logit."""
+    g_rand = gen(seed)
+    n = pages * page
+    keys = randn(g_rand, b, h_kv, pages, page, d, dtype=dtype) * 2 + randn(g_rand, b, h_kv, pages, 1, d, dtype=dtype)
+    length = torch.randint(1, n + 1, (), generator=g_rand)
+    start = torch.randint(0, int(length), (b,), generator=g_rand)
+    seen = ref.visible(start, length, n).view(b, 1, pages, page, 1).to(DEVICE)
+    page_min = torch.where(seen, keys, torch.inf).amin(3).nan_to_num(0.0, posinf=0.0).to(dtype)
+    page_max = torch.where(seen, keys, -torch.inf).amax(3).nan_to_num(0.0, neginf=0.0).to(dtype)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3).contiguous()
+    q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
+    scale = d**-0.5
+    start, length = start.to(DEVICE), length.to(DEVICE)
+    with poisoned(), override(sketch_score=SketchScoreConfig(block_p=block_p)):
+        got = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+    expected = ref.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert torch.equal(got.isneginf(), expected.isneginf())
+    live = expected.isfinite()
+    assert_close(got[live], expected[live], torch.float32, scale=expected[live].abs().max().item() + 1 if live.any() else 1)
+    exact = torch.einsum("bkgd,bkpnd->bkgpn", q.float().view(b, h_kv, group, d), keys.float()) * scale
+    best = exact.masked_fill(~seen.view(b, 1, 1, pages, page), -torch.inf).amax(-1)  # [B, H_kv, G, P]
+    best = best.reshape(b, -1, pages) if agg == "none" else best.amax(2)
+    assert bool((got[live] >= best[live] - 1e-4 * (1 + best[live].abs())).all())
 
 
 # --------------------------------------------------------------------------------------------------

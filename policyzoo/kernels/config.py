@@ -2,7 +2,7 @@
 
 Each kernel module reads its launch parameters from one frozen dataclass here: `AttentionConfig`
 (`decode_attention.py`), `SelectTopConfig` (`select_top.py`), `GemvConfig` (`sparse_gemv.py`),
-`PageScoreConfig` (`page_score.py`), `EntmaxThresholdConfig` (`entmax_threshold.py`) and
+`PageScoreConfig` and `SketchScoreConfig` (`page_score.py`), `EntmaxThresholdConfig` (`entmax_threshold.py`) and
 `GatheredLogitsConfig` (`gathered_logits.py`).
 (`cache_append.py` takes its warps from the page size and head dim alone: it has no config.) A
 launch takes its config from its module's shape rule (`attention_config`, `select_top_config`,
@@ -268,6 +268,20 @@ class PageScoreConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SketchScoreConfig:
+    """Launch parameters of the key-sketch page bound (`page_score.sketch_page_bound`): a program
+    holds ``block_p`` pages of codes as fp32 tiles (``block_p·page·D`` values per query head)."""
+
+    block_p: int = 4
+    """Pages per program."""
+    num_warps: int = 4
+    """Warps per program."""
+
+    def __post_init__(self) -> None:
+        _powers_of_two(self, "block_p", "num_warps")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EntmaxThresholdConfig:
     """Launch parameters of the pooled Gaussian entmax threshold (`entmax_threshold.py`)."""
 
@@ -301,8 +315,9 @@ class GatheredLogitsConfig:
         _powers_of_two(self, "block_t", "num_warps")
 
 
-Config = AttentionConfig | SelectTopConfig | GemvConfig | PageScoreConfig | EntmaxThresholdConfig | GatheredLogitsConfig
-C = TypeVar("C", AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig,
+Config = (AttentionConfig | SelectTopConfig | GemvConfig | PageScoreConfig | SketchScoreConfig | EntmaxThresholdConfig
+          | GatheredLogitsConfig)
+C = TypeVar("C", AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, SketchScoreConfig, EntmaxThresholdConfig,
             GatheredLogitsConfig)
 
 # The keyword of each kernel's config in `override` (and in the sweep's records).
@@ -311,6 +326,7 @@ KERNELS: Mapping[str, type] = MappingProxyType({
     "select_top": SelectTopConfig,
     "gemv": GemvConfig,
     "page_score": PageScoreConfig,
+    "sketch_score": SketchScoreConfig,
     "entmax_threshold": EntmaxThresholdConfig,
     "gathered_logits": GatheredLogitsConfig,
 })

@@ -179,6 +179,26 @@ def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scal
     return torch.ops.policyzoo.quest_page_bound(q, page_min, page_max, float(scale), agg)
 
 
+@torch.library.custom_op("policyzoo::sketch_page_bound", mutates_args=())
+def _sketch_page_bound_op(
+    q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float, agg: str = "none"
+) -> Tensor:
+    _need_triton()
+    return _page.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+
+
+@_sketch_page_bound_op.register_fake
+def _(q, codes, page_min, page_max, start, length, scale, agg="none"):
+    b, h, _ = q.shape
+    _, h_kv, p, _ = page_min.shape
+    return q.new_empty(b, h if agg == "none" else h_kv, p, dtype=torch.float32)
+
+
+def sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg="none") -> Tensor:
+    """`reference.sketch_page_bound` on Triton: ``float32[B, H, P]`` (or ``[B, H_kv, P]`` with ``agg="max"``)."""
+    return torch.ops.policyzoo.sketch_page_bound(q, codes, page_min, page_max, start, length, float(scale), agg)
+
+
 # --------------------------------------------------------------------------------------------------
 # Exact logits of gathered keys (a two-stage policy's second stage)
 

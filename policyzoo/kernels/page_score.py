@@ -21,6 +21,13 @@ best on an H200 where the dot takes 9.7 µs (8,192 pages).
 Grid ``(cdiv(P, block_p), H_kv, B)``: a program scores ``block_p`` pages of one KV head for all G
 query heads of its group, so the summaries (the bytes that matter) are read once per group. Launch
 parameters: `config.PageScoreConfig`, chosen per call by `page_score_config`.
+
+The key-sketch page bound (`sketch_page_bound`; specification `reference.sketch_page_bound`) reads the
+4-bit codes of every key of ``block_p`` pages and their pages' min/max, and keeps each page's best
+token bound ``scale·(q·min + |q|·radius + Σ_i (q_i·step_i)·c_ti)`` over its visible slots, per query
+head or folded over the group. The products are fp32 on CUDA cores: the codes are half a byte per
+key channel, so the kernel streams about a quarter of the bytes the keys hold. Launch parameters:
+`config.SketchScoreConfig`.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .config import PageScoreConfig, current
+from .config import PageScoreConfig, SketchScoreConfig, current
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
 
@@ -160,4 +167,104 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
     return out
 
 
-__all__ = ["quest_page_bound", "page_score_config", "INTERPRET"]
+@triton.jit
+def _sketch_bound_kernel(
+    q_ptr, code_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr,
+    s_qb, s_qh,
+    s_cb, s_ch, s_ct,
+    s_mb, s_mh, s_mp,
+    s_xb, s_xh, s_xp,
+    s_ob, s_oh,
+    n_pages, scale,
+    G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_P: tl.constexpr, AGG: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_t = tl.arange(0, PAGE)
+    offs_j = tl.arange(0, DH_PAD)
+    p_mask = offs_p < n_pages
+    lo_ch = offs_j < DH  # channel j: the low nibble
+    hi_ch = (offs_j + DH) < D  # channel j + DH: the high nibble (absent for the spare one of an odd D)
+    slot = offs_p[:, None] * PAGE + offs_t[None, :]  # [BLOCK_P, PAGE]
+    start = tl.load(start_ptr + b)
+    length = tl.load(length_ptr)
+    seen = p_mask[:, None] & (slot >= start) & (slot < length)
+
+    # Codes [BLOCK_P, PAGE, DH_PAD] -> two float tiles of channels j and j + DH.
+    c = tl.load(code_ptr + b * s_cb + kv * s_ch + slot[:, :, None] * s_ct + offs_j[None, None, :],
+                mask=seen[:, :, None] & lo_ch[None, None, :], other=0)
+    c_lo = (c & 15).to(tl.float32)
+    c_hi = (c >> 4).to(tl.float32)
+
+    # The grid per page and channel, as `reference.sketch_grid` computes it.
+    pm = p_mask[:, None]
+    row_mn = mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp
+    row_mx = mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp
+    mn_lo = tl.load(row_mn + offs_j[None, :], mask=pm & lo_ch[None, :], other=0.0).to(tl.float32)
+    mx_lo = tl.load(row_mx + offs_j[None, :], mask=pm & lo_ch[None, :], other=0.0).to(tl.float32)
+    mn_hi = tl.load(row_mn + DH + offs_j[None, :], mask=pm & hi_ch[None, :], other=0.0).to(tl.float32)
+    mx_hi = tl.load(row_mx + DH + offs_j[None, :], mask=pm & hi_ch[None, :], other=0.0).to(tl.float32)
+    step_lo = (mx_lo - mn_lo) / 15.0
+    step_hi = (mx_hi - mn_hi) / 15.0
+    rad_lo = step_lo * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn_lo), tl.abs(mx_lo))
+    rad_hi = step_hi * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn_hi), tl.abs(mx_hi))
+
+    q_group = q_ptr + b * s_qb + kv * G * s_qh
+    red = tl.full([BLOCK_P], -float("inf"), tl.float32)
+    for g in tl.static_range(G):
+        q_lo = tl.load(q_group + g * s_qh + offs_j, mask=lo_ch, other=0.0).to(tl.float32)
+        q_hi = tl.load(q_group + g * s_qh + DH + offs_j, mask=hi_ch, other=0.0).to(tl.float32)
+        base = tl.sum(q_lo[None, :] * mn_lo + tl.abs(q_lo)[None, :] * rad_lo, 1)
+        base += tl.sum(q_hi[None, :] * mn_hi + tl.abs(q_hi)[None, :] * rad_hi, 1)  # [BLOCK_P]
+        w_lo = q_lo[None, :] * step_lo  # [BLOCK_P, DH_PAD]
+        w_hi = q_hi[None, :] * step_hi
+        coded = tl.sum(w_lo[:, None, :] * c_lo + w_hi[:, None, :] * c_hi, 2)  # [BLOCK_P, PAGE]
+        bound = tl.where(seen, (base[:, None] + coded) * scale, -float("inf"))
+        best = tl.max(bound, 1)  # [BLOCK_P]
+        if AGG == 0:
+            tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, best, mask=p_mask)
+        else:
+            red = tl.maximum(red, best)
+    if AGG != 0:
+        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+
+
+def sketch_page_bound(
+    q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
+    agg: str = "none",
+) -> Tensor:
+    """Launch the key-sketch kernel. ``agg="none"`` → ``float32[B, H, P]``; ``"max"`` → ``[B, H_kv, P]``."""
+    if agg not in ("none", "max"):
+        raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
+    if q.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    b, h, d = q.shape
+    _, h_kv, n_pages, _ = page_min.shape
+    page = codes.shape[2] // n_pages
+    if page & (page - 1):
+        raise ValueError(f"the sketch kernel needs a power-of-two page size, got {page}")
+    q, codes, page_min, page_max = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, codes, page_min, page_max))
+    out = _alloc(b, h if agg == "none" else h_kv, n_pages, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    cfg = current(SketchScoreConfig)
+    dh = codes.shape[-1]
+    grid = (triton.cdiv(n_pages, cfg.block_p), h_kv, b)
+    _sketch_bound_kernel[grid](
+        q, codes, page_min, page_max, start, length, out,
+        q.stride(0), q.stride(1),
+        codes.stride(0), codes.stride(1), codes.stride(2),
+        page_min.stride(0), page_min.stride(1), page_min.stride(2),
+        page_max.stride(0), page_max.stride(1), page_max.stride(2),
+        out.stride(0), out.stride(1),
+        n_pages, float(scale),
+        G=h // h_kv, D=d, DH=dh, DH_PAD=triton.next_power_of_2(dh), PAGE=page,
+        BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+__all__ = ["quest_page_bound", "sketch_page_bound", "page_score_config", "INTERPRET"]
