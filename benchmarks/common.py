@@ -66,6 +66,9 @@ def settings() -> dict[str, tuple]:
         "quest0.3": (lambda: Quest(0.3, page=PAGE, window=64), None, 1.0, 0.3),
         # Pages of 64: a quarter of the pages to bound and rank, at coarser granularity.
         "quest0.1p64": (lambda: Quest(0.1, page=64, window=64), None, 1.0, 0.1),
+        # Pages ranked by the 4-bit key sketch's bound (about a nat over a page's best key, not 13).
+        "quest0.1-sketch": (lambda: Quest(0.1, page=PAGE, window=64, bound="sketch"), None, 1.0, 0.1),
+        "quest0.2-sketch": (lambda: Quest(0.2, page=PAGE, window=64, bound="sketch"), None, 1.0, 0.2),
         "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
         "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
         # Two stages: 3 or 5 times the pages as candidates, their keys scored exactly.
@@ -142,7 +145,8 @@ def _selection_ratio_of(policy, r_kv: float) -> float:
         return selection_overhead(None, rescore=1 / r_kv, r_kv=r_kv) if exact else 0.0
     # fp32 mean and std (EntmaxKV's Gaussian) weigh twice the bf16 min and max
     wide = 1.0 + (2.0 if "page_mean" in policy.summaries else 0.0)
-    return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide)
+    sketch = "key_sketch" in policy.summaries
+    return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide, sketch=sketch)
 
 
 def community_report(dec: Decoder) -> dict:

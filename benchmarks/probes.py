@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from policyzoo import SSA, AttentionTopK, CommunityKV, EntmaxKV, Forecast, Quest, inductor_compat, kernels
-from policyzoo.cache import SUMMARIES, PagedKVCache
+from policyzoo.cache import SKETCH, SUMMARIES, PagedKVCache
 from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
 from policyzoo.kv import ForecastHeads
@@ -504,6 +504,8 @@ def select_policies(keep: float = 0.1) -> dict:
         f"entmax-kv{keep} (softmax)": lambda: EntmaxKV(keep, page=PAGE, window=64),
         # Two stages: the candidates' exact logits (`kernels.gathered_logits`), then tokens.
         f"quest{keep}-rescore3": lambda: Quest(keep, page=PAGE, window=64, rescore=3),
+        # Pages ranked by the 4-bit key sketch's bound (`kernels.sketch_page_bound`).
+        f"quest{keep}-sketch": lambda: Quest(keep, page=PAGE, window=64, bound="sketch"),
         f"ssa{keep / 2}+{keep / 2}-rescore5": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64, rescore=5),
         # One head per KV group scores one mean key per page: the next layer's blocks of 64.
         f"forecast{keep}": lambda: Forecast(keep, heads=ForecastHeads(1, HIDDEN, H_KV, D, rank=128)),
@@ -540,7 +542,8 @@ def select_call(policy, state: KVState, q: torch.Tensor) -> Callable:
 
 def filled_cache(n: int, margin: int = 64) -> PagedKVCache:
     dev = common.DEVICE
-    cache = PagedKVCache(1, 1, H_KV, D, n + margin, page_size=PAGE, dtype=torch.bfloat16, device=dev)
+    cache = PagedKVCache(1, 1, H_KV, D, n + margin, page_size=PAGE, dtype=torch.bfloat16, device=dev,
+                         summaries=SUMMARIES + (SKETCH,))
     cache.reset(torch.zeros(1, dtype=torch.long, device=dev), n)
     g = torch.Generator(device=dev).manual_seed(1)
     cache.keys[0][:, :, :n].normal_(generator=g)
