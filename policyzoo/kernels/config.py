@@ -270,11 +270,11 @@ class PageScoreConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SketchScoreConfig:
     """Launch parameters of the key-sketch page bound (`page_score.sketch_page_bound`): a program
-    holds ``block_p`` pages of codes as fp32 tiles (``block_p·page·D`` values per query head)."""
+    takes ``block_p`` pages in turn, each as ``[page, D/2]`` tiles of codes."""
 
     block_p: int = 4
     """Pages per program."""
-    num_warps: int = 4
+    num_warps: int = 2
     """Warps per program."""
 
     def __post_init__(self) -> None:
