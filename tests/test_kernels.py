@@ -375,8 +375,9 @@ def test_quest_page_bound_grouped_negative(group, method):
     page=st.sampled_from([1, 4, 16]),
     agg=st.sampled_from(["none", "max"]),
     block_p=st.sampled_from([1, 4]),
+    method=st.sampled_from(SketchScoreConfig.METHODS),
 )
-def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, block_p):
+def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, block_p, method):
     """The kernel's page bound is the reference's (masked slots, padding rows and all), and above
     every visible key's exact logit."""
     g_rand = gen(seed)
@@ -391,13 +392,17 @@ def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, blo
     q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
     scale = d**-0.5
     start, length = start.to(DEVICE), length.to(DEVICE)
-    with poisoned(), override(sketch_score=SketchScoreConfig(block_p=block_p)):
+    with poisoned(), override(sketch_score=SketchScoreConfig(method=method, block_p=block_p)):
         got = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
     expected = ref.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert torch.equal(got.isneginf(), expected.isneginf())
     live = expected.isfinite()
-    assert_close(got[live], expected[live], torch.float32, scale=expected[live].abs().max().item() + 1 if live.any() else 1)
+    if method == "sum":
+        assert_close(got[live], expected[live], torch.float32, scale=expected[live].abs().max().item() + 1 if live.any() else 1)
+    else:  # fp16 weights, their rounding added back 15 times over: at most a few 1e-3 above the reference
+        assert bool((got[live] >= expected[live] - 1e-4 * (1 + expected[live].abs())).all())
+        torch.testing.assert_close(got[live], expected[live], rtol=5e-3, atol=5e-3)
     exact = torch.einsum("bkgd,bkpnd->bkgpn", q.float().view(b, h_kv, group, d), keys.float()) * scale
     best = exact.masked_fill(~seen.view(b, 1, 1, pages, page), -torch.inf).amax(-1)  # [B, H_kv, G, P]
     best = best.reshape(b, -1, pages) if agg == "none" else best.amax(2)

@@ -270,14 +270,21 @@ class PageScoreConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SketchScoreConfig:
     """Launch parameters of the key-sketch page bound (`page_score.sketch_page_bound`): a program
-    takes ``block_p`` pages in turn, each as ``[page, D/2]`` tiles of codes."""
+    holds ``block_p`` pages of codes."""
 
+    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot")
+
+    method: str = "sum"
+    """``"sum"``: the products summed on CUDA cores; ``"dot"``: a batched tl.dot per page of the codes
+    (fp16, exact) with the page's weights ``q·step`` in fp16, their rounding added back (pages of 16
+    or more; smaller ones take the sum)."""
     block_p: int = 4
     """Pages per program."""
-    num_warps: int = 2
+    num_warps: int = 4
     """Warps per program."""
 
     def __post_init__(self) -> None:
+        _one_of(self, "method", self.METHODS)
         _powers_of_two(self, "block_p", "num_warps")
 
 
