@@ -12,6 +12,7 @@ pairs; a leading value without a key is the policy's first parameter::
     parse_proj("topk:0.5,mode=fast,path=fast.safetensors")  # TopK.load: the fast mode's ratios
     parse_kv("mine:budget=0.2,path=mine.safetensors")  # a learned policy: MyPolicy.load(path, budget=0.2)
     parse_kv("prhs:[quest:0.1,rescore=3],time=0.9")   # PrHS(Quest(0.1, rescore=3), time=0.9)
+    parse_kv("certified:[quest:0.05,bound=sketch],eps=0.05,max_budget=0.3")   # a budget by certified mass
     parse_kv("prhs:path=prhs.safetensors")    # PrHS.load: a calibrated schedule and its wrapped policy
     parse_proj("none")                        # None (dense projections)
 
@@ -34,7 +35,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .kv import SSA, AttentionTopK, CommunityKV, Dense, EntmaxKV, Forecast, KVSelector, PrHS, Quest, Window
+from .kv import SSA, AttentionTopK, Certified, CommunityKV, Dense, EntmaxKV, Forecast, KVSelector, PrHS, Quest, Window
 from .proj import ProjectionSparsifier, Threshold, TopK
 
 # name -> class; a class's dataclass fields are its spec parameters, in order.
@@ -46,6 +47,7 @@ KV_POLICIES: dict[str, type] = {
     "ssa": SSA,
     "entmax-kv": EntmaxKV,
     "prhs": PrHS,
+    "certified": Certified,
     "forecast": Forecast,
     "community-kv": CommunityKV,
 }

@@ -260,7 +260,7 @@ BUILTIN_POLICIES = {
 def test_the_policy_list_covers_every_registered_policy():
     from policyzoo.spec import KV_POLICIES
 
-    names = {"dense", "window", "attn-topk", "quest", "ssa", "entmax-kv", "prhs", "forecast", "community-kv"}
+    names = {"dense", "window", "attn-topk", "quest", "ssa", "entmax-kv", "prhs", "certified", "forecast", "community-kv"}
     assert set(KV_POLICIES) == names, "a new policy must join BUILTIN_POLICIES (and the batch-invariance test)"
 
 
