@@ -194,11 +194,12 @@ def test_certify_before_attention_bounds_the_true_dropped_mass(data, cases, cont
     """For any selection (a policy's, and one made for another query then extended to the newest
     entry, as a time reuse is), the bound computed before attending is >= the true δ and equals
     the bound from the attention kernel's lse."""
-    case = data.draw(cases(dtypes=(torch.float32, torch.bfloat16)))
+    case = data.draw(cases(dtypes=(torch.float32, torch.bfloat16), sketch=(False, True)))
     budget = data.draw(st.sampled_from([0.1, 0.3, 0.6, 1.0, 8]))
     sinks, window = data.draw(st.integers(0, 4)), data.draw(st.integers(0, 8))
+    bound = "sketch" if case.params["sketch"] else "box"
     policy = data.draw(st.sampled_from([
-        Quest(budget, page=case.page, sinks=sinks, window=window),
+        Quest(budget, page=case.page, sinks=sinks, window=window, bound=bound),
         Quest(budget, page=case.page, sinks=sinks, window=window, rescore=2),
         AttentionTopK(float(budget) if isinstance(budget, float) else max(budget, sinks + window), sinks=sinks, window=window),
     ]))  # fmt: skip
@@ -228,12 +229,13 @@ def reused_deltas(audit) -> tuple[torch.Tensor, torch.Tensor]:
     layer=st.sampled_from([(), (0, 0)]),
     seed=st.integers(0, 2**16),
     repeated=st.booleans(),
+    bound=st.sampled_from(["box", "sketch"]),
 )
-def test_every_certified_reuse_drops_at_most_eps(eps, tau, layer, seed, repeated):
+def test_every_certified_reuse_drops_at_most_eps(eps, tau, layer, seed, repeated, bound):
     """End to end: wherever the audit says a KV head reused a selection, its true δ (the group mean
-    of the query heads', each certified <= eps) is <= eps."""
+    of the query heads', each certified <= eps) is <= eps; certified by the box or the key sketch."""
     ids, mask = prompt(seed, repeated)
-    dec = Decoder(llama(), kv=PrHS(Quest(0.5, page=4), eps=eps, time=tau, layer=layer))
+    dec = Decoder(llama(), kv=PrHS(Quest(0.5, page=4, bound=bound), eps=eps, time=tau, layer=layer))
     dec.generate(ids, 6, attention_mask=mask, audit=True)
     delta, bound = reused_deltas(dec.last_audit)
     assert bool((delta <= eps + 1e-5).all()), f"reused with delta {delta.max()} > eps {eps}"
