@@ -171,6 +171,16 @@ def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float
 
 
 @triton.jit
+def _sketch_grid(mn_ptrs, mx_ptrs, mask):
+    """``(low, step, radius)`` fp32 tiles of the pages' grids, as `reference.sketch_grid` computes them."""
+    mn = tl.load(mn_ptrs, mask=mask, other=0.0).to(tl.float32)
+    mx = tl.load(mx_ptrs, mask=mask, other=0.0).to(tl.float32)
+    step = (mx - mn) / 15.0
+    radius = step * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn), tl.abs(mx))
+    return mn, step, radius
+
+
+@triton.jit
 def _sketch_bound_kernel(
     q_ptr, code_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr,
     s_qb, s_qh,
@@ -206,14 +216,8 @@ def _sketch_bound_kernel(
     pm = p_mask[:, None]
     row_mn = mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp
     row_mx = mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp
-    mn_lo = tl.load(row_mn + offs_j[None, :], mask=pm & lo_ch[None, :], other=0.0).to(tl.float32)
-    mx_lo = tl.load(row_mx + offs_j[None, :], mask=pm & lo_ch[None, :], other=0.0).to(tl.float32)
-    mn_hi = tl.load(row_mn + DH + offs_j[None, :], mask=pm & hi_ch[None, :], other=0.0).to(tl.float32)
-    mx_hi = tl.load(row_mx + DH + offs_j[None, :], mask=pm & hi_ch[None, :], other=0.0).to(tl.float32)
-    step_lo = (mx_lo - mn_lo) / 15.0
-    step_hi = (mx_hi - mn_hi) / 15.0
-    rad_lo = step_lo * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn_lo), tl.abs(mx_lo))
-    rad_hi = step_hi * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn_hi), tl.abs(mx_hi))
+    mn_lo, step_lo, rad_lo = _sketch_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
+    mn_hi, step_hi, rad_hi = _sketch_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
 
     q_group = q_ptr + b * s_qb + kv * G * s_qh
     red = tl.full([BLOCK_P], -float("inf"), tl.float32)
@@ -265,17 +269,12 @@ def _sketch_dot_kernel(
     c_lo = (c & 15).to(tl.float16)  # 0..15: exact
     c_hi = (c >> 4).to(tl.float16)
 
+    # The grid per page and channel, as `reference.sketch_grid` computes it.
     pm = p_mask[:, None]
     row_mn = mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp
     row_mx = mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp
-    mn_lo = tl.load(row_mn + offs_j[None, :], mask=pm & lo_ch[None, :], other=0.0).to(tl.float32)
-    mx_lo = tl.load(row_mx + offs_j[None, :], mask=pm & lo_ch[None, :], other=0.0).to(tl.float32)
-    mn_hi = tl.load(row_mn + DH + offs_j[None, :], mask=pm & hi_ch[None, :], other=0.0).to(tl.float32)
-    mx_hi = tl.load(row_mx + DH + offs_j[None, :], mask=pm & hi_ch[None, :], other=0.0).to(tl.float32)
-    step_lo = (mx_lo - mn_lo) / 15.0
-    step_hi = (mx_hi - mn_hi) / 15.0
-    rad_lo = step_lo * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn_lo), tl.abs(mx_lo))
-    rad_hi = step_hi * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn_hi), tl.abs(mx_hi))
+    mn_lo, step_lo, rad_lo = _sketch_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
+    mn_hi, step_hi, rad_hi = _sketch_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
 
     # The group's queries as [DH_PAD, G_PAD] columns.
     q_cols = q_ptr + b * s_qb + (kv * G + offs_g[None, :]) * s_qh
