@@ -189,13 +189,12 @@ def _sketch_bound_kernel(
     s_xb, s_xh, s_xp,
     s_ob, s_oh,
     n_pages, scale,
-    G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_P: tl.constexpr, AGG: tl.constexpr,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr, DOT: tl.constexpr,
 ):
-    pid_p = tl.program_id(0)
     kv = tl.program_id(1)
     b = tl.program_id(2)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_t = tl.arange(0, PAGE)
     offs_j = tl.arange(0, DH_PAD)
     p_mask = offs_p < n_pages
@@ -205,12 +204,9 @@ def _sketch_bound_kernel(
     start = tl.load(start_ptr + b)
     length = tl.load(length_ptr)
     seen = p_mask[:, None] & (slot >= start) & (slot < length)
-
-    # Codes [BLOCK_P, PAGE, DH_PAD] -> two float tiles of channels j and j + DH.
+    # Codes [BLOCK_P, PAGE, DH_PAD]: channels j (low nibble) and j + DH (high nibble).
     c = tl.load(code_ptr + b * s_cb + kv * s_ch + slot[:, :, None] * s_ct + offs_j[None, None, :],
                 mask=seen[:, :, None] & lo_ch[None, None, :], other=0)
-    c_lo = (c & 15).to(tl.float32)
-    c_hi = (c >> 4).to(tl.float32)
 
     # The grid per page and channel, as `reference.sketch_grid` computes it.
     pm = p_mask[:, None]
@@ -219,90 +215,55 @@ def _sketch_bound_kernel(
     mn_lo, step_lo, rad_lo = _sketch_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
     mn_hi, step_hi, rad_hi = _sketch_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
 
-    q_group = q_ptr + b * s_qb + kv * G * s_qh
-    red = tl.full([BLOCK_P], -float("inf"), tl.float32)
-    for g in tl.static_range(G):
-        q_lo = tl.load(q_group + g * s_qh + offs_j, mask=lo_ch, other=0.0).to(tl.float32)
-        q_hi = tl.load(q_group + g * s_qh + DH + offs_j, mask=hi_ch, other=0.0).to(tl.float32)
-        base = tl.sum(q_lo[None, :] * mn_lo + tl.abs(q_lo)[None, :] * rad_lo, 1)
-        base += tl.sum(q_hi[None, :] * mn_hi + tl.abs(q_hi)[None, :] * rad_hi, 1)  # [BLOCK_P]
-        w_lo = q_lo[None, :] * step_lo  # [BLOCK_P, DH_PAD]
-        w_hi = q_hi[None, :] * step_hi
-        coded = tl.sum(w_lo[:, None, :] * c_lo + w_hi[:, None, :] * c_hi, 2)  # [BLOCK_P, PAGE]
-        bound = tl.where(seen, (base[:, None] + coded) * scale, -float("inf"))
-        best = tl.max(bound, 1)  # [BLOCK_P]
+    if DOT:
+        c_lo = (c & 15).to(tl.float16)  # 0..15: exact
+        c_hi = (c >> 4).to(tl.float16)
+        # The group's queries as [DH_PAD, G_PAD] columns.
+        offs_g = tl.arange(0, G_PAD)
+        q_cols = q_ptr + b * s_qb + (kv * G + offs_g[None, :]) * s_qh
+        g_ok = offs_g[None, :] < G
+        q_lo = tl.load(q_cols + offs_j[:, None], mask=lo_ch[:, None] & g_ok, other=0.0).to(tl.float32)
+        q_hi = tl.load(q_cols + DH + offs_j[:, None], mask=hi_ch[:, None] & g_ok, other=0.0).to(tl.float32)
+        # Per page: base = q·min + |q|·radius, and the weights W = q·step, [BLOCK_P, DH_PAD, G_PAD].
+        base = tl.sum(mn_lo[:, :, None] * q_lo[None, :, :] + rad_lo[:, :, None] * tl.abs(q_lo)[None, :, :], 1)
+        base += tl.sum(mn_hi[:, :, None] * q_hi[None, :, :] + rad_hi[:, :, None] * tl.abs(q_hi)[None, :, :], 1)
+        w_lo = step_lo[:, :, None] * q_lo[None, :, :]
+        w_hi = step_hi[:, :, None] * q_hi[None, :, :]
+        w16_lo = tl.minimum(tl.maximum(w_lo, -60000.0), 60000.0).to(tl.float16)
+        w16_hi = tl.minimum(tl.maximum(w_hi, -60000.0), 60000.0).to(tl.float16)
+        # The codes are at most 15: what fp16 (and the clamp) took off the weights, 15 times over, puts
+        # the bound back above the exact sum.
+        slack = tl.sum(tl.abs(w_lo - w16_lo.to(tl.float32)), 1) + tl.sum(tl.abs(w_hi - w16_hi.to(tl.float32)), 1)
+        acc = tl.dot(c_lo, w16_lo)  # [BLOCK_P, PAGE, G_PAD], fp32 accumulation on tensor cores
+        acc = tl.dot(c_hi, w16_hi, acc)
+        bound = tl.where(seen[:, :, None], (acc + (base + 15.0 * slack)[:, None, :]) * scale, -float("inf"))
+        best = tl.max(bound, 1)  # [BLOCK_P, G_PAD]
         if AGG == 0:
-            tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, best, mask=p_mask)
+            out = out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_p[:, None]
+            tl.store(out, best, mask=pm & g_ok)
         else:
-            red = tl.maximum(red, best)
-    if AGG != 0:
-        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
-
-
-@triton.jit
-def _sketch_dot_kernel(
-    q_ptr, code_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr,
-    s_qb, s_qh,
-    s_cb, s_ch, s_ct,
-    s_mb, s_mh, s_mp,
-    s_xb, s_xh, s_xp,
-    s_ob, s_oh,
-    n_pages, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr,
-):
-    kv = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_t = tl.arange(0, PAGE)
-    offs_j = tl.arange(0, DH_PAD)
-    offs_g = tl.arange(0, G_PAD)
-    p_mask = offs_p < n_pages
-    lo_ch = offs_j < DH
-    hi_ch = (offs_j + DH) < D
-    slot = offs_p[:, None] * PAGE + offs_t[None, :]  # [BLOCK_P, PAGE]
-    start = tl.load(start_ptr + b)
-    length = tl.load(length_ptr)
-    seen = p_mask[:, None] & (slot >= start) & (slot < length)
-    c = tl.load(code_ptr + b * s_cb + kv * s_ch + slot[:, :, None] * s_ct + offs_j[None, None, :],
-                mask=seen[:, :, None] & lo_ch[None, None, :], other=0)
-    c_lo = (c & 15).to(tl.float16)  # 0..15: exact
-    c_hi = (c >> 4).to(tl.float16)
-
-    # The grid per page and channel, as `reference.sketch_grid` computes it.
-    pm = p_mask[:, None]
-    row_mn = mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp
-    row_mx = mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp
-    mn_lo, step_lo, rad_lo = _sketch_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
-    mn_hi, step_hi, rad_hi = _sketch_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
-
-    # The group's queries as [DH_PAD, G_PAD] columns.
-    q_cols = q_ptr + b * s_qb + (kv * G + offs_g[None, :]) * s_qh
-    g_ok = offs_g[None, :] < G
-    q_lo = tl.load(q_cols + offs_j[:, None], mask=lo_ch[:, None] & g_ok, other=0.0).to(tl.float32)
-    q_hi = tl.load(q_cols + DH + offs_j[:, None], mask=hi_ch[:, None] & g_ok, other=0.0).to(tl.float32)
-    # Per page: base = q·min + |q|·radius, and the weights W = q·step, [BLOCK_P, DH_PAD, G_PAD].
-    base = tl.sum(mn_lo[:, :, None] * q_lo[None, :, :] + rad_lo[:, :, None] * tl.abs(q_lo)[None, :, :], 1)
-    base += tl.sum(mn_hi[:, :, None] * q_hi[None, :, :] + rad_hi[:, :, None] * tl.abs(q_hi)[None, :, :], 1)
-    w_lo = tl.minimum(tl.maximum(step_lo[:, :, None] * q_lo[None, :, :], -60000.0), 60000.0)
-    w_hi = tl.minimum(tl.maximum(step_hi[:, :, None] * q_hi[None, :, :], -60000.0), 60000.0)
-    w16_lo = w_lo.to(tl.float16)
-    w16_hi = w_hi.to(tl.float16)
-    # The codes are at most 15: what fp16 (and the clamp) took off the weights, 15 times over, puts
-    # the bound back above the exact sum.
-    slack = tl.sum(tl.abs(step_lo[:, :, None] * q_lo[None, :, :] - w16_lo.to(tl.float32)), 1)
-    slack += tl.sum(tl.abs(step_hi[:, :, None] * q_hi[None, :, :] - w16_hi.to(tl.float32)), 1)
-    acc = tl.dot(c_lo, w16_lo)  # [BLOCK_P, PAGE, G_PAD], fp32 accumulation on tensor cores
-    acc = tl.dot(c_hi, w16_hi, acc)
-    bound = (acc + (base + 15.0 * slack)[:, None, :]) * scale
-    bound = tl.where(seen[:, :, None], bound, -float("inf"))
-    best = tl.max(bound, 1)  # [BLOCK_P, G_PAD]
-    if AGG == 0:
-        out = out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_p[:, None]
-        tl.store(out, best, mask=pm & g_ok)
+            red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
     else:
-        red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
-        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+        c_lo = (c & 15).to(tl.float32)
+        c_hi = (c >> 4).to(tl.float32)
+        q_group = q_ptr + b * s_qb + kv * G * s_qh
+        red = tl.full([BLOCK_P], -float("inf"), tl.float32)
+        for g in tl.static_range(G):
+            q_lo = tl.load(q_group + g * s_qh + offs_j, mask=lo_ch, other=0.0).to(tl.float32)
+            q_hi = tl.load(q_group + g * s_qh + DH + offs_j, mask=hi_ch, other=0.0).to(tl.float32)
+            base = tl.sum(q_lo[None, :] * mn_lo + tl.abs(q_lo)[None, :] * rad_lo, 1)
+            base += tl.sum(q_hi[None, :] * mn_hi + tl.abs(q_hi)[None, :] * rad_hi, 1)  # [BLOCK_P]
+            w_lo = q_lo[None, :] * step_lo  # [BLOCK_P, DH_PAD]
+            w_hi = q_hi[None, :] * step_hi
+            coded = tl.sum(w_lo[:, None, :] * c_lo + w_hi[:, None, :] * c_hi, 2)  # [BLOCK_P, PAGE]
+            best = tl.max(tl.where(seen, (base[:, None] + coded) * scale, -float("inf")), 1)  # [BLOCK_P]
+            if AGG == 0:
+                tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, best, mask=p_mask)
+            else:
+                red = tl.maximum(red, best)
+        if AGG != 0:
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
 
 
 def sketch_page_bound(
@@ -327,19 +288,7 @@ def sketch_page_bound(
     dh = codes.shape[-1]
     grid = (triton.cdiv(n_pages, cfg.block_p), h_kv, b)
     g = h // h_kv
-    if cfg.method == "dot" and page >= 16:  # tl.dot takes 16 token rows at least
-        _sketch_dot_kernel[grid](
-            q, codes, page_min, page_max, start, length, out,
-            q.stride(0), q.stride(1),
-            codes.stride(0), codes.stride(1), codes.stride(2),
-            page_min.stride(0), page_min.stride(1), page_min.stride(2),
-            page_max.stride(0), page_max.stride(1), page_max.stride(2),
-            out.stride(0), out.stride(1),
-            n_pages, float(scale),
-            G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, DH=dh, DH_PAD=max(16, triton.next_power_of_2(dh)),
-            PAGE=page, BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, num_warps=cfg.num_warps,
-        )
-        return out
+    dot = cfg.method == "dot" and page >= 16  # tl.dot takes 16 token rows at least
     _sketch_bound_kernel[grid](
         q, codes, page_min, page_max, start, length, out,
         q.stride(0), q.stride(1),
@@ -348,8 +297,9 @@ def sketch_page_bound(
         page_max.stride(0), page_max.stride(1), page_max.stride(2),
         out.stride(0), out.stride(1),
         n_pages, float(scale),
-        G=h // h_kv, D=d, DH=dh, DH_PAD=triton.next_power_of_2(dh), PAGE=page,
-        BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, num_warps=cfg.num_warps,
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, DH=dh,
+        DH_PAD=triton.next_power_of_2(dh) if not dot else max(16, triton.next_power_of_2(dh)),
+        PAGE=page, BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, DOT=dot, num_warps=cfg.num_warps,
     )
     return out
 

@@ -157,7 +157,8 @@ def grow_until_certified(
             ``K_max``), unique and visible, without ``log_weight``.
         eps: target bound on the dropped mass, for every query head of each KV head's group.
         min_count: ``int[B, H_kv]`` (or ``[B]``) shortest prefix allowed (default 0).
-        bounds: the widened page bounds (`_page_bounds` with ``slack``) when the caller has them.
+        bounds: the widened page bounds (`_page_bounds` with ``slack``) when the caller has them (a cache
+            with the key sketch bounds each token instead).
 
     Returns:
         ``(selection, bound)``: ``ranked`` with ``count`` cut to the chosen prefix (the whole list
@@ -191,18 +192,8 @@ def grow_until_certified(
     prefix_lse = torch.cat([neg, torch.logcumsumexp(entry_lse, dim=-1)], -1)  # [.., K+1]: k entries
 
     # log U of each prefix: the candidates after it plus everything outside the candidate list.
-    bounds = _page_bounds(state, q, slack) if bounds is None else bounds
-    u = bounds.view(b, h_kv, g, -1)  # [B, H_kv, G, P]
-    page_of = torch.div(ranked.indices.long() * blk, cache.page_size, rounding_mode="floor")
-    page_of = page_of.clamp(0, cache.num_pages - 1)
-    counts = cache.page_counts()  # [B, P]
-    if blk == cache.page_size:
-        tokens = torch.gather(counts[:, None, :].expand(-1, h_kv, -1), 2, page_of)
-    elif blk == 1:
-        tokens = ok.long()
-    else:
+    if blk not in (1, cache.page_size):
         raise ValueError(f"selection block {blk} must be 1 or the cache page size {cache.page_size}")
-    tokens = torch.where(entry_ok, tokens, 0)
     outside = Selection(ranked.indices, ranked.count, block=blk)
     if _has_sketch(state):  # each token's own bound: an entry's is the logsumexp of its tokens'
         tb = _token_bounds(state, q, slack).view(b, h_kv, g, n)
@@ -211,7 +202,13 @@ def grow_until_certified(
         entry_w = torch.logsumexp(at, dim=-1)  # [B, H_kv, G, K]
         rest_mask = ~outside.token_mask(n)[:, :, None, :]
         log_out = torch.logsumexp(tb.masked_fill(~rest_mask, -torch.inf), dim=-1, keepdim=True)
-    else:
+    else:  # each entry's tokens and the rest at their page's bound
+        u = (_page_bounds(state, q, slack) if bounds is None else bounds).view(b, h_kv, g, -1)  # [B, H_kv, G, P]
+        page_of = torch.div(ranked.indices.long() * blk, cache.page_size, rounding_mode="floor")
+        page_of = page_of.clamp(0, cache.num_pages - 1)
+        counts = cache.page_counts()  # [B, P]
+        tokens = torch.gather(counts[:, None, :].expand(-1, h_kv, -1), 2, page_of) if blk == cache.page_size else ok.long()
+        tokens = torch.where(entry_ok, tokens, 0)
         entry_u = torch.gather(u, 3, page_of[:, :, None, :].expand(-1, -1, g, -1))
         entry_w = entry_u + torch.log(tokens.double())[:, :, None, :]  # [B, H_kv, G, K]
         rest = counts[:, None, :] - _kept_per_page(state, outside)
