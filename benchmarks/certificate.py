@@ -162,13 +162,19 @@ def main(argv=None) -> None:
     model, tok = load_model()
     prompts = [passkey_prompt(tok, int(n), float(d), seed=7)[0] for n in args.lengths.split(",") for d in args.depths.split(",")]
     pairs: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
+    keeps: dict[str, list[Tensor]] = {}
+    reuses: dict[str, list[Tensor]] = {}
     for spec in args.kv:
         deltas, bounds = pairs.setdefault(spec, ([], []))
         for ids in prompts:
             dec = Decoder(model, kv=parse_kv(spec))
             dec.generate(ids, args.steps + 1, audit=True)
-            deltas.append(dec.last_audit.per_layer("dropped_mass").flatten())
-            bounds.append(dec.last_audit.per_layer("certified_bound").flatten())
+            audit = dec.last_audit
+            deltas.append(audit.per_layer("dropped_mass").flatten())
+            bounds.append(audit.per_layer("certified_bound").flatten())
+            keeps.setdefault(spec, []).append(audit.per_layer("kv_keep").flatten())
+            if audit.reuse_time:  # a PrHS selection: 1.0 where the record reused along time
+                reuses.setdefault(spec, []).append(audit.per_layer("reuse_time").flatten())
         print(f"{spec}: {sum(len(d) for d in deltas)} (layer, step, head) records", flush=True)
     over: dict[str, list[Tensor]] = {k: [] for k in KINDS}
     over.update({f"drift: exact {lag} step{'s' if lag > 1 else ''} earlier + box of the change (page 16)": [] for lag in DRIFT_LAGS})
@@ -187,6 +193,8 @@ def main(argv=None) -> None:
         d, b = torch.cat(deltas), torch.cat(bounds)
         small = d < 0.05
         rows.append({"section": "certificate", "setting": spec, "records": len(d), "delta_mean": d.mean().item(),
+                     "delta_p99": d.quantile(0.99).item(), "kv_keep_mean": torch.cat(keeps[spec]).mean().item(),
+                     "reuse_time": torch.cat(reuses[spec]).mean().item() if spec in reuses else math.nan,
                      "frac_delta_below_0.05": small.float().mean().item(),
                      "bound_mean_where_delta_below_0.05": b[small].mean().item() if small.any() else math.nan,
                      "bound_median": b.median().item(), "bound_ge_delta": (b >= d - 1e-6).float().mean().item()})
@@ -205,11 +213,13 @@ def main(argv=None) -> None:
 
 def write_markdown(path: Path, rows: list[dict]) -> None:
     lines = ["# Certified bound against true dropped mass (SmolLM2-135M, passkey prompts)", "",
-             "| setting | records | mean δ | share δ < 0.05 | mean bound where δ < 0.05 | median bound | bound ≥ δ |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| setting | records | kv keep | reuse along time | mean δ | δ p99 | share δ < 0.05 | mean bound where δ < 0.05 | median bound | bound ≥ δ |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r["section"] == "certificate":
-            lines.append(f"| `{r['setting']}` | {r['records']} | {r['delta_mean']:.3f} | {r['frac_delta_below_0.05']:.2f} | "
+            reuse = "—" if math.isnan(r.get("reuse_time", math.nan)) else f"{r['reuse_time']:.2f}"
+            lines.append(f"| `{r['setting']}` | {r['records']} | {r.get('kv_keep_mean', math.nan):.3f} | {reuse} | "
+                         f"{r['delta_mean']:.3f} | {r.get('delta_p99', math.nan):.3f} | {r['frac_delta_below_0.05']:.2f} | "
                          f"{r['bound_mean_where_delta_below_0.05']:.3f} | {r['bound_median']:.3f} | {r['bound_ge_delta']:.3f} |")
     lines += ["", "## Overshoot of page bounds over the page's best logit (nats, first decode step, every layer)", "",
               "| bound | mean | median | p10 | min |", "|---|---:|---:|---:|---:|"]

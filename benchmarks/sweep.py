@@ -104,7 +104,8 @@ def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str) -> tupl
 
 # ------------------------------------------------------------------------------------- sections
 def section_kernel(contexts, rows, check=True):
-    """One layer's decode attention: split-K kernel dense and 1/16 pages, and torch SDPA."""
+    """One layer's decode attention: split-K kernel dense and over 1/16 of the pages (of the sweep's page
+    size and of 64 tokens), and torch SDPA."""
     import torch.nn.functional as F
 
     from policyzoo import kernels
@@ -117,28 +118,36 @@ def section_kernel(contexts, rows, check=True):
         values = torch.randn_like(keys)
         start = torch.zeros(b, dtype=torch.long, device=DEVICE)
         length = torch.tensor(n, device=DEVICE)
-        pages = n // PAGE
-        dense = Selection(torch.arange(pages, device=DEVICE, dtype=torch.int32).expand(b, h_kv, -1).contiguous(),
-                          torch.full((b, h_kv), pages, device=DEVICE, dtype=torch.int32), block=PAGE)
-        k16 = pages // 16
-        perm = torch.stack([torch.randperm(pages, device=DEVICE)[:k16] for _ in range(h_kv)]).int()[None]
-        sparse = Selection(perm.contiguous(), torch.full((b, h_kv), k16, device=DEVICE, dtype=torch.int32), block=PAGE)
         scale = d**-0.5
-        if check:
-            for sel in (dense, sparse):
-                out, lse = kernels.decode_attention(q, keys, values, sel, start, length, scale)
-                ref, ref_lse = reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, scale)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                assert err < 2e-2 and torch.isfinite(out).all(), f"decode attention mismatch at n={n}: {err}"
         kv_bytes = 2 * h_kv * n * d * 2
-        t_dense = graph_time_ms(lambda: kernels.decode_attention(q, keys, values, dense, start, length, scale))
-        t_sparse = graph_time_ms(lambda: kernels.decode_attention(q, keys, values, sparse, start, length, scale))
+        timed: list[tuple[str, float, float]] = []
+        for page in dict.fromkeys((PAGE, 64)):  # the sweep's pages, and pages of 64 (4x longer reads)
+            pages = n // page
+            dense = Selection(torch.arange(pages, device=DEVICE, dtype=torch.int32).expand(b, h_kv, -1).contiguous(),
+                              torch.full((b, h_kv), pages, device=DEVICE, dtype=torch.int32), block=page)
+            k16 = pages // 16
+            perm = torch.stack([torch.randperm(pages, device=DEVICE)[:k16].sort().values for _ in range(h_kv)]).int()[None]
+            sparse = Selection(perm.contiguous(), torch.full((b, h_kv), k16, device=DEVICE, dtype=torch.int32), block=page)
+            if check:
+                for sel in (dense, sparse):
+                    out, lse = kernels.decode_attention(q, keys, values, sel, start, length, scale)
+                    ref, ref_lse = reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, scale)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    assert err < 2e-2 and torch.isfinite(out).all(), f"decode attention mismatch at n={n}, page {page}: {err}"
+            tag = "" if page == PAGE else f" (page {page})"
+            if page == PAGE:
+                timed.append(("split-K dense", graph_time_ms(lambda: kernels.decode_attention(q, keys, values, dense, start, length, scale)), 1.0))
+            timed.append((f"split-K 1/16 pages{tag}",
+                          graph_time_ms(lambda: kernels.decode_attention(q, keys, values, sparse, start, length, scale)), 1 / 16))
         qs = q[:, :, None, :]
         t_sdpa = graph_time_ms(lambda: F.scaled_dot_product_attention(qs, keys, values, scale=scale, enable_gqa=True))
-        for name, t, frac in (("split-K dense", t_dense, 1.0), ("split-K 1/16 pages", t_sparse, 1 / 16), ("torch SDPA", t_sdpa, 1.0)):
+        timed.append(("torch SDPA", t_sdpa, 1.0))
+        t_dense = timed[0][1]
+        for name, t, frac in timed:
             rows.append({"section": "kernel", "setting": name, "context": n, "us": t * 1e3,
-                         "TB/s": kv_bytes * frac / (t * 1e-3) / 1e12, "vs_dense_kernel": t_dense / t})
-            print(f"kernel n={n:>7} {name:<20} {t*1e3:8.1f} us  {kv_bytes*frac/(t*1e-3)/1e12:5.2f} TB/s  x{t_dense/t:5.2f}", flush=True)
+                         "TB/s": kv_bytes * frac / (t * 1e-3) / 1e12, "vs_dense_kernel": t_dense / t, "vs_sdpa": t_sdpa / t})
+            print(f"kernel n={n:>7} {name:<30} {t*1e3:8.1f} us  {kv_bytes*frac/(t*1e-3)/1e12:5.2f} TB/s  x{t_dense/t:5.2f} dense kernel"
+                  f"  x{t_sdpa/t:5.2f} SDPA", flush=True)
 
 
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,

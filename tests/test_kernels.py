@@ -44,6 +44,7 @@ from policyzoo.kernels import dispatch  # noqa: E402
 from policyzoo.kernels import reference as ref  # noqa: E402
 from policyzoo.kernels.config import (  # noqa: E402
     AttentionConfig,
+    AttentionEdgesConfig,
     GatheredLogitsConfig,
     GemvConfig,
     PageScoreConfig,
@@ -59,7 +60,7 @@ here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_kernels_in_f
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 # (cache_append allocates nothing: its tests poison the summaries it writes.)
-KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv, dispatch._select) if m is not None)
+KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv, dispatch._select, dispatch._edges) if m is not None)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -440,6 +441,59 @@ def test_gathered_logits(seed, dtype, d, b, h_kv, group, capacity, n, method, bl
     assert got.dtype == torch.float32 and got.shape == ((b, h_kv, group, n) if agg == "none" else (b, h_kv, n))
     # fp32 sums of exact (bf16 -> fp32) products, in another order.
     assert_close(got, expected, torch.float32, scale=expected.abs().max().item() + 1 if n else 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention graph's edge search
+
+
+@here
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    d=st.sampled_from([16, 24, 64]),  # 24: channels padded to 32
+    h_kv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    n=st.integers(1, 150),
+    data=st.data(),
+    top=st.sampled_from([1, 3, 8]),
+    blocks=st.sampled_from([(16, 16), (64, 64), (16, 64)]),
+)
+def test_attention_edges(seed, dtype, d, h_kv, group, n, data, top, blocks):
+    """The same best keys (where they are edges, p > 0) and probabilities as the reference, for query
+    blocks anywhere in the prompt, fewer keys than ``top``, GQA groups and padded channels."""
+    t = data.draw(st.integers(1, n), label="queries")
+    first = data.draw(st.integers(0, n - t), label="first")
+    g_rand = gen(seed)
+    q = randn(g_rand, h_kv * group, t, d, dtype=dtype) * 2
+    keys = randn(g_rand, h_kv, n, d, dtype=dtype)
+    block_q, block_k = blocks
+    with poisoned(), override(attention_edges=AttentionEdgesConfig(block_q=block_q, block_k=block_k)):
+        dst, p = dispatch.attention_edges(q, keys, first, d**-0.5, top)
+    want_dst, want_p = ref.attention_edges(q, keys, first, d**-0.5, top)
+    assert dst.shape == p.shape == (h_kv * group, t, top) and dst.dtype == torch.int32
+    edge = want_p > 0
+    assert torch.equal(p > 0, edge)  # a query at position i has min(top, i + 1) edges
+    assert torch.equal(edge.sum(-1), (first + torch.arange(t, device=DEVICE) + 1).clamp(max=top).expand(h_kv * group, t))
+    # Random logits have no ties, so the same keys in the same order (fp32 sums in another order).
+    assert torch.equal(dst[edge], want_dst[edge])
+    torch.testing.assert_close(p, want_p, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_edges_reference_semantics():
+    """A query sees only the keys up to its own position; its best keys come first; p sums over all
+    visible keys (the top p are shares of the whole softmax)."""
+    q = torch.tensor([[[1.0], [1.0], [1.0]]])  # one head, queries at positions 1, 2, 3
+    keys = torch.tensor([[[0.0], [3.0], [1.0], [5.0]]])  # key 3 is the best, seen only by the last query
+    dst, p = ref.attention_edges(q, keys, 1, 1.0, 2)
+    assert dst[0, :, 0].tolist() == [1, 1, 3]
+    assert dst[0, 2, 1].item() == 1
+    z = torch.tensor([0.0, 3.0, 1.0, 5.0])
+    torch.testing.assert_close(p[0, 2], torch.softmax(z, 0)[[3, 1]])
+    torch.testing.assert_close(p[0, 0], torch.softmax(z[:2], 0)[[1, 0]])
+    with pytest.raises(ValueError, match="queries"):
+        ref.attention_edges(q, keys, 2, 1.0, 2)  # queries 2..5 over 4 keys
 
 
 @here

@@ -94,6 +94,14 @@ def gathered_logits(q, keys, slots, scale, agg="none"):
     return reference.gathered_logits(q, keys, slots, scale, agg)
 
 
+def attention_edges(q, keys, first, scale, top):
+    """Each query's ``top`` most attended keys under causal attention → ``(dst int32[H, T, top], p
+    float32[H, T, top])``; see `reference.attention_edges`."""
+    if dispatch.use_triton(q):
+        return dispatch.attention_edges(q, keys, first, scale, top)
+    return reference.attention_edges(q, keys, first, scale, top)
+
+
 def sparse_linear(x, weight, bias, keep):
     """``F.linear`` over the kept input features only; see `reference.sparse_linear`."""
     if dispatch.use_triton(x):
@@ -120,6 +128,7 @@ def sparse_gemv_threshold(x, t, w_t, bias=None, segment=0):
 __all__ = [
     "config",
     "reference",
+    "attention_edges",
     "dispatch",
     "cache_append",
     "decode_attention",

@@ -2,8 +2,8 @@
 
 Each kernel module reads its launch parameters from one frozen dataclass here: `AttentionConfig`
 (`decode_attention.py`), `SelectTopConfig` (`select_top.py`), `GemvConfig` (`sparse_gemv.py`),
-`PageScoreConfig` and `SketchScoreConfig` (`page_score.py`), `EntmaxThresholdConfig` (`entmax_threshold.py`) and
-`GatheredLogitsConfig` (`gathered_logits.py`).
+`PageScoreConfig` and `SketchScoreConfig` (`page_score.py`), `EntmaxThresholdConfig` (`entmax_threshold.py`),
+`GatheredLogitsConfig` (`gathered_logits.py`) and `AttentionEdgesConfig` (`attention_edges.py`).
 (`cache_append.py` takes its warps from the page size and head dim alone: it has no config.) A
 launch takes its config from its module's shape rule (`attention_config`, `select_top_config`,
 `gemv_config`, `page_score_config`, `entmax_threshold_config`, `gathered_logits_config`): the
@@ -322,10 +322,31 @@ class GatheredLogitsConfig:
         _powers_of_two(self, "block_t", "num_warps")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionEdgesConfig:
+    """Launch parameters of the attention graph's edge search (`attention_edges.py`), a prefill-time
+    kernel: a program takes ``block_q`` queries of one head against tiles of ``block_k`` keys."""
+
+    block_q: int = 64
+    """Queries per program (16 at least: tl.dot)."""
+    block_k: int = 64
+    """Keys per tile (16 at least: tl.dot)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 2
+    """Software pipeline stages of the key loop."""
+
+    def __post_init__(self) -> None:
+        _powers_of_two(self, "block_q", "block_k", "num_warps")
+        _positive(self, "num_stages")
+        if min(self.block_q, self.block_k) < 16:
+            raise ValueError(f"AttentionEdgesConfig tiles must be 16 at least (tl.dot), got {self.block_q}x{self.block_k}")
+
+
 Config = (AttentionConfig | SelectTopConfig | GemvConfig | PageScoreConfig | SketchScoreConfig | EntmaxThresholdConfig
-          | GatheredLogitsConfig)
+          | GatheredLogitsConfig | AttentionEdgesConfig)
 C = TypeVar("C", AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, SketchScoreConfig, EntmaxThresholdConfig,
-            GatheredLogitsConfig)
+            GatheredLogitsConfig, AttentionEdgesConfig)
 
 # The keyword of each kernel's config in `override` (and in the sweep's records).
 KERNELS: Mapping[str, type] = MappingProxyType({
@@ -336,6 +357,7 @@ KERNELS: Mapping[str, type] = MappingProxyType({
     "sketch_score": SketchScoreConfig,
     "entmax_threshold": EntmaxThresholdConfig,
     "gathered_logits": GatheredLogitsConfig,
+    "attention_edges": AttentionEdgesConfig,
 })
 
 _DEFAULTS: Mapping[type, Config] = MappingProxyType({kind: kind() for kind in KERNELS.values()})
@@ -384,6 +406,7 @@ __all__ = [
     "PageScoreConfig",
     "EntmaxThresholdConfig",
     "GatheredLogitsConfig",
+    "AttentionEdgesConfig",
     "KERNELS",
     "override",
     "current",

@@ -31,6 +31,7 @@ from torch import Tensor
 from ..selection import Selection
 
 try:
+    from . import attention_edges as _edges
     from . import cache_append as _append
     from . import decode_attention as _attn
     from . import entmax_threshold as _entmax
@@ -41,7 +42,7 @@ try:
 
     HAS_TRITON = True
 except Exception:  # no triton, or a triton that cannot load here: the references serve every call
-    _append = _attn = _entmax = _gathered = _page = _gemv = _select = None
+    _append = _attn = _edges = _entmax = _gathered = _page = _gemv = _select = None
     HAS_TRITON = False
 
 
@@ -222,6 +223,16 @@ def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: s
     if agg not in ("none", "max"):  # before the op: a bad value fails here, not in a compiled graph
         raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
     return torch.ops.policyzoo.gathered_logits(q, keys, slots, float(scale), agg)
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention graph's edge search (a prefill-time kernel: eager, so no custom op)
+
+
+def attention_edges(q: Tensor, keys: Tensor, first: int, scale: float, top: int) -> tuple[Tensor, Tensor]:
+    """`reference.attention_edges` on Triton: ``(dst int32[H, T, top], p float32[H, T, top])``."""
+    _need_triton()
+    return _edges.attention_edges(q, keys, first, scale, top)
 
 
 # --------------------------------------------------------------------------------------------------

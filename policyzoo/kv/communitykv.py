@@ -92,11 +92,6 @@ LEIDENS = ("igraph", "leidenalg")
 # Spare slots each community's range has beyond its even share of the cache's free slots: room for
 # the tokens decoding appends to it, without moving any other community.
 SPARE = 32
-# Logits per block of queries when the prefill recomputes attention: 16 MB of float32 on the CPU,
-# 512 MB of the cache's dtype on CUDA (where small blocks would mean many small launches). Blocks
-# skip the keys after their last query.
-BLOCK_ELEMENTS = 2**22
-BLOCK_ELEMENTS_CUDA = 2**28
 # Prompts from which the graphs are partitioned in worker processes by default (a pool's start costs
 # a few seconds; shorter prompts partition in this process).
 PARALLEL_TOKENS = 4096
@@ -266,42 +261,25 @@ class CommunityKV(KVSelector):
 
     def _edges(self, state: KVState, row: int, q: Tensor, length: int) -> tuple[Tensor, Tensor, int]:
         """Row ``row``'s query → key edges, on the CPU: ``(dst, p, first)``, ``dst, p [H, Q, top]``
-        (each query's top keys in local token indices ``slot - start`` and their rounded
-        probabilities; ``p = 0`` where a query sees fewer than ``top`` keys), for the queries of
+        (each query's top keys in local token indices ``slot - start`` and their probabilities,
+        rounded for ranking; ``p = 0`` where a query sees fewer than ``top`` keys), for the queries of
         local indices ``first, first + 1, ...``. ``q [H, T, D]`` are the row's queries of the last
-        ``T`` slots. On CUDA the logits are taken in the cache's dtype (as prefill's attention takes
-        them), on the CPU in float32."""
-        h, t, d = q.shape
-        h_kv = state.keys.shape[1]
-        g = h // h_kv
+        ``T`` slots. The search is `kernels.attention_edges` (the Triton kernel on CUDA: it keeps
+        the quadratic work on chip)."""
+        t = q.shape[1]
         start = int(state.cache.start[row])
-        n = length - start
-        dtype = state.keys.dtype if q.device.type == "cuda" else torch.float32
-        keys = state.keys[row, :, start:length].to(dtype).transpose(-1, -2)[:, None]  # [H_kv, 1, D, n]
+        keys = state.keys[row, :, start:length]  # [H_kv, n, D]
         first = max(start - (length - t), 0)  # the first query that is a visible token of the row
-        queries = q[:, first:].to(dtype)
         q_pos0 = length - t + first - start  # its local index
-        top = min(self.top, n)
-        rows = max(1, (BLOCK_ELEMENTS_CUDA if q.device.type == "cuda" else BLOCK_ELEMENTS) // (h * n))
-        dsts, probs = [], []
-        for lo in range(0, queries.shape[1], rows):
-            qb = queries[:, lo : lo + rows]
-            r = qb.shape[1]
-            seen = q_pos0 + lo + r  # the keys the block's last query sees: causal, so no more are read
-            logits = torch.matmul(qb.reshape(h_kv, g, r, d), keys[..., :seen]) * state.scale  # [H_kv, G, r, seen]
-            later = torch.ones(r, r, dtype=torch.bool, device=q.device).triu_(1)  # only the last r keys can be after a query
-            logits[..., seen - r :].masked_fill_(later, -torch.inf)
-            # The top keys by logit are the top by probability; only theirs is computed, rounded to
-            # bf16 precision (a row's graph is then the same alone and in a batch).
-            best, dst = logits.topk(min(top, seen), dim=-1)
-            peak = best[..., :1]  # the row's largest logit: a sum of exponentials in float32 below it
-            total = torch.exp(logits - peak).sum(-1, keepdim=True, dtype=torch.float32)
-            p = round_for_ranking(torch.exp((best - peak).float()) / total)
-            pad = top - p.shape[-1]  # a first block that sees fewer than `top` keys: no edge there
-            dsts.append(torch.nn.functional.pad(dst.int(), (0, pad)).reshape(h, r, top))
-            probs.append(torch.nn.functional.pad(p, (0, pad)).reshape(h, r, top))
-        # The edges go to the workers, which sum them into the graph: they are 4-5x smaller than it.
-        return torch.cat(dsts, 1).cpu(), torch.cat(probs, 1).cpu(), q_pos0
+        queries = q[:, first:]
+        if queries.device.type == "cuda":
+            queries = queries.to(keys.dtype)  # as prefill's attention takes the logits
+        dst, p = kernels.attention_edges(queries.contiguous(), keys, q_pos0, state.scale, min(self.top, keys.shape[1]))
+        pad = self.top - dst.shape[-1]  # fewer keys than `top` in the whole row: no edge there
+        dst, p = torch.nn.functional.pad(dst, (0, pad)), torch.nn.functional.pad(p, (0, pad))
+        # Rounded to bf16 precision, so a row's graph is the same alone and in a batch. The edges
+        # go to the workers, which sum them into the graph: they are 4-5x smaller than it.
+        return dst.cpu(), round_for_ranking(p).cpu(), q_pos0
 
     def _lay_out(self, state: KVState, parts: list[list[tuple[Tensor, Tensor]]], per_kv: int, length: int) -> None:
         """Write the decode state (`order`, `offset`, `size`, `room`, `centroid` and its copy in the
