@@ -23,7 +23,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_models import LearnedQuest, padded_batch, tiny_model
 
-from policyzoo import SSA, AttentionTopK, Decoder, Dense, DepthSchedule, EntmaxKV, PrHS, Quest, Window
+from policyzoo import SSA, AttentionTopK, Certified, Decoder, Dense, DepthSchedule, EntmaxKV, PrHS, Quest, Window
 from policyzoo.eval.aggregate import summarize_audit
 from policyzoo.eval.metrics import dropped_mass
 from policyzoo.kernels import reference
@@ -256,6 +256,44 @@ def test_certified_reuse_happens_and_drops_mass_below_eps():
     delta = torch.cat(reused)
     assert bool((delta <= eps + 1e-5).all())
     assert float(delta.max()) > 0.1  # reuses that drop mass, not only lossless ones
+
+
+@DECODES
+@given(
+    eps=st.floats(0.05, 0.9),  # a tiny random model's attention is flat: small eps keep nearly everything
+    headroom=st.sampled_from([0.5, 1.0]),
+    tau=st.floats(0.05, 1.0),
+    seed=st.integers(0, 2**16),
+    repeated=st.booleans(),
+    bound=st.sampled_from(["box", "sketch"]),
+)
+def test_around_an_uncapped_certified_policy_every_record_drops_at_most_eps(eps, headroom, tau, seed, repeated, bound):
+    """The dropped mass controlled in advance on every step, not only on reuses: fresh selections grow
+    until certified at ``headroom·eps`` (no cap: the whole context certifies at 0), reuses are
+    certified at ``eps``, so every (layer, step, row, KV head) record has true δ <= eps."""
+    ids, mask = prompt(seed, repeated)
+    fresh = Certified(Quest(0.2, page=4, sinks=1, window=4, bound=bound), eps=eps * headroom, max_budget=1.0)
+    dec = Decoder(llama(), kv=PrHS(fresh, eps=eps, time=tau))
+    dec.generate(ids, 6, attention_mask=mask, audit=True)
+    delta = dec.last_audit.per_layer("dropped_mass")
+    assert bool((delta <= eps + 1e-5).all()), f"a record dropped {delta.max()} > eps {eps}"
+    assert bool((dec.last_audit.per_layer("certified_bound") <= eps + 1e-4).all())
+
+
+def test_around_an_uncapped_certified_policy_records_drop_mass_keep_less_and_reuse():
+    """The property above is not vacuous: at eps=0.6 the selections keep part of the context, reuse
+    along time, and drop real mass, all under eps."""
+    eps, deltas = 0.6, []
+    for seed, repeated in ((0, False), (1, True)):
+        ids, mask = prompt(seed, repeated)
+        fresh = Certified(Quest(0.2, page=4, sinks=1, window=4, bound="sketch"), eps=eps / 2, max_budget=1.0)
+        dec = Decoder(llama(), kv=PrHS(fresh, eps=eps, time=0.3))
+        dec.generate(ids, 6, attention_mask=mask, audit=True)
+        audit = dec.last_audit
+        assert audit.mean("kv_keep") < 0.9 and audit.mean("reuse_time") > 0
+        deltas.append(audit.per_layer("dropped_mass").flatten())
+    delta = torch.cat(deltas)
+    assert bool((delta <= eps + 1e-5).all()) and float(delta.max()) > 0.1
 
 
 # ------------------------------------------------------------------------------------ compile
