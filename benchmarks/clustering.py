@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from policyzoo.kv.communitykv import _community
+from policyzoo.kv.community_graph import graph_communities
 
 
 def synthetic_edges(n: int, seed: int, heads: int = 4, top: int = 8, spread: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def main() -> None:
     with ProcessPoolExecutor(args.workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         for n in (int(c) for c in args.contexts.split(",")):
             tic = time.perf_counter()
-            jobs = [pool.submit(_community, n, 0, *synthetic_edges(n, seed), 0.5, 4, args.resolution * n / 1000, "igraph", 0, None)
+            jobs = [pool.submit(graph_communities, n, 0, *synthetic_edges(n, seed), 0.5, 4, args.resolution * n / 1000, "igraph", 0, None)
                     for seed in range(args.workers)]
             done = [job.result() for job in jobs]
             k = len(done)

@@ -1,42 +1,17 @@
 """`CommunityKV`: keys that attend together are retrieved together (issue 20).
 
-**Prefill** (eager, once per layer). Per batch row and graph, a token graph of the prompt:
-
-- ``E``: an edge from each query to each of its ``top`` most attended keys (causal, visible, sinks
-  left out: they are always kept, and as hubs every query attends to they would chain everything into
-  one community), weighted by the attention probability; self-edges dropped;
-- ``C``, the co-attention of keys: keys ``j, k`` in the same query's top ``top`` are joined with
-  weight ``p_j · p_k``, summed over the queries;
-- ``W = (1 - mix) · sym(E) / ΣE + mix · C / ΣC``: both undirected (``sym(E) = E + Eᵀ``) and each
-  normalised to a total edge weight of one, so ``mix`` is the share of the graph's weight that comes
-  from co-attention, whatever the prompt length or the attention's sharpness.
-
-``graph="group"`` builds one graph per KV head from the edges of its GQA group's query heads (their
-``E`` and ``C`` summed); ``graph="head"`` one graph per query head. The probabilities are rounded to
-bf16 precision, so that a row builds the same graph alone and in a padded batch (where its keys
-differ in the last bits).
-
-Each graph is partitioned by Leiden on the RB-configuration quality (modularity with a resolution,
-``resolution`` per 1,000 tokens of the graph), with a fixed ``seed``: by igraph's C implementation
-(``Graph.community_leiden``, the default) or by ``leidenalg.find_partition``. Both reach the same
-quality on SmolLM2's graphs (within 0.3%); igraph's took 0.04 s per graph of 3K tokens where
-leidenalg's took 0.7-1.7 s. A ``partition`` function replaces Leiden (a GPU Leiden, or a fixed
-partition for timing): it gets each graph as edge tensors.
-
-The prefill of a layer finds the edges on the model's device and hands the graphs to ``workers``
-processes (threads would not do: leidenalg holds the GIL, and igraph draws its random numbers from a
-process-wide Python generator); the forward goes on to the next layer meanwhile, and
-`finish_prefill`, after the forward, waits for every layer's partitions and lays them out. Each
-graph reseeds the generator, so the partition does not depend on which process made it. The time the
-prefills take is recorded in `CommunityKV.clustering`.
-
-The edge search is quadratic in the prompt: it recomputes every query-key logit of every head (in
-blocks of queries) to take each query's ``top`` keys and its softmax sum. At 128K tokens on an 8B
-model that is about 1.8·10^13 logits per prefill, minutes on one H200, before Leiden runs.
+**Prefill** (eager, once per layer). Per batch row and graph (one per KV head, ``graph="group"``, or
+per query head, ``"head"``), a token graph of the prompt: each query's ``top`` most attended keys
+(`kernels.attention_edges`), mixed with the keys' co-attention, partitioned by Leiden in worker
+processes while the forward goes on (`kv.community_graph`, which says how). `finish_prefill`, after
+the forward, waits for every layer's partitions and lays them out. The edge search is quadratic in
+the prompt (every query-key logit of every head; on CUDA a Triton kernel keeps them on chip: 1.1 s
+per 32K prefill and 13 s per 128K prefill of an 8B model on an H200), and Leiden costs seconds per
+1,000 tokens; the time is recorded in `CommunityKV.clustering`.
 
 **Layout.** Per row and graph (a *unit*), ``order`` lists token slots grouped by community: community
 ``c`` holds ``order[offset_c : offset_c + size_c]``, its prompt tokens first, most central (largest
-weighted degree in ``W``) first, then the tokens decoding appends to it. Each community's range has
+weighted degree in the graph ``W``, `kv.community_graph`) first, then the tokens decoding appends to it. Each community's range has
 spare slots behind it (its even share of the cache's free slots plus `SPARE`), so an append writes
 one entry; the shapes are fixed at prefill from the cache's capacity and the community count rounded
 up to one of eight sizes per octave (a prompt with more communities than the last one compiles again).
@@ -65,14 +40,11 @@ which decode scores the communities); nothing is re-partitioned. The token is in
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import random
 import time
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -81,14 +53,10 @@ from .. import kernels
 from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, forced_at, round_for_ranking
+from .community_graph import INLINE, LEIDENS, ClusteringTime, Leiden, Partition, cpus, graph_communities, require_leiden
 
-# partition(n, lo, hi, weight, gamma, seed) -> membership int64[n]: one graph's communities (see
-# `CommunityKV.partition`).
-Partition = Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]
 Graph = Literal["group", "head"]
 GRAPHS = ("group", "head")
-Leiden = Literal["igraph", "leidenalg"]
-LEIDENS = ("igraph", "leidenalg")
 # Spare slots each community's range has beyond its even share of the cache's free slots: room for
 # the tokens decoding appends to it, without moving any other community.
 SPARE = 32
@@ -97,41 +65,6 @@ SPARE = 32
 PARALLEL_TOKENS = 4096
 # Where a policy's prefill leaves its partitions in progress, for `finish_prefill`.
 _JOBS = "communitykv.jobs"
-_INSTALL = 'CommunityKV partitions its token graphs with leidenalg and python-igraph: pip install "policyzoo[community]"'
-
-
-def _leiden(which: str) -> tuple[Any, Any]:
-    """``(igraph, leidenalg or None)``, imported on first use (they are an optional extra);
-    ``leidenalg`` only when ``which`` is ``"leidenalg"``."""
-    try:
-        import igraph
-
-        leidenalg = importlib.import_module("leidenalg") if which == "leidenalg" else None
-    except ImportError as e:
-        raise ImportError(_INSTALL) from e
-    return igraph, leidenalg
-
-
-@dataclass
-class ClusteringTime:
-    """Time the prefills spent on communities, all layers and graphs together: finding the edges
-    and building the graphs (``graph_seconds``) and partitioning them (``leiden_seconds``), summed
-    over the processes that did it; ``wait_seconds``, the wall time the session spent after the
-    prompt's forward waiting for the partitions and laying them out (what parallel workers leave of
-    the work). ``tokens``: the prompt tokens (rows × visible tokens) covered."""
-
-    graph_seconds: float = 0.0
-    leiden_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    tokens: int = 0
-    graphs: int = 0
-
-    def per_1k_tokens(self) -> tuple[float, float]:
-        """``(graph, leiden)`` seconds per 1,000 prompt tokens, all layers together."""
-        per = 1000 / max(self.tokens, 1)
-        return self.graph_seconds * per, self.leiden_seconds * per
-
-
 @dataclass
 class CommunityKV(KVSelector):
     """Keep ``budget`` tokens (or a keep ratio of the visible context; sinks and window included) as
@@ -206,7 +139,7 @@ class CommunityKV(KVSelector):
         chunk's queries only (against all the keys before them), and still covers every visible token.
         """
         if self.partition is None:
-            _leiden(self.leiden)  # missing: said here, not by a worker
+            require_leiden(self.leiden)  # missing: said here, not by a worker
         cache = state.cache
         b, h = q.shape[:2]
         h_kv = state.keys.shape[1]
@@ -223,7 +156,7 @@ class CommunityKV(KVSelector):
             gamma = float(self.resolution) * n / 1000
             for u in range(h // heads):
                 one = slice(u * heads, (u + 1) * heads)
-                jobs.append(runner.submit(_community, n, first, dst[one], p[one], self.mix, self.sinks, gamma, *how))
+                jobs.append(runner.submit(graph_communities, n, first, dst[one], p[one], self.mix, self.sinks, gamma, *how))
         state.store[_JOBS] = (jobs, b, per_kv, length, time.perf_counter() - tic)
         if state.layer == 0:
             self.clustering.tokens += sum(length - s for s in starts)
@@ -248,9 +181,9 @@ class CommunityKV(KVSelector):
     def _runner(self, tokens: int) -> Executor:
         """Where the graphs go: a pool of `workers` processes (by default one per CPU, for prompts of
         at least `PARALLEL_TOKENS` tokens), kept for the policy's later prefills; or this process."""
-        workers = self.workers if self.workers is not None else (_cpus() if tokens >= PARALLEL_TOKENS else 1)
+        workers = self.workers if self.workers is not None else (cpus() if tokens >= PARALLEL_TOKENS else 1)
         if workers <= 1:
-            return _INLINE
+            return INLINE
         if self._pool is None or self._pool[0] != workers:
             if self._pool is not None:
                 self._pool[1].shutdown(wait=False)
@@ -468,105 +401,3 @@ class CommunityKV(KVSelector):
 
 
 _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a Decoder, or call prefill() first"
-
-
-def _community(n: int, first: int, dst: Tensor, p: Tensor, mix: float, sinks: int, gamma: float, which: str, seed: int,
-               partition: Partition | None) -> tuple[Tensor, Tensor, float, float]:
-    """One graph's communities (a job, run in a worker process or in place): ``(membership
-    int64[n], strength float64[n], graph seconds, partition seconds)`` for the edges ``dst, p
-    [heads, Q, top]`` of queries ``first, first + 1, ...`` (`CommunityKV._edges`), summed into the
-    graph by `_graph` and partitioned at RB-configuration resolution ``gamma``: by ``partition``
-    where given, else by Leiden (`_partition`; igraph building its graph counts as graph seconds).
-    ``strength``: each token's weighted degree."""
-    tic = time.perf_counter()
-    lo, hi, w = _graph(_sources(dst, first), dst.flatten(0, 1).long(), p.flatten(0, 1), n, mix, sinks)
-    strength = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
-    graph_s = time.perf_counter() - tic
-    if partition is not None:
-        tic = time.perf_counter()
-        membership = _checked(partition(n, lo, hi, w, gamma, seed), n)
-        return membership, strength, graph_s, time.perf_counter() - tic
-    membership, build_s, leiden_s = _partition(n, lo, hi, w, gamma, which, seed)
-    return membership, strength, graph_s + build_s, leiden_s
-
-
-def _checked(membership: Tensor, n: int) -> Tensor:
-    """A `CommunityKV.partition` function's answer, as int64 community ids ``0 .. C-1`` (each used)."""
-    membership = torch.as_tensor(membership)
-    if membership.shape != (n,) or membership.dtype.is_floating_point or membership.dtype == torch.bool:
-        raise ValueError(f"a partition function must return n={n} integer community ids, got {membership.dtype} {tuple(membership.shape)}")
-    if n and int(membership.min()) < 0:
-        raise ValueError("a partition function's community ids must be >= 0")
-    return torch.unique(membership.long(), return_inverse=True)[1]  # ids made dense: no empty community
-
-
-def _sources(dst: Tensor, first: int) -> Tensor:
-    """``[heads·Q, top]``: the query (local token index) each edge of ``dst [heads, Q, top]`` leaves."""
-    heads, queries, top = dst.shape
-    return (torch.arange(queries, device=dst.device) + first)[:, None].expand(queries, top).repeat(heads, 1)
-
-
-def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, which: str, seed: int) -> tuple[Tensor, float, float]:
-    """Leiden's ``membership int64[n]`` of the undirected graph of ``n`` tokens with edges ``lo[i] --
-    hi[i]``, by igraph's C implementation or by leidenalg, reseeded for every graph (a partition does
-    not depend on the graphs before it, nor on the process that makes it); and the seconds igraph
-    took to build its graph and Leiden took to partition it."""
-    igraph, leidenalg = _leiden(which)
-    tic = time.perf_counter()
-    g = igraph.Graph(n=n, edges=torch.stack([lo, hi], 1).numpy())
-    weights = weight.tolist()
-    build_s = time.perf_counter() - tic
-    tic = time.perf_counter()
-    if leidenalg is not None:
-        found = leidenalg.find_partition(
-            g, leidenalg.RBConfigurationVertexPartition, weights=weights, resolution_parameter=gamma, seed=seed
-        ).membership
-    else:  # igraph draws from a Python random generator: a fresh one per graph, then the default again
-        igraph.set_random_number_generator(random.Random(seed))
-        try:
-            found = g.community_leiden(objective_function="modularity", weights=weights, resolution=gamma, n_iterations=2).membership
-        finally:
-            igraph.set_random_number_generator(random)
-    return torch.tensor(found, dtype=torch.long), build_s, time.perf_counter() - tic
-
-
-class _Inline(Executor):
-    """Runs each job at once, in this process."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
-_INLINE = _Inline()
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _graph(src: Tensor, dst: Tensor, p: Tensor, n: int, mix: float, sinks: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The undirected graph ``W = (1 - mix)·sym(E)/ΣE + mix·C/ΣC`` of ``n`` tokens from the edges
-    ``src → dst`` of probability ``p`` (``[Q, top]``), as ``(lo, hi, weight)`` with ``lo < hi``, each
-    pair once. Tokens before ``sinks`` take part in no edge."""
-    ok = (p > 0) & (dst >= sinks) & (src >= sinks)
-    e = ok & (src != dst)
-    a, b = torch.triu_indices(p.shape[1], p.shape[1], 1, device=p.device)  # pairs of one query's top keys
-    co = ok[:, a] & ok[:, b]
-    pieces = []
-    for lo, hi, w, share in (
-        (src[e], dst[e], p[e].double(), 1.0 - mix),
-        (dst[:, a][co], dst[:, b][co], (p[:, a].double() * p[:, b].double())[co], mix),
-    ):
-        total = float(w.sum())
-        if share > 0 and total > 0:
-            pieces.append((torch.minimum(lo, hi), torch.maximum(lo, hi), w * (share / total)))
-    if not pieces:
-        empty = torch.zeros(0, dtype=torch.long, device=p.device)
-        return empty, empty, torch.zeros(0, dtype=torch.float64, device=p.device)
-    lo, hi, w = (torch.cat(x) for x in zip(*pieces))
-    pairs, which = torch.unique(lo * n + hi, return_inverse=True)
-    weight = torch.zeros(pairs.shape[0], dtype=torch.float64, device=w.device).index_add_(0, which, w)
-    return pairs // n, pairs % n, weight
