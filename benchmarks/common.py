@@ -17,7 +17,7 @@ import torch
 
 import inspect
 
-from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, PrHS, Quest, Threshold, TopK
+from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, Offload, PrHS, Quest, Threshold, TopK
 from policyzoo.bytes import BUILTIN
 from policyzoo.timing import time_ms
 
@@ -169,8 +169,8 @@ def community_report(dec: Decoder) -> dict:
             "r_select": units * slots * per_centroid / (cache.num_kv_heads * n)}
 
 
-def decoder(model, name: str) -> Decoder:
-    """A Decoder of setting ``name`` (`settings`) on ``model``."""
+def decoder(model, name: str, offload: Offload | None = None) -> Decoder:
+    """A Decoder of setting ``name`` (`settings`) on ``model`` (``offload``: `Decoder`'s)."""
     kv_f, proj_f, _, _ = settings()[name]
     proj = proj_f() if proj_f else None
     layers = model.config.num_hidden_layers
@@ -179,7 +179,7 @@ def decoder(model, name: str) -> Decoder:
         vocab = model.get_output_embeddings().weight.shape[0]
         text = torch.randint(vocab, (1, 512), generator=torch.Generator().manual_seed(0))
         proj.calibrate(model, [text])
-    return Decoder(model, kv=kv, proj=proj)
+    return Decoder(model, kv=kv, proj=proj, offload=offload)
 
 
 def source_digest(root: Path = ROOT) -> str:

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from policyzoo import kernels
+from policyzoo import Offload, kernels
 from policyzoo.bytes import BUILTIN, ByteAccount
 from policyzoo.decoder import dynamic_capacity_refused
 from policyzoo.proj.base import uninstall as uninstall_projections
@@ -74,6 +74,17 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = cuda_time_ms(lambda: dst.copy_(src), steps=5, reps=10)
     return 2 * src.numel() / (ms * 1e-3)
+
+
+def host_link_bandwidth() -> float:
+    """Bytes/s a kernel reads from pinned host memory in place (`policyzoo.offload.host_tensor`): a
+    1 GiB sum over a host-backed CUDA tensor, what an offloaded layer's reads run at."""
+    from policyzoo.offload import host_tensor
+
+    n = 1 << 29 if DEVICE == "cuda" else 1 << 20
+    src = host_tensor((n,), torch.bfloat16, torch.device(DEVICE))
+    ms = cuda_time_ms(lambda: src.sum(), steps=2, reps=5)
+    return 2 * n / (ms * 1e-3)
 
 
 # ------------------------------------------------------------------------------------- steps
@@ -151,8 +162,10 @@ def section_kernel(contexts, rows, check=True):
 
 
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
-                 section="step", mode="graph", dense_ms=None):
-    """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense."""
+                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None):
+    """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense.
+    ``offload``: the last that many layers' keys and values in pinned host memory (`policyzoo.Offload`);
+    the floor then reads their selected KV at ``host_bw``."""
     dense_ms = {} if dense_ms is None else dense_ms
     for name in names:
         _, _, r_p, r_kv = settings()[name]
@@ -164,7 +177,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             with common.recorded(row, f"{section}/{mode} b={batch} n={n} {name}"):
                 if shared is None:
                     torch._dynamo.reset()
-                    dec = common.decoder(model, name)
+                    dec = common.decoder(model, name, offload=Offload(offload) if offload else None)
                     if mode == "compiled-dynamic":
                         shared = dec.compile(dynamic_capacity=True)
                 else:
@@ -179,6 +192,10 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 union = None if batch == 1 or r_p == 1 else 1.0  # batched TopK: assume the union is all columns
                 sel = common.selection_ratio(name)  # summaries and second-stage keys read to choose
                 floor = acct.floor_ms(n, bw, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
+                if offload:
+                    floor = acct.offload_floor_ms(n, bw, host_bw, offload, r_p, r_kv, batch, union, sel)
+                    row.update({"host_layers": offload, "host_GB": acct.host_bytes(n, r_kv, offload, batch) / 1e9,
+                                "host_link_GBps": host_bw / 1e9})
                 bound = acct.bound(n, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
                 speedup = dense_ms.get(n, float("nan")) / ms
                 row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "r_select": sel, "floor_ms": floor, "ms/floor": ms / floor,
@@ -400,6 +417,8 @@ def main(argv=None) -> None:
     p.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(BUILTIN), help="model shape (random weights)")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--offload", type=int, default=0,
+                   help="step section: keep the last N layers' keys and values in pinned host memory (policyzoo.Offload)")
     p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
     p.add_argument("--hf-contexts", default="4096")
     p.add_argument("--generate", default="dense@4096,dense@32768,dense@131072,dense@32768x16",
@@ -505,7 +524,8 @@ def main(argv=None) -> None:
         "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline,
                                                 names=[x for x in args.select_policies.split(",") if x]),
         "profile": run_profile,
-        "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline),
+        "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline,
+                                     offload=args.offload, host_bw=host_link_bandwidth() if args.offload else None),
         "batch": run_batch,
         "compiled": run_compiled,
         "hf": lambda: section_hf(full_model(), [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline),

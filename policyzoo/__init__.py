@@ -9,6 +9,7 @@ from .cache import PagedKVCache
 from .decoder import Decoder
 from .kv import SSA, AttentionTopK, Certified, CommunityKV, Dense, DepthSchedule, EntmaxKV, Forecast, KVSelector, KVState, PrHS, Quest, Window
 from .kv.context import StepContext
+from .offload import Offload
 from .proj import ProjectionSparsifier, Threshold, TopK
 from .selection import Selection
 from .session import DecodeSession
@@ -27,6 +28,7 @@ __all__ = [
     "Forecast",
     "KVSelector",
     "KVState",
+    "Offload",
     "PagedKVCache",
     "PrHS",
     "ProjectionSparsifier",

@@ -147,6 +147,28 @@ class ByteAccount:
         """The byte floor: step bytes over ``bandwidth`` (bytes/s), in milliseconds."""
         return self.step_bytes(n, r_p, r_kv, batch, union_keep, r_select) / bandwidth * 1e3
 
+    def host_bytes(self, n: int, r_kv: float = 1.0, host_layers: int = 0, batch: int = 1) -> float:
+        """Bytes one step reads over the host link when ``host_layers`` layers keep their keys and
+        values in host memory (`policyzoo.offload.Offload`): those layers' selected KV. Their page
+        summaries stay on the device, so what a policy reads to choose is not counted here."""
+        _check_ratio(r_kv, "r_kv")
+        if isinstance(host_layers, bool) or not isinstance(host_layers, int) or not 0 <= host_layers <= self.layers:
+            raise ValueError(f"host_layers must be an int in [0, {self.layers}], got {host_layers!r}")
+        return host_layers * batch * self.kv_per_token * n * r_kv * self.element_size
+
+    def offload_floor_ms(
+        self, n: int, bandwidth: float, host_bandwidth: float, host_layers: int, r_p: float = 1.0, r_kv: float = 1.0,
+        batch: int = 1, union_keep: float | None = None, r_select: float = 0.0,
+    ) -> float:
+        """The byte floor of a step with ``host_layers`` offloaded layers read in place (no prefetch):
+        the device's bytes over ``bandwidth`` plus the host link's over ``host_bandwidth`` (bytes/s),
+        in milliseconds. The two do not overlap: a layer's attention waits for its pages."""
+        if not (host_bandwidth > 0 and bandwidth > 0):
+            raise ValueError(f"bandwidths must be > 0, got {bandwidth!r} and {host_bandwidth!r}")
+        host = self.host_bytes(n, r_kv, host_layers, batch)
+        device = self.step_bytes(n, r_p, r_kv, batch, union_keep, r_select) - host
+        return (device / bandwidth + host / host_bandwidth) * 1e3
+
     def crossover(self, r_p: float, r_kv: float, ff_only: bool = False, batch: int = 1, union_keep: float | None = None) -> float:
         """Context (tokens) where the projection and KV savings are equal.
 

@@ -4,7 +4,9 @@ Layout per layer: keys and values ``[B, H_kv, capacity, D]`` (capacity a multipl
 ``keys.view(B, H_kv, pages, page_size, D)`` is the page view), four summaries
 ``[B, H_kv, pages, D]``: per-page key min, max, mean and std over the page's *visible* tokens, and
 optionally ``key_sketch``: every key coded in 4 bits per channel on its page's min/max grid, from
-which a policy bounds each token's logit within about a nat without reading the keys.
+which a policy bounds each token's logit within about a nat without reading the keys. The keys and
+values of ``host_layers`` live in pinned host memory, read in place by the GPU (`offload`); their
+summaries stay on the device.
 Min and max are stored in the cache's dtype: they are key values, so they are exact there, and a
 page policy reads them every step (in fp32 they would be 12.5% of the KV bytes at page 16 in bf16;
 in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values). A cache keeps
@@ -27,6 +29,7 @@ from torch import Tensor
 from . import kernels
 from .kernels import reference
 from .kernels.reference import page_summaries, visible
+from .offload import host_tensor
 
 SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
 PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, or not at all
@@ -59,6 +62,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         summaries: tuple[str, ...] = SUMMARIES,
+        host_layers: frozenset[int] | set[int] = frozenset(),
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -81,8 +85,17 @@ class PagedKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         kv_shape = (batch, num_kv_heads, num_pages * page_size, head_dim)
         page_shape = (batch, num_kv_heads, num_pages, head_dim)
-        self.keys = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if not all(isinstance(i, int) and 0 <= i < num_layers for i in host_layers):
+            raise ValueError(f"host_layers must be layer indices below {num_layers}, got {sorted(host_layers)}")
+        self.host_layers = frozenset(host_layers)
+
+        def kv(layer: int) -> Tensor:  # an offloaded layer's keys and values live in pinned host memory
+            if layer in self.host_layers:
+                return host_tensor(kv_shape, dtype, self.device)
+            return torch.zeros(kv_shape, dtype=dtype, device=device)
+
+        self.keys = [kv(layer) for layer in range(num_layers)]
+        self.values = [kv(layer) for layer in range(num_layers)]
         for name in SUMMARIES:
             if name not in self.summaries:
                 setattr(self, name, NotKept(name))

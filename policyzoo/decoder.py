@@ -23,6 +23,7 @@ from .distributed import shard_of
 from .kv.base import KVSelector, check_count, two_stage
 from .kv.context import check_parts
 from .kv.dense import Dense
+from .offload import Offload
 from .proj.base import ProjectionSparsifier, fuse_shared_inputs
 from .proj.base import uninstall as uninstall_projections
 from .regional import layer_invariant
@@ -56,6 +57,9 @@ class Decoder:
         page_size: cache page size; defaults to the policy's page (e.g. ``Quest(page=32)``) or 16.
         compile: compile the decode step (`compile`).
         dtype, device: of the KV cache; default to the model's. They must match the model.
+        offload: keep some layers' keys and values in pinned host memory, read by the GPU in place
+            (`policyzoo.offload.Offload`, e.g. ``Offload(layers=8)``): for contexts whose cache does
+            not fit beside the weights. ``None`` keeps the whole cache on the device.
         gate: a calibrated `policyzoo.gate.Gate`: each `generate` call then decodes with the setting
             it chooses among those this Decoder offers (`available_settings`: ``dense``, ``proj``,
             ``kv``, ``both``) for the request's context, taken as the prompt length (the padded
@@ -81,6 +85,7 @@ class Decoder:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         gate: SettingChooser | None = None,
+        offload: Offload | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a transformers model (nn.Module), got {type(model).__name__}")
@@ -94,6 +99,8 @@ class Decoder:
         if kv is not None:
             check_parts(kv.step_context, type(kv).__name__)
         _check_flags(compile=compile)
+        if offload is not None and not isinstance(offload, Offload):
+            raise TypeError(f"offload must be a policyzoo.Offload (e.g. Offload(layers=8)) or None, got {type(offload).__name__}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
         if proj is not None and shard_of(model) is not None and not proj.shardable:
@@ -120,7 +127,8 @@ class Decoder:
         runtime = Runtime(policy=kv if kv is not None else dense)
         self._install(runtime, fuse=not offloaded)
         self.session = DecodeSession(
-            model, runtime, kv=kv, proj=proj is not None, dense=dense, page_size=self.page_size, dtype=self.dtype, device=self.device
+            model, runtime, kv=kv, proj=proj is not None, dense=dense, page_size=self.page_size, dtype=self.dtype, device=self.device,
+            offload=offload,
         )
         self.last_choice: str | None = None
         if gate is not None:

@@ -38,6 +38,7 @@ from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState, check_count
 from .kv.context import ContextStore
 from .regional import RegionalStep, call_layer
+from .offload import Offload
 from .runtime import Recorder, Runtime
 from .sampling import Sampler, is_token
 from .timing import time_ms
@@ -68,11 +69,13 @@ class DecodeSession:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        offload: Offload | None = None,
     ) -> None:
         self.model, self.runtime, self.kv, self.has_proj, self._dense = model, runtime, kv, proj, dense
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
         self.num_layers = len(_compat.decoder_layers(model))
+        self.host_layers = offload.host_layers(self.num_layers) if offload is not None else frozenset()
         self.vocab_size = _compat.output_size(model)
         self.setting = ("both" if proj else "kv") if kv is not None else ("proj" if proj else "dense")
         self.sampler: Sampler | None = None
@@ -168,6 +171,7 @@ class DecodeSession:
         cache = PagedKVCache(
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
             page_size=self.page_size, dtype=self.dtype, device=self.device, summaries=self._summaries(),
+            host_layers=self.host_layers,
         )  # fmt: skip
         if self._dynamic_capacity:
             _mark_capacity_dynamic(cache)
