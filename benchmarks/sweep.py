@@ -136,7 +136,7 @@ def section_kernel(contexts, rows, check=True):
             pages = n // page
             dense = Selection(torch.arange(pages, device=DEVICE, dtype=torch.int32).expand(b, h_kv, -1).contiguous(),
                               torch.full((b, h_kv), pages, device=DEVICE, dtype=torch.int32), block=page)
-            k16 = pages // 16
+            k16 = max(1, pages // 16)  # a short test context still selects a page
             perm = torch.stack([torch.randperm(pages, device=DEVICE)[:k16].sort().values for _ in range(h_kv)]).int()[None]
             sparse = Selection(perm.contiguous(), torch.full((b, h_kv), k16, device=DEVICE, dtype=torch.int32), block=page)
             if check:

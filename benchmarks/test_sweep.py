@@ -44,7 +44,7 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     assert meta["source"] == common.source_digest()  # the code this test runs
     appends = [r for r in by_section["variants"] if r["shape"].startswith("cache append")]
     assert len(appends) == 2 * 3 * 2 and all(r["us"] > 0 for r in appends)  # 2 page sizes x 3 summary sets x 2
-    assert {r["setting"] for r in by_section["kernel"]} == {"split-K dense", "split-K 1/16 pages", "torch SDPA"}
+    assert {r["setting"] for r in by_section["kernel"]} == {"split-K dense", "split-K 1/16 pages", "split-K 1/16 pages (page 64)", "torch SDPA"}
     assert {r["setting"] for r in by_section["select"]} >= {"dense", "quest0.1", "attn-topk0.1", "entmax-kv0.1 (softmax)"}
     assert all(r["select_us"] > 0 and 0 < r["kv_keep"] <= 1 for r in by_section["select"] if r["setting"] != "dense")
     step = {r["setting"]: r for r in by_section["step"]}
@@ -148,3 +148,14 @@ def test_selection_bytes_of_each_setting():
     assert common.selection_ratio("entmax-kv0.1") == 3 / 16
     assert common.selection_ratio("quest0.1-rescore3") == pytest.approx(1 / 16 + 0.5 * 0.3)
     assert common.selection_ratio("attn-topk0.1") == common.selection_ratio("topk0.5+attn-topk0.2") == 0.5
+
+
+def test_offloaded_step_rows_record_the_host_link(tmp_path):
+    """``--offload N``: step rows with the last N layers' KV in host memory, their floor over the link."""
+    cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path), "--only", "step",
+           "--contexts", "128", "--settings", "quest0.1", "--offload", "1"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    (row,) = [r for r in json.loads((tmp_path / "sweep.json").read_text())["rows"] if r["section"] == "step"]
+    assert "error" not in row and row["host_layers"] == 1 and row["host_GB"] > 0 and row["host_link_GBps"] > 0
+    assert row["ms"] > 0 and row["floor_ms"] > 0
