@@ -150,7 +150,15 @@ def policyzoo_attention(
     if runtime.phase == "decode":  # a dense reference pass leaves the policy's record alone
         runtime.contexts.record(layer, sel)
     attend = kernels.decode_attention_entmax15 if entmax else kernels.decode_attention
-    out, _ = attend(q, state.keys, state.values, sel, cache.start, cache.length, scale)
+    page_cache = cache.page_cache(layer)
+    # An offloaded layer's page selection goes through its page cache; a dense pass (every page) and a
+    # token selection read the host in place.
+    if page_cache is not None and sel.block % cache.page_size == 0 and not isinstance(policy, Dense):
+        sel = sel.split(cache.page_size)
+        slots = page_cache.stage(sel, state.keys, state.values, cache.length)
+        out, _ = attend(q, page_cache.keys, page_cache.values, sel, cache.start, cache.length, scale, slots)
+    else:
+        out, _ = attend(q, state.keys, state.values, sel, cache.start, cache.length, scale)
     if runtime.audit is not None:
         runtime.audit.record_attention(layer, q, cache, sel, out, scale, attention=runtime.attention)
     return out.unsqueeze(1), None

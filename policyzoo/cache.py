@@ -6,7 +6,8 @@ Layout per layer: keys and values ``[B, H_kv, capacity, D]`` (capacity a multipl
 optionally ``key_sketch``: every key coded in 4 bits per channel on its page's min/max grid, from
 which a policy bounds each token's logit within about a nat without reading the keys. The keys and
 values of ``host_layers`` live in pinned host memory, read in place by the GPU (`offload`); their
-summaries stay on the device.
+summaries stay on the device, and so does each one's `offload.PageCache` when ``cache_slots`` asks
+for one.
 Min and max are stored in the cache's dtype: they are key values, so they are exact there, and a
 page policy reads them every step (in fp32 they would be 12.5% of the KV bytes at page 16 in bf16;
 in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values). A cache keeps
@@ -29,7 +30,7 @@ from torch import Tensor
 from . import kernels
 from .kernels import reference
 from .kernels.reference import page_summaries, visible
-from .offload import host_tensor
+from .offload import PageCache, host_tensor
 
 SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
 PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, or not at all
@@ -63,6 +64,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         summaries: tuple[str, ...] = SUMMARIES,
         host_layers: frozenset[int] | set[int] = frozenset(),
+        cache_slots: int = 0,
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -107,6 +109,12 @@ class PagedKVCache:
             self.key_sketch = [torch.zeros(code_shape, dtype=torch.uint8, device=device) for _ in range(num_layers)]
         else:
             self.key_sketch = NotKept(SKETCH)
+        if isinstance(cache_slots, bool) or not isinstance(cache_slots, int) or cache_slots < 0:
+            raise ValueError(f"cache_slots must be an int >= 0, got {cache_slots!r}")
+        self.page_caches = {
+            layer: PageCache(batch, num_kv_heads, head_dim, num_pages, cache_slots, page_size, dtype, device)
+            for layer in sorted(self.host_layers) if cache_slots
+        }
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         if self.device.type == "cuda":
@@ -132,7 +140,19 @@ class PagedKVCache:
     def tensors(self) -> list[Tensor]:
         """Every tensor the cache owns (for static-address marking and memory accounting)."""
         per_layer = [self.keys, self.values] + [getattr(self, name) for name in self.summaries]
-        return [t for group in per_layer for t in group] + [self.length, self.start]
+        paged = [t for pc in self.page_caches.values() for t in pc.tensors()]
+        return [t for group in per_layer for t in group] + paged + [self.length, self.start]
+
+    def page_cache(self, layer: int) -> PageCache | None:
+        """The device cache of offloaded ``layer``'s recently selected pages, or None."""
+        return self.page_caches.get(layer)
+
+    def page_cache_hit_rate(self) -> float:
+        """Share of the offloaded layers' selected pages found in their page caches since the
+        sequence began (NaN without page caches or before a lookup)."""
+        hits = sum(int(pc.hits) for pc in self.page_caches.values())
+        lookups = sum(int(pc.lookups) for pc in self.page_caches.values())
+        return hits / lookups if lookups else float("nan")
 
     # ----------------------------------------------------------------- visibility (derived state)
     def token_valid(self) -> Tensor:
@@ -166,6 +186,17 @@ class PagedKVCache:
             raise ValueError(f"prompt of {length} tokens does not fit a cache of {self.capacity}")
         self.start.copy_(start)
         self.length.fill_(length)
+        for pc in self.page_caches.values():
+            pc.clear()
+
+    def rewind(self, length: int) -> None:
+        """Set every row's length back to ``length`` tokens: the slots after it will be written again,
+        so the page caches forget what they copied."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"length must be in [0, {self.capacity}], got {length}")
+        self.length.fill_(length)
+        for pc in self.page_caches.values():
+            pc.clear()
 
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, offset: int = 0) -> None:
         """Write a prompt's ``k, v [B, H_kv, T, D]`` at slots ``offset .. offset+T-1`` (a whole

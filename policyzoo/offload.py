@@ -1,4 +1,5 @@
-"""`Offload`: whole layers' keys and values in pinned host memory, read by the GPU in place.
+"""`Offload`: whole layers' keys and values in pinned host memory, read by the GPU in place or
+through a device cache of the pages they last selected.
 
 A 1M-token cache of an 8B model (Llama-3.1-8B: 128 KiB per token) is 128 GiB. That does not fit
 beside the weights on one 141 GB GPU, which holds about 928K tokens. `Decoder(model, kv=Quest(0.1),
@@ -14,22 +15,36 @@ policy (`Quest`, `SSA`'s proxy, ...) therefore scores pages without touching the
 link, a step reads only the selected pages of the offloaded layers (`bytes.ByteAccount.host_bytes`),
 plus the one token each layer appends.
 
-This is the synchronous form: an offloaded layer's attention reads its pages over the link when it
-runs. Prefetching the next layer's predicted pages on a side stream, behind the current layer's
-work, is not built yet. A persistent zero-copy gather on a quarter of the SMs measured 50 GB/s and
-hid behind GPU work on another stream (`benchmarks/results/2026-12-03-h200-run18/`).
+With ``Offload(layers=8, cache=0.15)`` each offloaded layer also keeps a `PageCache`: device slots
+for 15% of its pages, holding copies of the pages it selected most recently. Consecutive decode
+steps select mostly the same pages, so a step fetches only the pages it did not select lately (one
+`kernels.page_fetch` launch per layer) and the attention reads every selected page from the device
+(`kernels.decode_attention`'s ``slots``). The link then carries the misses only: a step's host
+bytes are ``1 - hit_rate`` of the synchronous form's. The cache applies to page selections (a block
+of one page, or of several, which it splits into pages); a token-level selection reads the host in
+place as before.
+
+Not built: prefetching a layer's predicted pages on a side stream while the layer before it runs.
+A persistent zero-copy gather on a quarter of the SMs measured 50 GB/s and hid behind GPU work on
+another stream, but overlap alone bounds the gain at about 1.2x: a layer's misses take longer over
+the link than the rest of a step takes on the device (`benchmarks/results/`).
 
 On a CPU device the cache is in host memory anyway: the layers are ordinary tensors, and decoding is
-the same as without offload.
+the same as without offload (a page cache, if asked for, copies pages between host tensors: it
+serves the tests).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from . import kernels
+from .selection import Selection
 
 # The array-interface type of each element size: the bytes are wrapped as integers of that size and
 # viewed as the cache's dtype (the interface has no bfloat16).
@@ -42,13 +57,19 @@ class Offload:
     """Which layers keep their keys and values in pinned host memory (module docstring).
 
     Args:
-        layers: an int ``n``, the last ``n`` layers (a prefetch, once built, runs behind the layer
-            before, which layer 0 does not have); or the layer indices themselves.
+        layers: an int ``n``, the last ``n`` layers; or the layer indices themselves.
+        cache: the share of each offloaded layer's pages that a device `PageCache` holds (0: none,
+            every selected page is read over the link at every step). It must hold a whole
+            selection: at least the policy's budget, plus room for the pages selected lately
+            (``1.5`` times the budget is a good start, e.g. ``0.15`` for ``Quest(0.1)``).
     """
 
     layers: int | tuple[int, ...] = 1
+    cache: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.cache, bool) or not isinstance(self.cache, (int, float)) or not 0.0 <= self.cache <= 1.0:
+            raise ValueError(f"cache must be a share of the pages in [0, 1], got {self.cache!r}")
         layers = self.layers
         if isinstance(layers, bool):
             raise TypeError(f"layers must be an int or a tuple of layer indices, got {layers!r}")
@@ -71,6 +92,12 @@ class Offload:
         if max(self.layers) >= num_layers:
             raise ValueError(f"Offload(layers={self.layers}) names layer {max(self.layers)}; the model has {num_layers}")
         return frozenset(self.layers)
+
+
+    def cache_slots(self, num_pages: int) -> int:
+        """Slots per (row, KV head) of each offloaded layer's page cache, for a cache of ``num_pages``
+        pages (0: no page cache)."""
+        return math.ceil(self.cache * num_pages) if self.cache > 0 else 0
 
 
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -104,4 +131,115 @@ class _PinnedBuffer:
         }
 
 
-__all__ = ["Offload", "host_tensor"]
+class PageCache:
+    """Device copies of one offloaded layer's pages: the pages it selected most recently, reused
+    across decode steps, so that the host link carries only the pages it did not select lately.
+
+    Per (row, KV head), ``slots`` slots of one page each (`keys`, `values` ``[B, H_kv, (slots+1)·page,
+    D]``; the last slot is scratch for the fetch list's padding) and the maps between pages and slots.
+    `stage` runs in the decode step, before the layer's attention:
+
+    1. look the selected pages up (``page_slot``): hits are read from their slots;
+    2. give each miss the least recently used slot not holding a page of this selection, evicting
+       its page;
+    3. copy the misses in from the host (`kernels.page_fetch`, one launch);
+    4. return every entry's slot, which the attention reads (`kernels.decode_attention`'s ``slots``).
+
+    A page is kept for later steps only once complete before this step's token: the newest page
+    still grows, and a step can be redone with other values for its token (`DecodeSession.redo_dense`),
+    so a copy of either could go stale. It is fetched again while it grows: one page per head.
+    Anything that rewrites earlier tokens (a new request, `PagedKVCache.rewind`) must `clear` the cache.
+
+    All shapes are fixed and nothing syncs with the host, so a compiled step captures it in its
+    CUDA graph. ``hits`` and ``lookups`` count selected pages found and looked up since `clear`.
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, num_pages: int, slots: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if slots < 1:
+            raise ValueError(f"a page cache needs at least one slot, got {slots}")
+        self.num_pages, self.slots, self.page_size = num_pages, slots, page_size
+        shape = (batch, num_kv_heads, (slots + 1) * page_size, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Column num_pages of page_slot and slot `slots` of slot_page and last_used take the writes of
+        # masked entries; they are reset after each update.
+        self.page_slot = torch.full((batch, num_kv_heads, num_pages + 1), -1, dtype=torch.int32, device=device)
+        self.slot_page = torch.full((batch, num_kv_heads, slots + 1), num_pages, dtype=torch.int64, device=device)
+        self.last_used = torch.zeros((batch, num_kv_heads, slots + 1), dtype=torch.int64, device=device)
+        self.clock = torch.zeros((), dtype=torch.int64, device=device)
+        self.hits = torch.zeros((), dtype=torch.int64, device=device)
+        self.lookups = torch.zeros((), dtype=torch.int64, device=device)
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor it owns (static addresses for CUDA graphs, memory accounting)."""
+        return [self.keys, self.values, self.page_slot, self.slot_page, self.last_used, self.clock, self.hits, self.lookups]
+
+    def clear(self) -> None:
+        """Forget every page (their host copies changed) and the hit counts."""
+        self.page_slot.fill_(-1)
+        self.slot_page.fill_(self.num_pages)
+        self.last_used.zero_()
+        self.clock.zero_()
+        self.hits.zero_()
+        self.lookups.zero_()
+
+    def hit_rate(self) -> float:
+        """Share of the selected pages found on the device since `clear` (NaN before any lookup)."""
+        lookups = int(self.lookups)
+        return int(self.hits) / lookups if lookups else float("nan")
+
+    def stage(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor) -> Tensor:
+        """Bring the pages of page selection ``sel`` (``block`` = the page size) into the slots and
+        return each entry's slot, ``int32`` shaped as ``sel.indices`` (`PageCache` steps 1-4).
+        ``host_keys, host_values [B, H_kv, capacity, D]``: the layer's cache; ``length``: the cache's,
+        this step's token included."""
+        n, s, page = self.num_pages, self.slots, self.page_size
+        if sel.block != page:
+            raise ValueError(f"a page cache takes selections of pages of {page} tokens, got blocks of {sel.block}")
+        if sel.k_max > s:
+            raise ValueError(f"the selection has up to {sel.k_max} pages per head; the page cache holds {s}: "
+                             f"raise Offload(cache=...) to at least {sel.k_max / n:.3f}")
+        idx = sel.indices.long()
+        valid = sel.entry_valid() & (idx >= 0) & (idx < n)
+        pages = torch.where(valid, idx, n)
+        slot = self.page_slot.gather(-1, pages).long()
+        hit = valid & (slot >= 0)
+        miss = valid & ~hit
+        self.clock += 1
+        self.last_used.scatter_(-1, torch.where(hit, slot, s), self.clock.expand(pages.shape).contiguous())
+        # Misses take the least recently used slots; this selection's hits were just used, so they sort last.
+        order = self.last_used[..., :s].argsort(-1)
+        rank = (miss.cumsum(-1) - 1).clamp(0, s - 1)
+        target = torch.where(miss, order.gather(-1, rank), s)
+        evicted = self.slot_page.gather(-1, target)
+        self.page_slot.scatter_(-1, evicted, -1)
+        complete = (pages + 1) * page <= length - 1
+        installed = torch.where(miss & complete, pages, n)
+        self.page_slot.scatter_(-1, installed, target.to(torch.int32))
+        self.page_slot[..., n] = -1
+        self.slot_page.scatter_(-1, target, installed)
+        self.slot_page[..., s] = n
+        self.last_used.scatter_(-1, target, torch.where(complete, self.clock, 0))  # a growing page's slot is free next step
+        self.hits += hit.sum()
+        self.lookups += valid.sum()
+        self._fetch(miss, pages, target, host_keys, host_values)
+        return torch.where(hit, slot, torch.where(miss, target, 0)).to(torch.int32)
+
+    def _fetch(self, miss: Tensor, pages: Tensor, target: Tensor, host_keys: Tensor, host_values: Tensor) -> None:
+        """Copy the missed pages into their slots: the misses listed first (flat page numbers), the
+        rest of the list pointing at the scratch slot."""
+        b, h, _ = miss.shape
+        n, s = self.num_pages, self.slots
+        row = torch.arange(b * h, device=miss.device).view(b, h, 1)
+        src = (row * n + pages.clamp(max=n - 1)).flatten()
+        dst = (row * (s + 1) + target).flatten()
+        flat = miss.flatten()
+        m = flat.numel()
+        at = torch.where(flat, flat.cumsum(0) - 1, m)
+        src_list = torch.zeros(m + 1, dtype=torch.int64, device=miss.device).scatter_(0, at, src)[:m]
+        dst_list = torch.full((m + 1,), s, dtype=torch.int64, device=miss.device).scatter_(0, at, dst)[:m]
+        kernels.page_fetch(host_keys, host_values, self.keys, self.values, src_list, dst_list, flat.sum(), self.page_size)
+
+
+__all__ = ["Offload", "PageCache", "host_tensor"]

@@ -77,6 +77,8 @@ def layer_cache(cache: PagedKVCache, layer: int) -> PagedKVCache:
     view.keys, view.values = [cache.keys[layer]], [cache.values[layer]]
     for name in cache.summaries:
         setattr(view, name, [getattr(cache, name)[layer]])
+    view.host_layers = frozenset({0}) if layer in cache.host_layers else frozenset()
+    view.page_caches = {0: cache.page_caches[layer]} if layer in cache.page_caches else {}
     return view
 
 

@@ -45,6 +45,19 @@ class Selection:
     def k_max(self) -> int:
         return self.indices.shape[-1]
 
+    def split(self, block: int) -> "Selection":
+        """The same tokens as entries of ``block`` tokens (a divisor of this selection's block): each
+        entry becomes ``self.block // block`` consecutive ones. Returns ``self`` when the blocks agree."""
+        if block == self.block:
+            return self
+        if block < 1 or self.block % block:
+            raise ValueError(f"blocks of {self.block} tokens do not split into blocks of {block}")
+        m = self.block // block
+        offs = torch.arange(m, device=self.indices.device, dtype=self.indices.dtype)
+        indices = (self.indices.unsqueeze(-1) * m + offs).flatten(-2)
+        log_weight = None if self.log_weight is None else self.log_weight.repeat_interleave(m, dim=-1)
+        return Selection(indices, self.count * m, log_weight, block, self.reuse)
+
     def entry_valid(self) -> Tensor:
         """``bool[B, H_kv, K_max]``: which entries of ``indices`` are real (slot < count)."""
         slots = torch.arange(self.k_max, device=self.indices.device)

@@ -75,6 +75,7 @@ class DecodeSession:
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
         self.num_layers = len(_compat.decoder_layers(model))
+        self.offload = offload
         self.host_layers = offload.host_layers(self.num_layers) if offload is not None else frozenset()
         self.vocab_size = _compat.output_size(model)
         self.setting = ("both" if proj else "kv") if kv is not None else ("proj" if proj else "dense")
@@ -171,7 +172,7 @@ class DecodeSession:
         cache = PagedKVCache(
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
             page_size=self.page_size, dtype=self.dtype, device=self.device, summaries=self._summaries(),
-            host_layers=self.host_layers,
+            host_layers=self.host_layers, cache_slots=self.offload.cache_slots(capacity // self.page_size) if self.offload else 0,
         )  # fmt: skip
         if self._dynamic_capacity:
             _mark_capacity_dynamic(cache)
@@ -351,7 +352,7 @@ class DecodeSession:
     def rewind(self, length: int) -> None:
         """Set every row's length back to ``length`` tokens (a benchmark times the same slot again)."""
         self._need_cache()
-        self.runtime.cache.length.fill_(length)
+        self.runtime.cache.rewind(length)
 
     def time_step(self, *, calls: int = 8, reps: int = 3, warmup: int = 2) -> float:
         """Milliseconds per decode step at the current context, the step as `generate` runs it

@@ -17,19 +17,20 @@ from . import scratch
 from .reference import dense_probs
 
 
-def decode_attention(q, keys, values, sel, start, length, scale):
-    """Softmax decode attention over a Selection → ``(out, lse)``; see `reference.decode_attention`."""
+def decode_attention(q, keys, values, sel, start, length, scale, slots=None):
+    """Softmax decode attention over a Selection → ``(out, lse)``; see `reference.decode_attention`
+    (``slots``: the entries' slots in a page cache whose ``keys`` and ``values`` are passed)."""
     if dispatch.use_triton(q):
-        return dispatch.decode_attention(q, keys, values, sel, start, length, scale)
-    return reference.decode_attention(q, keys, values, sel, start, length, scale)
+        return dispatch.decode_attention(q, keys, values, sel, start, length, scale, slots=slots)
+    return reference.decode_attention(q, keys, values, sel, start, length, scale, slots)
 
 
-def decode_attention_entmax15(q, keys, values, sel, start, length, scale):
+def decode_attention_entmax15(q, keys, values, sel, start, length, scale, slots=None):
     """1.5-entmax decode attention over a Selection → ``(out, tau)``; see
     `reference.decode_attention_entmax15` (the Triton path is the same op in ``mode="entmax15"``)."""
     if dispatch.use_triton(q):
-        return dispatch.decode_attention(q, keys, values, sel, start, length, scale, mode="entmax15")
-    return reference.decode_attention_entmax15(q, keys, values, sel, start, length, scale)
+        return dispatch.decode_attention(q, keys, values, sel, start, length, scale, mode="entmax15", slots=slots)
+    return reference.decode_attention_entmax15(q, keys, values, sel, start, length, scale, slots)
 
 
 def cache_append(k, v, keys, values, summaries, start, length, page_size):
@@ -38,6 +39,13 @@ def cache_append(k, v, keys, values, summaries, start, length, page_size):
     if dispatch.use_triton(keys):
         return dispatch.cache_append(k, v, keys, values, summaries, start, length, page_size)
     return reference.cache_append(k, v, keys, values, summaries, start, length, page_size)
+
+
+def page_fetch(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size):
+    """Copy listed pages of a cache into a page cache's slots, in place; see `reference.page_fetch`."""
+    if dispatch.use_triton(dst_keys):
+        return dispatch.page_fetch(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size)
+    return reference.page_fetch(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size)
 
 
 def quest_page_bound(q, page_min, page_max, scale):
@@ -136,6 +144,7 @@ __all__ = [
     "dense_probs",
     "gaussian_entmax_threshold",
     "gathered_logits",
+    "page_fetch",
     "quest_page_bound",
     "quest_page_bound_grouped",
     "select_top",

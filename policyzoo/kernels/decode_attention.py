@@ -71,24 +71,32 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _tile_tokens(idx_row, s_ik, f, f_end, start, length, n, BLOCK: tl.constexpr):
-    """Entry, cache slot and visibility of the selection tokens ``f`` (a tile)."""
+def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """Entry, cache position, row to read and visibility of the selection tokens ``f`` (a tile).
+
+    The row is the position, or with ``slots`` the same offset in the entry's slot of a page cache
+    (`offload.PageCache`): visibility always follows the token's position in the sequence."""
     in_chunk = f < f_end
     entry = f // BLOCK
     page = tl.load(idx_row + entry * s_ik, mask=in_chunk, other=0).to(tl.int64)
     pos = page * BLOCK + f % BLOCK
     visible = in_chunk & (pos >= start) & (pos < length) & (pos < n)
-    return entry, pos, in_chunk, visible
+    if HAS_SLOTS:
+        slot = tl.load(slot_row + entry * s_sk, mask=in_chunk, other=0).to(tl.int64)
+        row = slot * BLOCK + f % BLOCK
+    else:
+        row = pos
+    return entry, row, in_chunk, visible
 
 
 @triton.jit
 def _tile_logits(
-    q, k_row, lw_row, s_kn, s_lw, entry, pos, in_chunk, visible, offs_d, scale,
+    q, k_row, lw_row, s_kn, s_lw, entry, row, in_chunk, visible, offs_d, scale,
     HAS_LW: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``[G_PAD, BLOCK_T]`` logits ``scale·q·k (+ log_weight)``, ``-inf`` where not visible."""
     k = tl.load(
-        k_row + pos[:, None] * s_kn + offs_d[None, :],
+        k_row + row[:, None] * s_kn + offs_d[None, :],
         mask=visible[:, None] & (offs_d[None, :] < D),
         other=0.0,
     )
@@ -107,18 +115,19 @@ def _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G: tl.constexpr, D: 
 
 @triton.jit
 def _softmax_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, slot_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
     m_ptr, l_ptr, o_ptr,
     s_qb, s_qh,
     s_kb, s_kh, s_kn,
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
+    s_sb, s_sh, s_sk,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
     n, k_max, chunk, n_chunks, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_LW: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -136,6 +145,7 @@ def _softmax_chunk_kernel(
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
+    slot_row = slot_ptr + b * s_sb + kv * s_sh
     lw_row = lw_ptr + b * s_lb + kv * s_lh
     k_row = k_ptr + b * s_kb + kv * s_kh
     v_row = v_ptr + b * s_vb + kv * s_vh
@@ -145,8 +155,8 @@ def _softmax_chunk_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     # Chunks past `count` skip the loop and still write (m=-inf, l=0, o=0): the merge reads every chunk.
     for f0 in range(f_begin, f_end, BLOCK_T):
-        entry, pos, in_chunk, visible = _tile_tokens(idx_row, s_ik, f0 + offs_t, f_end, start, length, n, BLOCK)
-        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, pos, in_chunk, visible, offs_d, scale,
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, row, in_chunk, visible, offs_d, scale,
                          HAS_LW, D, UPCAST, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # While a head has seen nothing visible its max is -inf; exponentiate against 0 instead so
@@ -156,7 +166,7 @@ def _softmax_chunk_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
-            v_row + pos[:, None] * s_vn + offs_d[None, :],
+            v_row + row[:, None] * s_vn + offs_d[None, :],
             mask=visible[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
@@ -216,16 +226,17 @@ def _merge_kernel(
 
 @triton.jit
 def _entmax_logits_kernel(
-    q_ptr, k_ptr, idx_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr, x_ptr,
+    q_ptr, k_ptr, idx_ptr, slot_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr, x_ptr,
     s_qb, s_qh,
     s_kb, s_kh, s_kn,
     s_ib, s_ih, s_ik,
+    s_sb, s_sh, s_sk,
     s_cb, s_ch,
     s_lb, s_lh, s_lk,
     n, k_max, chunk, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_LW: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -242,14 +253,15 @@ def _entmax_logits_kernel(
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
+    slot_row = slot_ptr + b * s_sb + kv * s_sh
     lw_row = lw_ptr + b * s_lb + kv * s_lh
     k_row = k_ptr + b * s_kb + kv * s_kh
     m_tok = k_max * BLOCK
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
-        entry, pos, in_chunk, visible = _tile_tokens(idx_row, s_ik, f, f_end, start, length, n, BLOCK)
-        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, pos, in_chunk, visible, offs_d, scale,
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, row, in_chunk, visible, offs_d, scale,
                          HAS_LW, D, UPCAST, PRECISION)
         # Scratch entries past count·block are never written; the later kernels never read them.
         tl.store(x_ptr + head[:, None] * m_tok + f[None, :], s * 0.5,
@@ -314,14 +326,15 @@ def _entmax_tau_kernel(
 
 @triton.jit
 def _entmax_out_kernel(
-    v_ptr, idx_ptr, cnt_ptr, start_ptr, len_ptr, x_ptr, tau_ptr, o_ptr,
+    v_ptr, idx_ptr, slot_ptr, cnt_ptr, start_ptr, len_ptr, x_ptr, tau_ptr, o_ptr,
     s_vb, s_vh, s_vn,
     s_ib, s_ih, s_ik,
+    s_sb, s_sh, s_sk,
     s_cb, s_ch,
     n, k_max, chunk, n_chunks,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -343,13 +356,14 @@ def _entmax_out_kernel(
     tau = tl.load(tau_ptr + head, mask=g_mask, other=0.0)
     tau = tl.where(tau == -float("inf"), 0.0, tau)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
+    slot_row = slot_ptr + b * s_sb + kv * s_sh
     v_row = v_ptr + b * s_vb + kv * s_vh
     m_tok = k_max * BLOCK
 
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
-        entry, pos, in_chunk, visible = _tile_tokens(idx_row, s_ik, f, f_end, start, length, n, BLOCK)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
         x = tl.load(x_ptr + head[:, None] * m_tok + f[None, :],
                     mask=g_mask[:, None] & in_chunk[None, :], other=-float("inf"))
         d = x - tau[:, None]
@@ -357,7 +371,7 @@ def _entmax_out_kernel(
         # Entmax is sparse: read a value row only if some head of the group gives it weight.
         needed = visible & (tl.max(p, 0) > 0.0)
         v = tl.load(
-            v_row + pos[:, None] * s_vn + offs_d[None, :],
+            v_row + row[:, None] * s_vn + offs_d[None, :],
             mask=needed[:, None] & (offs_d[None, :] < D),
             other=0.0,
         )
@@ -405,11 +419,12 @@ def decode_attention(
     length: Tensor,
     scale: float,
     mode: str = "softmax",
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the kernels; arguments as `reference.decode_attention` with the Selection unpacked.
 
     ``mode`` is ``"softmax"`` (returns ``(out, lse)``) or ``"entmax15"`` (returns ``(out, tau)``).
-    Launch parameters: `attention_config`.
+    ``slots``: as in `reference.decode_attention`. Launch parameters: `attention_config`.
     """
     if mode not in ("softmax", "entmax15"):
         raise ValueError(f"mode must be 'softmax' or 'entmax15', got {mode!r}")
@@ -417,6 +432,10 @@ def decode_attention(
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
     b, h, d = q.shape
     _, h_kv, n, _ = keys.shape
+    if slots is not None:
+        if slots.shape != indices.shape:
+            raise ValueError(f"slots must be shaped as the selection's indices {tuple(indices.shape)}, got {tuple(slots.shape)}")
+        n = 2**31 - 1  # keys are slots of a page cache, not positions: only start and length bound a position
     g = h // h_kv
     k_max = indices.shape[-1]
     # The kernels index the head dim with unit stride.
@@ -426,13 +445,15 @@ def decode_attention(
     n_chunks = max(1, triton.cdiv(k_max, chunk))
     has_lw = log_weight is not None
     lw = log_weight if has_lw else indices  # dummy pointer, never read when HAS_LW is False
+    has_slots = slots is not None
+    slot = slots if has_slots else indices  # the same: never read without HAS_SLOTS
     length = length.reshape(())
     dtype_precision = "ieee" if keys.dtype == torch.float32 or INTERPRET else "tf32"
     upcast = INTERPRET and keys.dtype == torch.bfloat16
     common = dict(
         G=g, G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot wants M >= 16
         D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK=block, BLOCK_T=cfg.block_t, UPCAST=upcast, PRECISION=dtype_precision, num_warps=cfg.num_warps,
+        BLOCK=block, BLOCK_T=cfg.block_t, HAS_SLOTS=has_slots, UPCAST=upcast, PRECISION=dtype_precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     grid = (n_chunks, h_kv, b)
@@ -446,12 +467,13 @@ def decode_attention(
         m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
         l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
         _softmax_chunk_kernel[grid](
-            q, keys, values, indices, count, lw, start, length,
+            q, keys, values, indices, slot, count, lw, start, length,
             m_part, l_part, o_part,
             q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
             indices.stride(0), indices.stride(1), indices.stride(2),
+            slot.stride(0), slot.stride(1), slot.stride(2),
             count.stride(0), count.stride(1),
             lw.stride(0), lw.stride(1), lw.stride(2),
             n, k_max, chunk, n_chunks, float(scale),
@@ -466,10 +488,11 @@ def decode_attention(
 
     x = _alloc(b, h, k_max * block, dtype=torch.float32, device=q.device)
     _entmax_logits_kernel[grid](
-        q, keys, indices, count, lw, start, length, x,
+        q, keys, indices, slot, count, lw, start, length, x,
         q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         indices.stride(0), indices.stride(1), indices.stride(2),
+        slot.stride(0), slot.stride(1), slot.stride(2),
         count.stride(0), count.stride(1),
         lw.stride(0), lw.stride(1), lw.stride(2),
         n, k_max, chunk, float(scale),
@@ -480,9 +503,10 @@ def decode_attention(
         G=g, BLOCK=block, BLOCK_M=cfg.block_m, N_BISECT=cfg.n_bisect, num_warps=cfg.tau_warps,
     )
     _entmax_out_kernel[grid](
-        values, indices, count, start, length, x, second, o_part,
+        values, indices, slot, count, start, length, x, second, o_part,
         values.stride(0), values.stride(1), values.stride(2),
         indices.stride(0), indices.stride(1), indices.stride(2),
+        slot.stride(0), slot.stride(1), slot.stride(2),
         count.stride(0), count.stride(1),
         n, k_max, chunk, n_chunks,
         **common,

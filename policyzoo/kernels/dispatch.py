@@ -36,13 +36,14 @@ try:
     from . import decode_attention as _attn
     from . import entmax_threshold as _entmax
     from . import gathered_logits as _gathered
+    from . import page_fetch as _fetch
     from . import page_score as _page
     from . import select_top as _select
     from . import sparse_gemv as _gemv
 
     HAS_TRITON = True
 except Exception:  # no triton, or a triton that cannot load here: the references serve every call
-    _append = _attn = _edges = _entmax = _gathered = _page = _gemv = _select = None
+    _append = _attn = _edges = _entmax = _fetch = _gathered = _page = _gemv = _select = None
     HAS_TRITON = False
 
 
@@ -79,13 +80,14 @@ def _decode_attention_op(
     length: Tensor,
     scale: float,
     mode: str = "softmax",
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     _need_triton()
-    return _attn.decode_attention(q, keys, values, indices, count, log_weight, block, start, length, scale, mode=mode)
+    return _attn.decode_attention(q, keys, values, indices, count, log_weight, block, start, length, scale, mode=mode, slots=slots)
 
 
 @_decode_attention_op.register_fake
-def _(q, keys, values, indices, count, log_weight, block, start, length, scale, mode="softmax"):
+def _(q, keys, values, indices, count, log_weight, block, start, length, scale, mode="softmax", slots=None):
     b, h, d = q.shape
     return q.new_empty(b, h, d), q.new_empty(b, h, dtype=torch.float32)
 
@@ -99,12 +101,36 @@ def decode_attention(
     length: Tensor,
     scale: float,
     mode: str = "softmax",
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`reference.decode_attention` (``mode="softmax"``, returns ``(out, lse)``) or
     `reference.decode_attention_entmax15` (``mode="entmax15"``, returns ``(out, tau)``) on Triton."""
     return torch.ops.policyzoo.decode_attention(
-        q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, float(scale), mode
+        q, keys, values, sel.indices, sel.count, sel.log_weight, sel.block, start, length, float(scale), mode, slots
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Page fetch
+
+
+@torch.library.custom_op("policyzoo::page_fetch", mutates_args=("dst_keys", "dst_values"))
+def _page_fetch_op(
+    src_keys: Tensor, src_values: Tensor, dst_keys: Tensor, dst_values: Tensor,
+    src_pages: Tensor, dst_pages: Tensor, count: Tensor, page_size: int,
+) -> None:
+    _need_triton()
+    _fetch.page_fetch(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size)
+
+
+@_page_fetch_op.register_fake
+def _(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size):
+    return None
+
+
+def page_fetch(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size) -> None:
+    """`reference.page_fetch` on Triton (only entries below ``count`` are copied)."""
+    torch.ops.policyzoo.page_fetch(src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count, page_size)
 
 
 # --------------------------------------------------------------------------------------------------

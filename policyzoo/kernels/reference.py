@@ -24,6 +24,7 @@ def decode_attention(
     start: Tensor,
     length: Tensor,
     scale: float,
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention of one query token over the selected cache entries.
 
@@ -34,6 +35,10 @@ def decode_attention(
         start: ``int64[B]``, first real slot of each row (left padding before it).
         length: 0-dim ``int64``, slots written so far; slots ``start[b] .. length-1`` are visible.
         scale: softmax scale (``1/sqrt(D)`` for most models).
+        slots: optional ``int32[B, H_kv, K_max]``, shaped as ``sel.indices``: entry ``i``'s tokens
+            are read from rows ``slots[i]·block ..`` of ``keys`` and ``values``, which then hold
+            copies of the selected entries (a page cache, `offload.PageCache`), not the whole
+            sequence. Visibility still follows the positions ``sel.indices`` names.
 
     Returns:
         ``(out [B, H, D] in q's dtype, lse float32[B, H])``. ``lse`` is the log of the softmax
@@ -41,22 +46,7 @@ def decode_attention(
         ``lse = -inf`` (never NaN), which the split-K merge treats as a chunk with no mass.
     """
     b, h, d = q.shape
-    h_kv, n = keys.shape[1], keys.shape[2]
-    g = h // h_kv
-    pos, entry_valid = sel.token_positions()  # [B, H_kv, M]
-    pos_c = pos.clamp(0, n - 1)
-    valid = entry_valid & (pos >= start[:, None, None]) & (pos < length)
-    idx = pos_c.unsqueeze(-1).expand(-1, -1, -1, d)
-    k_sel = torch.gather(keys, 2, idx).float()  # [B, H_kv, M, D]
-    v_sel = torch.gather(values, 2, idx).float()
-    qg = q.float().view(b, h_kv, g, d)
-    logits = torch.einsum("bkgd,bkmd->bkgm", qg, k_sel) * scale
-    if sel.log_weight is not None:
-        lw = sel.log_weight.float()
-        if sel.block > 1:
-            lw = lw.repeat_interleave(sel.block, dim=-1)
-        logits = logits + lw.unsqueeze(2)
-    logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf)
+    logits, v_sel = _selected_logits(q, keys, values, sel, start, length, scale, slots)
     lse = torch.logsumexp(logits, dim=-1)  # [B, H_kv, G]
     probs = torch.exp(logits - lse.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)
     out = torch.einsum("bkgm,bkmd->bkgd", probs, v_sel)
@@ -295,15 +285,19 @@ def sparse_linear(x: Tensor, weight: Tensor, bias: Tensor | None, keep: Tensor) 
 
 
 def _selected_logits(
-    q: Tensor, keys: Tensor, values: Tensor, sel: Selection, start: Tensor, length: Tensor, scale: float
+    q: Tensor, keys: Tensor, values: Tensor, sel: Selection, start: Tensor, length: Tensor, scale: float,
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Logits ``float32[B, H_kv, G, M]`` of the selected tokens (``-inf`` where not visible) and their
-    values ``float32[B, H_kv, M, D]``; the same gather and masking as `decode_attention`."""
+    values ``float32[B, H_kv, M, D]``, read at their positions or in their ``slots`` (`decode_attention`)."""
     b, h, d = q.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     pos, entry_valid = sel.token_positions()
     valid = entry_valid & (pos >= start[:, None, None]) & (pos < length)
-    idx = pos.clamp(0, n - 1).unsqueeze(-1).expand(-1, -1, -1, d)
+    rows = pos
+    if slots is not None:
+        rows = Selection(slots, sel.count, block=sel.block).token_positions()[0]
+    idx = rows.clamp(0, n - 1).unsqueeze(-1).expand(-1, -1, -1, d)
     k_sel = torch.gather(keys, 2, idx).float()
     v_sel = torch.gather(values, 2, idx).float()
     logits = torch.einsum("bkgd,bkmd->bkgm", q.float().view(b, h_kv, h // h_kv, d), k_sel) * scale
@@ -344,10 +338,11 @@ def decode_attention_entmax15(
     start: Tensor,
     length: Tensor,
     scale: float,
+    slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """1.5-entmax attention of one query token over the selected, visible cache entries.
 
-    Same arguments and masking as `decode_attention`. With ``z = scale·q·k + log_weight`` the weights
+    Same arguments (``slots`` included) and masking as `decode_attention`. With ``z = scale·q·k + log_weight`` the weights
     are ``p_i = max(0, z_i/2 − tau)²``, ``tau`` chosen so that they sum to one (the ``entmax15`` of
     the ``entmax`` package: ``p = [(α−1)z − tau]_+^{1/(α−1)}`` with α = 1.5); entries outside the
     support get exactly zero weight.
@@ -357,7 +352,7 @@ def decode_attention_entmax15(
         ``tau = -inf`` (no mass, like ``lse`` of the softmax).
     """
     b, h, d = q.shape
-    logits, v_sel = _selected_logits(q, keys, values, sel, start, length, scale)
+    logits, v_sel = _selected_logits(q, keys, values, sel, start, length, scale, slots)
     x = logits * 0.5
     tau = entmax15_threshold(x)
     probs = torch.where(x > tau, (x - tau) ** 2, 0.0)
@@ -508,3 +503,19 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
         step = tau + f / slope.clamp(min=1e-300)
         tau = torch.minimum(torch.maximum(step, lo), hi)
     return torch.where(empty, -torch.inf, tau)
+
+
+def page_fetch(
+    src_keys: Tensor, src_values: Tensor, dst_keys: Tensor, dst_values: Tensor,
+    src_pages: Tensor, dst_pages: Tensor, count: Tensor, page_size: int,
+) -> None:
+    """Copy pages of ``src_keys, src_values [..., N, D]`` into pages of ``dst_keys, dst_values [..., S, D]``,
+    in place: list entry ``i < count`` copies flat source page ``src_pages[i]`` (rows
+    ``src_pages[i]·page_size ..`` of the source viewed as ``[rows, D]``) to flat destination page
+    ``dst_pages[i]``. Entries at or past ``count`` may be copied too (this reference copies every entry
+    without reading ``count``), so a caller points them at a scratch page nothing reads.
+    ``src_pages, dst_pages int64[M]``, ``count int64[1]``."""
+    d = src_keys.shape[-1]
+    for src, dst in ((src_keys, dst_keys), (src_values, dst_values)):
+        pages = dst.view(-1, page_size, d)
+        pages.index_copy_(0, dst_pages, src.reshape(-1, page_size, d).index_select(0, src_pages).to(dst.dtype))
