@@ -88,9 +88,11 @@ def host_link_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------- steps
-def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str) -> tuple[float, float]:
-    """(ms per decode step, seconds spent compiling and capturing) at context ``n``, as
-    `DecodeSession.time_step` times it (CUDA events).
+def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind: bool = True) -> tuple[float, float, float | None]:
+    """(ms per decode step, seconds spent compiling and capturing, page-cache hit rate of the timed
+    steps or None) at context ``n``, as `DecodeSession.time_step` times it (CUDA events);
+    ``rewind=False``: the timed steps follow each other, as `DecodeSession.time_step` says (offload's
+    page caches see consecutive steps).
 
     ``graph``: the eager step's kernels captured in a CUDA graph (torch.compile's ``eager``
     backend: no fusion); ``compiled``: the Inductor-compiled step replayed as a CUDA graph;
@@ -108,9 +110,14 @@ def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str) -> tupl
     common.sync()
     setup_s = time.perf_counter() - t0
     session.rewind(n)
+    hits, lookups = session.cache.page_cache_counts()
     if DEVICE == "cpu":
-        return cuda_time_ms(session.step), setup_s
-    return session.time_step(calls=steps, reps=reps, warmup=1), setup_s
+        ms = cuda_time_ms(session.step)
+    else:
+        ms = session.time_step(calls=steps, reps=reps, warmup=1, rewind=rewind)
+    hits_after, lookups_after = session.cache.page_cache_counts()
+    looked = lookups_after - lookups
+    return ms, setup_s, (hits_after - hits) / looked if looked else None
 
 
 # ------------------------------------------------------------------------------------- sections
@@ -162,10 +169,12 @@ def section_kernel(contexts, rows, check=True):
 
 
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
-                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None):
+                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None, offload_cache=0.0):
     """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense.
-    ``offload``: the last that many layers' keys and values in pinned host memory (`policyzoo.Offload`);
-    the floor then reads their selected KV at ``host_bw``."""
+    ``offload``: the last that many layers' keys and values in pinned host memory (`policyzoo.Offload`),
+    with page caches of ``offload_cache`` of their pages; the floor then reads their selected KV,
+    less the hits measured over the timed steps, at ``host_bw``. Offloaded rows time consecutive
+    steps (no rewind), as generation runs them."""
     dense_ms = {} if dense_ms is None else dense_ms
     for name in names:
         _, _, r_p, r_kv = settings()[name]
@@ -177,14 +186,14 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             with common.recorded(row, f"{section}/{mode} b={batch} n={n} {name}"):
                 if shared is None:
                     torch._dynamo.reset()
-                    dec = common.decoder(model, name, offload=Offload(offload) if offload else None)
+                    dec = common.decoder(model, name, offload=Offload(offload, cache=offload_cache) if offload else None)
                     if mode == "compiled-dynamic":
                         shared = dec.compile(dynamic_capacity=True)
                 else:
                     dec = shared
                 common.fill_cache(dec, batch, n, n + steps * (reps + 3) + 64)
                 graphs = counters["stats"]["unique_graphs"]
-                ms, setup_s = time_step(dec, batch, n, steps, reps, mode)
+                ms, setup_s, hit = time_step(dec, batch, n, steps, reps, mode, rewind=not offload)
                 if mode != "graph":  # graphs Dynamo compiled for this row (0: it reused a compiled step)
                     row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
                 if name == "dense":
@@ -193,9 +202,9 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 sel = common.selection_ratio(name)  # summaries and second-stage keys read to choose
                 floor = acct.floor_ms(n, bw, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
                 if offload:
-                    floor = acct.offload_floor_ms(n, bw, host_bw, offload, r_p, r_kv, batch, union, sel)
-                    row.update({"host_layers": offload, "host_GB": acct.host_bytes(n, r_kv, offload, batch) / 1e9,
-                                "host_link_GBps": host_bw / 1e9})
+                    floor = acct.offload_floor_ms(n, bw, host_bw, offload, r_p, r_kv, batch, union, sel, hit_rate=hit or 0.0)
+                    row.update({"host_layers": offload, "host_GB": acct.host_bytes(n, r_kv, offload, batch, hit or 0.0) / 1e9,
+                                "host_link_GBps": host_bw / 1e9, "page_cache": offload_cache, "hit_rate": hit})
                 bound = acct.bound(n, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
                 speedup = dense_ms.get(n, float("nan")) / ms
                 row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "r_select": sel, "floor_ms": floor, "ms/floor": ms / floor,
@@ -203,8 +212,9 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 row["capacity"] = dec.session.cache.capacity  # the kernels' grids follow it, not the context
                 if DEVICE == "cuda":
                     row["gpu_GB"] = torch.cuda.memory_allocated() / 1e9  # weights + this row's cache and graph
+                hits = f"  hits {hit:.2f}" if hit is not None else ""
                 print(f"{section}/{mode} b={batch} n={n:>7} {name:<22} {ms:7.2f} ms (floor {floor:5.2f}, x{ms/floor:4.2f}) "
-                      f"speedup {speedup:5.2f} / bound {bound:5.2f}  setup {setup_s:5.1f}s", flush=True)
+                      f"speedup {speedup:5.2f} / bound {bound:5.2f}  setup {setup_s:5.1f}s{hits}", flush=True)
             rows.append(row)
             save()
             dec = None
@@ -419,6 +429,8 @@ def main(argv=None) -> None:
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--offload", type=int, default=0,
                    help="step section: keep the last N layers' keys and values in pinned host memory (policyzoo.Offload)")
+    p.add_argument("--offload-cache", type=float, default=0.0,
+                   help="with --offload: each offloaded layer's page cache, as a share of its pages (Offload(cache=...))")
     p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
     p.add_argument("--hf-contexts", default="4096")
     p.add_argument("--generate", default="dense@4096,dense@32768,dense@131072,dense@32768x16",
@@ -525,7 +537,8 @@ def main(argv=None) -> None:
                                                 names=[x for x in args.select_policies.split(",") if x]),
         "profile": run_profile,
         "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline,
-                                     offload=args.offload, host_bw=host_link_bandwidth() if args.offload else None),
+                                     offload=args.offload, host_bw=host_link_bandwidth() if args.offload else None,
+                                     offload_cache=args.offload_cache),
         "batch": run_batch,
         "compiled": run_compiled,
         "hf": lambda: section_hf(full_model(), [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline),

@@ -150,12 +150,18 @@ def test_selection_bytes_of_each_setting():
     assert common.selection_ratio("attn-topk0.1") == common.selection_ratio("topk0.5+attn-topk0.2") == 0.5
 
 
-def test_offloaded_step_rows_record_the_host_link(tmp_path):
-    """``--offload N``: step rows with the last N layers' KV in host memory, their floor over the link."""
+@pytest.mark.parametrize("page_cache", [0.0, 1.0])
+def test_offloaded_step_rows_record_the_host_link(tmp_path, page_cache):
+    """``--offload N``: step rows with the last N layers' KV in host memory, their floor over the link;
+    with ``--offload-cache``, the page caches' hit rate over the timed steps, which the floor counts."""
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path), "--only", "step",
-           "--contexts", "128", "--settings", "quest0.1", "--offload", "1"]
+           "--contexts", "128", "--settings", "quest0.1", "--offload", "1", "--offload-cache", str(page_cache)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
     (row,) = [r for r in json.loads((tmp_path / "sweep.json").read_text())["rows"] if r["section"] == "step"]
-    assert "error" not in row and row["host_layers"] == 1 and row["host_GB"] > 0 and row["host_link_GBps"] > 0
-    assert row["ms"] > 0 and row["floor_ms"] > 0
+    assert "error" not in row and row["host_layers"] == 1 and row["host_link_GBps"] > 0
+    assert row["ms"] > 0 and row["floor_ms"] > 0 and row["page_cache"] == page_cache
+    if page_cache:
+        assert 0.0 <= row["hit_rate"] <= 1.0 and row["host_GB"] >= 0
+    else:
+        assert row["hit_rate"] is None and row["host_GB"] > 0

@@ -147,25 +147,30 @@ class ByteAccount:
         """The byte floor: step bytes over ``bandwidth`` (bytes/s), in milliseconds."""
         return self.step_bytes(n, r_p, r_kv, batch, union_keep, r_select) / bandwidth * 1e3
 
-    def host_bytes(self, n: int, r_kv: float = 1.0, host_layers: int = 0, batch: int = 1) -> float:
+    def host_bytes(self, n: int, r_kv: float = 1.0, host_layers: int = 0, batch: int = 1, hit_rate: float = 0.0) -> float:
         """Bytes one step reads over the host link when ``host_layers`` layers keep their keys and
-        values in host memory (`policyzoo.offload.Offload`): those layers' selected KV. Their page
-        summaries stay on the device, so what a policy reads to choose is not counted here."""
+        values in host memory (`policyzoo.offload.Offload`): those layers' selected KV, less the share
+        ``hit_rate`` their page caches hold on the device (`offload.PageCache`). Their page summaries
+        stay on the device, so what a policy reads to choose is not counted here."""
         _check_ratio(r_kv, "r_kv")
+        if isinstance(hit_rate, bool) or not isinstance(hit_rate, (int, float)) or not 0.0 <= hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be a share in [0, 1], got {hit_rate!r}")
         if isinstance(host_layers, bool) or not isinstance(host_layers, int) or not 0 <= host_layers <= self.layers:
             raise ValueError(f"host_layers must be an int in [0, {self.layers}], got {host_layers!r}")
-        return host_layers * batch * self.kv_per_token * n * r_kv * self.element_size
+        return host_layers * batch * self.kv_per_token * n * r_kv * self.element_size * (1.0 - hit_rate)
 
     def offload_floor_ms(
         self, n: int, bandwidth: float, host_bandwidth: float, host_layers: int, r_p: float = 1.0, r_kv: float = 1.0,
-        batch: int = 1, union_keep: float | None = None, r_select: float = 0.0,
+        batch: int = 1, union_keep: float | None = None, r_select: float = 0.0, hit_rate: float = 0.0,
     ) -> float:
-        """The byte floor of a step with ``host_layers`` offloaded layers read in place (no prefetch):
-        the device's bytes over ``bandwidth`` plus the host link's over ``host_bandwidth`` (bytes/s),
-        in milliseconds. The two do not overlap: a layer's attention waits for its pages."""
+        """The byte floor of a step with ``host_layers`` offloaded layers (no prefetch): the device's
+        bytes over ``bandwidth`` plus the host link's over ``host_bandwidth`` (bytes/s), in
+        milliseconds. The two do not overlap: a layer's attention waits for its pages. With page
+        caches (``hit_rate``), the hits are read on the device and only the misses cross the link."""
         if not (host_bandwidth > 0 and bandwidth > 0):
             raise ValueError(f"bandwidths must be > 0, got {bandwidth!r} and {host_bandwidth!r}")
-        host = self.host_bytes(n, r_kv, host_layers, batch)
+        selected = self.host_bytes(n, r_kv, host_layers, batch)
+        host = selected * (1.0 - hit_rate)
         device = self.step_bytes(n, r_p, r_kv, batch, union_keep, r_select) - host
         return (device / bandwidth + host / host_bandwidth) * 1e3
 

@@ -147,11 +147,16 @@ class PagedKVCache:
         """The device cache of offloaded ``layer``'s recently selected pages, or None."""
         return self.page_caches.get(layer)
 
+    def page_cache_counts(self) -> tuple[int, int]:
+        """``(hits, lookups)``: the offloaded layers' selected pages found in their page caches, and
+        looked up, since the sequence began."""
+        return (sum(int(pc.hits) for pc in self.page_caches.values()),
+                sum(int(pc.lookups) for pc in self.page_caches.values()))
+
     def page_cache_hit_rate(self) -> float:
         """Share of the offloaded layers' selected pages found in their page caches since the
         sequence began (NaN without page caches or before a lookup)."""
-        hits = sum(int(pc.hits) for pc in self.page_caches.values())
-        lookups = sum(int(pc.lookups) for pc in self.page_caches.values())
+        hits, lookups = self.page_cache_counts()
         return hits / lookups if lookups else float("nan")
 
     # ----------------------------------------------------------------- visibility (derived state)
@@ -190,13 +195,13 @@ class PagedKVCache:
             pc.clear()
 
     def rewind(self, length: int) -> None:
-        """Set every row's length back to ``length`` tokens: the slots after it will be written again,
-        so the page caches forget what they copied."""
-        if not 0 <= length <= self.capacity:
-            raise ValueError(f"length must be in [0, {self.capacity}], got {length}")
+        """Set every row's length back to ``length`` tokens: the slots from it on will be written
+        again, so the page caches forget the pages that hold them."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.capacity:
+            raise ValueError(f"length must be an int in [0, {self.capacity}], got {length!r}")
         self.length.fill_(length)
         for pc in self.page_caches.values():
-            pc.clear()
+            pc.forget_from(length // self.page_size)
 
     def write_prefill(self, layer: int, k: Tensor, v: Tensor, offset: int = 0) -> None:
         """Write a prompt's ``k, v [B, H_kv, T, D]`` at slots ``offset .. offset+T-1`` (a whole

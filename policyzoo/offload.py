@@ -148,7 +148,8 @@ class PageCache:
     A page is kept for later steps only once complete before this step's token: the newest page
     still grows, and a step can be redone with other values for its token (`DecodeSession.redo_dense`),
     so a copy of either could go stale. It is fetched again while it grows: one page per head.
-    Anything that rewrites earlier tokens (a new request, `PagedKVCache.rewind`) must `clear` the cache.
+    Anything that rewrites earlier tokens must forget their pages: a new request clears the cache,
+    `PagedKVCache.rewind` forgets the pages from the new length on (`forget_from`).
 
     All shapes are fixed and nothing syncs with the host, so a compiled step captures it in its
     CUDA graph. ``hits`` and ``lookups`` count selected pages found and looked up since `clear`.
@@ -183,6 +184,14 @@ class PageCache:
         self.clock.zero_()
         self.hits.zero_()
         self.lookups.zero_()
+
+    def forget_from(self, page: int) -> None:
+        """Forget the copies of pages ``page`` and later (their slots will be written again, e.g.
+        after `PagedKVCache.rewind`); the earlier pages' copies stay valid."""
+        self.page_slot[..., page:] = -1
+        stale = self.slot_page >= page  # empty slots hold num_pages: marking them again is harmless
+        self.slot_page.masked_fill_(stale, self.num_pages)
+        self.last_used.masked_fill_(stale, 0)
 
     def hit_rate(self) -> float:
         """Share of the selected pages found on the device since `clear` (NaN before any lookup)."""

@@ -354,20 +354,24 @@ class DecodeSession:
         self._need_cache()
         self.runtime.cache.rewind(length)
 
-    def time_step(self, *, calls: int = 8, reps: int = 3, warmup: int = 2) -> float:
+    def time_step(self, *, calls: int = 8, reps: int = 3, warmup: int = 2, rewind: bool = True) -> float:
         """Milliseconds per decode step at the current context, the step as `generate` runs it
         (compiled and replayed when the session is compiled), by the shared timer
         (`timing.time_ms`: CUDA events on CUDA): the median over ``reps`` of ``calls`` steps, every
-        rep from the current length. A compiled session first takes the steps that compile and
-        capture it."""
+        rep from the current length, or with ``rewind=False`` each rep going on from the last (the
+        context grows by the steps taken; offload's page caches then see consecutive steps, as in
+        generation, not the same steps again). A compiled session first takes the steps that
+        compile and capture it."""
         self._need_cache()
         cache = self.runtime.cache
         length = int(cache.length)
         if self.compiled:
             warmup = max(warmup, WARMUP_STEPS + 1)
-        if length + max(calls, warmup) > cache.capacity:
-            raise ValueError(f"the cache holds {cache.capacity} tokens: no room for {max(calls, warmup)} steps after {length}")
-        return time_ms(self.step, calls=calls, reps=reps, warmup=warmup, setup=lambda: self.rewind(length), device=self.device)
+        steps = max(calls, warmup) if rewind else warmup + calls * reps
+        if length + steps > cache.capacity:
+            raise ValueError(f"the cache holds {cache.capacity} tokens: no room for {steps} steps after {length}")
+        setup = (lambda: self.rewind(length)) if rewind else None
+        return time_ms(self.step, calls=calls, reps=reps, warmup=warmup, setup=setup, device=self.device)
 
     # ------------------------------------------------------------------------------ steps
     def sample(

@@ -229,6 +229,77 @@ def test_entmax15_kernel_weights_sum_to_one(case):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+def in_slots(case, g_rand, extra):
+    """The case's selected entries copied into random distinct slots of a page cache (``extra``
+    slots more than entries, the rest garbage) → ``(keys, values, slots)``; padding entries get
+    slots far out of range, which must never be read."""
+    sel, keys, values = case["sel"], case["keys"], case["values"]
+    b, h_kv, k_max = sel.indices.shape
+    block, n, d = sel.block, keys.shape[2], keys.shape[3]
+    n_slots = k_max + extra
+    slot_keys = randn(g_rand, b, h_kv, n_slots * block, d, dtype=keys.dtype)
+    slot_values = randn(g_rand, b, h_kv, n_slots * block, d, dtype=keys.dtype)
+    slots = torch.stack([torch.randperm(n_slots, generator=g_rand)[:k_max] for _ in range(b * h_kv)]).view(b, h_kv, k_max)
+    slots = slots.to(torch.int32).to(DEVICE)
+    valid = sel.entry_valid()
+    for i, j, e in valid.nonzero().tolist():
+        first = int(sel.indices[i, j, e]) * block
+        rows = min(block, n - first)  # an entry may reach past the cache's end
+        to = int(slots[i, j, e]) * block
+        slot_keys[i, j, to : to + rows] = keys[i, j, first : first + rows]
+        slot_values[i, j, to : to + rows] = values[i, j, first : first + rows]
+    slots = torch.where(valid, slots, torch.full_like(slots, 2**20))
+    return slot_keys, slot_values, slots
+
+
+@here
+@ATTENTION_SETTINGS
+@given(case=attention_cases(), mode=st.sampled_from(["softmax", "entmax15"]), extra=st.integers(0, 3))
+def test_decode_attention_reads_entries_from_their_slots(case, mode, extra):
+    """With ``slots``, the kernels read each entry from its slot of a page cache and still mask by
+    the entry's position: the output is the attention over the cache itself."""
+    slot_keys, slot_values, slots = in_slots(case, gen(case["chunk"] + 7 * extra), extra)
+    args = (case["q"], case["keys"], case["values"], case["sel"], case["start"], case["length"], case["scale"])
+    reference = ref.decode_attention if mode == "softmax" else ref.decode_attention_entmax15
+    want_out, want_second = reference(*args)
+    paged = (case["q"], slot_keys, slot_values, case["sel"], case["start"], case["length"], case["scale"])
+    ref_out, ref_second = reference(*paged, slots)
+    torch.testing.assert_close(ref_out, want_out)  # the reference's slots read the same values
+    torch.testing.assert_close(ref_second, want_second)
+    with poisoned(), override(attention=AttentionConfig(chunk=case["chunk"])):
+        out, second = dispatch.decode_attention(*paged, mode=mode, slots=slots)
+    assert_close(out.float(), want_out.float(), case["dtype"])
+    assert_close(second, want_second, torch.float32)
+
+
+@here
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), page=st.sampled_from([4, 16, 24]), d=st.sampled_from([32, 128]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), programs=st.sampled_from([1, 3, 32]))
+def test_page_fetch_copies_the_listed_pages_and_nothing_else(seed, page, d, dtype, programs):
+    from policyzoo.kernels.config import PageFetchConfig
+
+    g_rand = gen(seed)
+    b, h, n_pages, n_slots = 2, 2, 6, 4
+    src_k, src_v = randn(g_rand, b, h, n_pages * page, d, dtype=dtype), randn(g_rand, b, h, n_pages * page, d, dtype=dtype)
+    dst_k, dst_v = randn(g_rand, b, h, (n_slots + 1) * page, d, dtype=dtype), randn(g_rand, b, h, (n_slots + 1) * page, d, dtype=dtype)
+    m = 7
+    count = int(torch.randint(0, m + 1, (1,), generator=g_rand))
+    src = torch.randint(0, b * h * n_pages, (m,), generator=g_rand)
+    # Distinct destinations among the listed pages; the rest of the list points at scratch slot 4 of row 0.
+    dst = torch.randperm(b * h * (n_slots + 1), generator=g_rand)
+    dst = dst[dst % (n_slots + 1) != n_slots][:m]
+    dst[count:], src[count:] = n_slots, 0
+    src, dst, count_t = src.to(DEVICE), dst.to(DEVICE), torch.tensor([count], device=DEVICE)
+    want_k, want_v = dst_k.clone(), dst_v.clone()
+    ref.page_fetch(src_k, src_v, want_k, want_v, src, dst, count_t, page)
+    with override(page_fetch=PageFetchConfig(programs=programs)):
+        dispatch.page_fetch(src_k, src_v, dst_k, dst_v, src, dst, count_t, page)
+    not_scratch = (torch.arange(n_slots + 1, device=DEVICE) != n_slots).repeat_interleave(page)
+    torch.testing.assert_close(dst_k[:, :, not_scratch], want_k[:, :, not_scratch], rtol=0, atol=0)
+    torch.testing.assert_close(dst_v[:, :, not_scratch], want_v[:, :, not_scratch], rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------------------------------
 # The entmax reference itself, against a plain bisection
 
