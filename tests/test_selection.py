@@ -97,3 +97,25 @@ def test_token_mask_tolerates_padding_entries_past_count(block):
     sel = _sel([[[1, 1000, -5]]], [[1]], block=block)
     mask = sel.token_mask(2 * block)
     assert torch.nonzero(mask[0, 0]).flatten().tolist() == list(range(block, 2 * block))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), parts=st.sampled_from([1, 2, 4]), page=st.sampled_from([1, 4]), k_max=st.integers(1, 5))
+def test_split_covers_the_same_tokens_in_smaller_entries(data, parts, page, k_max):
+    """`Selection.split`: the same token mask and per-token log weights, in entries of ``block``."""
+    block = parts * page
+    n = 8 * block
+    idx = torch.tensor([data.draw(st.permutations(range(8)))[:k_max] for _ in range(2)], dtype=torch.int32).view(1, 2, k_max)
+    count = torch.tensor([[data.draw(st.integers(0, k_max)) for _ in range(2)]], dtype=torch.int32)
+    lw = torch.randn(1, 2, k_max) if data.draw(st.booleans()) else None
+    sel = Selection(idx, count, lw, block)
+    small = sel.split(page)
+    assert small.block == page and small.k_max == k_max * parts and torch.equal(small.count, count * parts)
+    assert torch.equal(small.token_mask(n), sel.token_mask(n))
+    if lw is not None:  # each token keeps its entry's weight
+        big_w = lw.repeat_interleave(block, -1)
+        small_w = small.log_weight.repeat_interleave(page, -1)
+        assert torch.equal(big_w, small_w)
+    assert sel.split(block) is sel
+    with pytest.raises(ValueError, match="split"):
+        sel.split(block + 1) if block > 1 else sel.split(2)

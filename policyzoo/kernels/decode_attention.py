@@ -32,6 +32,9 @@ Index arithmetic: token ``f`` of a selection (``0 <= f < count·block``) is offs
 ``f // block``, i.e. cache slot ``indices[f // block]·block + f % block``; the tokens of one page are
 contiguous in memory. Tokens at or past ``count·block``, or outside ``start[b] <= pos < length``, are
 masked and never loaded. ``length`` is read from device memory (no host sync, CUDA-graph safe).
+With ``slots`` (an offloaded layer's page cache, `offload.PageCache`), ``keys`` and ``values`` are the
+cache's slots and a token is loaded from row ``slots[f // block]·block + f % block``; its position,
+and so its masking, is still the one ``indices`` gives.
 
 Launch parameters: `config.AttentionConfig`, chosen per call by `attention_config`.
 """
