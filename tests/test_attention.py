@@ -162,4 +162,4 @@ def test_entmax_dispatcher_routes_to_the_kernels_entmax_mode(monkeypatch):
     monkeypatch.setattr(kernels.dispatch, "use_triton", lambda t: True)
     monkeypatch.setattr(kernels.dispatch, "decode_attention", lambda *a, **kw: calls.append(kw) or ("out", "tau"))
     assert kernels.decode_attention_entmax15(torch.zeros(1, 1, 4), None, None, None, None, None, 1.0) == ("out", "tau")
-    assert calls == [{"mode": "entmax15"}]
+    assert calls == [{"mode": "entmax15", "slots": None}]
