@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 from benchmarks import common
+from policyzoo.bytes import ByteAccount
 
 
 def test_sweep_sections_run_on_cpu(tmp_path):
@@ -150,18 +152,15 @@ def test_selection_bytes_of_each_setting():
     assert common.selection_ratio("attn-topk0.1") == common.selection_ratio("topk0.5+attn-topk0.2") == 0.5
 
 
-@pytest.mark.parametrize("page_cache", [0.0, 1.0])
-def test_offloaded_step_rows_record_the_host_link(tmp_path, page_cache):
-    """``--offload N``: step rows with the last N layers' KV in host memory, their floor over the link;
-    with ``--offload-cache``, the page caches' hit rate over the timed steps, which the floor counts."""
+def test_offloaded_step_rows_record_the_host_link_and_the_page_cache(tmp_path):
+    """``--offload N --offload-cache share``: step rows with the last N layers' KV in host memory, the
+    page caches' hit rate over the timed steps, and a floor that reads the misses over the link."""
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path), "--only", "step",
-           "--contexts", "128", "--settings", "quest0.1", "--offload", "1", "--offload-cache", str(page_cache)]
+           "--contexts", "128", "--settings", "quest0.1", "--offload", "1", "--offload-cache", "1.0"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
     (row,) = [r for r in json.loads((tmp_path / "sweep.json").read_text())["rows"] if r["section"] == "step"]
-    assert "error" not in row and row["host_layers"] == 1 and row["host_link_GBps"] > 0
-    assert row["ms"] > 0 and row["floor_ms"] > 0 and row["page_cache"] == page_cache
-    if page_cache:
-        assert 0.0 <= row["hit_rate"] <= 1.0 and row["host_GB"] >= 0
-    else:
-        assert row["hit_rate"] is None and row["host_GB"] > 0
+    assert "error" not in row and row["host_layers"] == 1 and row["host_link_GBps"] > 0 and row["page_cache"] == 1.0
+    assert row["ms"] > 0 and row["floor_ms"] > 0 and 0.0 < row["hit_rate"] <= 1.0
+    selected = ByteAccount.from_config(common.random_config(tiny=True), dtype=torch.float32).host_bytes(128, 0.1, 1) / 1e9
+    assert row["host_GB"] == pytest.approx(selected * (1 - row["hit_rate"]))  # only the misses cross the link
