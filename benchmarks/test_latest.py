@@ -37,6 +37,20 @@ def test_run_folders_of_one_day_compare_their_numbers_as_numbers(tmp_path):
     assert row.data["ms"] == 4.0 and row.path.parent.name == "2026-01-02-h200-run10"
 
 
+def test_offloaded_rows_are_settings_of_their_own_and_say_so(tmp_path):
+    """A row with layers on the host (and a page cache) does not replace the row of the same setting
+    and context without them; its name gives the layers, the cache's share and its hit rate."""
+    _run(tmp_path / "2026-01-01-run1", "call1.json", "2026-01-01", [_row("quest", 4096, 4.0, section="step")])
+    _run(tmp_path / "2026-01-02-run2", "call1.json", "2026-01-02", [
+        _row("quest", 4096, 9.0, section="step", host_layers=4),
+        _row("quest", 4096, 6.0, section="step", host_layers=4, page_cache=0.15, hit_rate=0.5),
+    ])
+    rows = latest.newest(latest.load_rows(tmp_path))
+    assert sorted(r.data["ms"] for r in rows) == [4.0, 6.0, 9.0]
+    text = latest.render(rows, tmp_path)
+    assert "quest (offload 4 layers) |" in text and "quest (offload 4 layers, page cache 0.15, hits 0.50)" in text
+
+
 def test_generate_rows_make_the_readme_block_between_its_markers():
     row = latest.Row({"section": "generate", "setting": "dense", "context": 4096, "batch": 1, "generate_ms": 5.0, "step_ms": 4.9,
                       "generate/step": 1.02, "floor_ms": 3.6}, {"gpu": "GPU X", "date": "2026-01-01", "model": "llama-3.1-8b"},
