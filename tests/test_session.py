@@ -107,6 +107,15 @@ def test_rewind_and_time_step_time_the_same_context_again():
         session.time_step(calls=40)
 
 
+def test_time_step_without_rewind_takes_consecutive_steps():
+    session = Decoder(tiny_model("llama")).session
+    session.fill_random(16, capacity=32)
+    assert session.time_step(calls=4, reps=2, warmup=1, rewind=False) > 0
+    assert int(session.cache.length) == 16 + 1 + 4 * 2  # warm-up, then every rep after the last
+    with pytest.raises(ValueError, match="no room for 9 steps"):
+        session.time_step(calls=4, reps=2, warmup=1, rewind=False)
+
+
 def test_audit_records_steps_in_its_block_only_and_restores_the_previous_recorder():
     model = tiny_model("llama")
     ids, mask = padded_batch(1, 20)
