@@ -403,7 +403,8 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
     Scores are ranked at bf16 precision (8 significant bits), and ties go to the lowest position.
     The same score computed by a compiled and an eager step can differ in its last bits (Inductor
     sums in another order), which would break near-ties differently; rounded, they tie, so both
-    paths keep the same entries. Scores within about 0.4% of each other count as equal.
+    paths keep the same entries. Scores that round to the same bf16 value count as equal: they differ
+    by less than one bf16 step, at most 2^-7 (0.8%) of their size.
     """
     b, h_kv, n = scores.shape
     valid = scores > -torch.inf
