@@ -110,14 +110,14 @@ def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind:
     common.sync()
     setup_s = time.perf_counter() - t0
     session.rewind(n)
-    hits, lookups = session.cache.page_cache_counts()
+    before = session.cache.page_cache_counts()
     if DEVICE == "cpu":
         ms = cuda_time_ms(session.step)
     else:
         ms = session.time_step(calls=steps, reps=reps, warmup=1, rewind=rewind)
-    hits_after, lookups_after = session.cache.page_cache_counts()
-    looked = lookups_after - lookups
-    return ms, setup_s, (hits_after - hits) / looked if looked else None
+    after = session.cache.page_cache_counts()
+    looked = after.lookups - before.lookups
+    return ms, setup_s, 1 - (after.fetched - before.fetched) / looked if looked else None
 
 
 # ------------------------------------------------------------------------------------- sections

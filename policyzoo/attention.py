@@ -103,6 +103,23 @@ def prefill_attention_entmax15(
     return out.view(b, h, t, d).to(q.dtype)
 
 
+def prefetch_next_layer(runtime, layer: int, policy, state, sel) -> None:
+    """Start fetching the next layer's pages, where it is offloaded with a page cache and the policy
+    has made its selection already (`KVSelector.predicts_layer`): on a side stream, while this layer
+    attends and runs its MLP (`offload.PageCache.prefetch`)."""
+    cache = runtime.cache
+    ahead = cache.page_cache(layer + 1)
+    if ahead is None or not cache.prefetch or runtime.phase != "decode" or not policy.predicts_layer(layer + 1):
+        return
+    nxt = policy.next_layer_selection(state, sel)
+    if nxt is None:
+        raise RuntimeError(f"{type(policy).__name__}.predicts_layer({layer + 1}) is true, but next_layer_selection "
+                           f"gave no selection at layer {layer}")
+    if nxt.block % cache.page_size == 0:
+        nxt = nxt.split(cache.page_size)
+        ahead.prefetch(nxt, cache.keys[layer + 1], cache.values[layer + 1], cache.length)
+
+
 def policyzoo_attention(
     module: nn.Module,
     query: Tensor,
@@ -154,10 +171,14 @@ def policyzoo_attention(
     # An offloaded layer's page selection goes through its page cache; a dense pass (every page) and a
     # token selection read the host in place.
     if page_cache is not None and sel.block % cache.page_size == 0 and not isinstance(policy, Dense):
+        if cache.prefetch and runtime.phase == "decode" and policy.predicts_layer(layer):  # the layer below fetched them ahead
+            page_cache.wait_for_prefetch(q)
         sel = sel.split(cache.page_size)
         slots = page_cache.stage(sel, state.keys, state.values, cache.length)
+        prefetch_next_layer(runtime, layer, policy, state, sel)
         out, _ = attend(q, page_cache.keys, page_cache.values, sel, cache.start, cache.length, scale, slots)
     else:
+        prefetch_next_layer(runtime, layer, policy, state, sel)
         out, _ = attend(q, state.keys, state.values, sel, cache.start, cache.length, scale)
     if runtime.audit is not None:
         runtime.audit.record_attention(layer, q, cache, sel, out, scale, attention=runtime.attention)

@@ -7,7 +7,7 @@ optionally ``key_sketch``: every key coded in 4 bits per channel on its page's m
 which a policy bounds each token's logit within about a nat without reading the keys. The keys and
 values of ``host_layers`` live in pinned host memory, read in place by the GPU (`offload`); their
 summaries stay on the device, and so does each one's `offload.PageCache` when ``cache_slots`` asks
-for one.
+for one (``prefetch``: the layer below may fill it ahead, `offload.PageCache.prefetch`).
 Min and max are stored in the cache's dtype: they are key values, so they are exact there, and a
 page policy reads them every step (in fp32 they would be 12.5% of the KV bytes at page 16 in bf16;
 in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values). A cache keeps
@@ -23,6 +23,7 @@ forward, so every layer writes its new token at slot ``length - 1`` and attends 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,6 +38,15 @@ PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, 
 # A per-token summary: the 4-bit key sketch on its page's min/max grid (`reference.sketch_encode`),
 # ``uint8[B, H_kv, capacity, ceil(D/2)]``. It needs the min/max pair, which the cache then keeps too.
 SKETCH = "key_sketch"
+
+
+class PageCounts(NamedTuple):
+    """`PagedKVCache.page_cache_counts`: selected pages looked up by the offloaded layers, found on
+    the device at the lookup, and fetched over the link (at lookups and prefetches)."""
+
+    hits: int
+    lookups: int
+    fetched: int
 
 
 class NotKept:
@@ -65,6 +75,7 @@ class PagedKVCache:
         summaries: tuple[str, ...] = SUMMARIES,
         host_layers: frozenset[int] | set[int] = frozenset(),
         cache_slots: int = 0,
+        prefetch: bool = False,
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -115,6 +126,7 @@ class PagedKVCache:
             layer: PageCache(batch, num_kv_heads, head_dim, num_pages, cache_slots, page_size, dtype, device)
             for layer in sorted(self.host_layers) if cache_slots
         }
+        self.prefetch = bool(prefetch)  # the layer below may stage a page cache's selection ahead
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.start = torch.zeros(batch, dtype=torch.long, device=device)
         if self.device.type == "cuda":
@@ -147,17 +159,18 @@ class PagedKVCache:
         """The device cache of offloaded ``layer``'s recently selected pages, or None."""
         return self.page_caches.get(layer)
 
-    def page_cache_counts(self) -> tuple[int, int]:
-        """``(hits, lookups)``: the offloaded layers' selected pages found in their page caches, and
-        looked up, since the sequence began."""
-        return (sum(int(pc.hits) for pc in self.page_caches.values()),
-                sum(int(pc.lookups) for pc in self.page_caches.values()))
+    def page_cache_counts(self) -> PageCounts:
+        """The offloaded layers' page cache counts since the sequence began, summed over layers:
+        selected pages looked up, found on the device at the lookup, and fetched over the link."""
+        caches = self.page_caches.values()
+        return PageCounts(hits=sum(int(pc.hits) for pc in caches), lookups=sum(int(pc.lookups) for pc in caches),
+                          fetched=sum(int(pc.fetched) for pc in caches))
 
     def page_cache_hit_rate(self) -> float:
-        """Share of the offloaded layers' selected pages found in their page caches since the
-        sequence began (NaN without page caches or before a lookup)."""
-        hits, lookups = self.page_cache_counts()
-        return hits / lookups if lookups else float("nan")
+        """Share of the offloaded layers' looked-up pages the link did not carry since the sequence
+        began (`PageCache.hit_rate`; NaN without page caches or before a lookup)."""
+        counts = self.page_cache_counts()
+        return 1.0 - counts.fetched / counts.lookups if counts.lookups else float("nan")
 
     # ----------------------------------------------------------------- visibility (derived state)
     def token_valid(self) -> Tensor:
@@ -251,4 +264,4 @@ class PagedKVCache:
             self._encode(layer, torch.arange(self.num_pages, device=self.device)[pages])
 
 
-__all__ = ["PagedKVCache", "SUMMARIES", "SKETCH", "NotKept", "page_summaries"]
+__all__ = ["PagedKVCache", "PageCounts", "SUMMARIES", "SKETCH", "NotKept", "page_summaries"]

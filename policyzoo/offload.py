@@ -24,10 +24,15 @@ bytes are ``1 - hit_rate`` of the synchronous form's. The cache applies to page 
 of one page, or of several, which it splits into pages); a token-level selection reads the host in
 place as before.
 
-Not built: prefetching a layer's predicted pages on a side stream while the layer before it runs.
-A persistent zero-copy gather on a quarter of the SMs measured 50 GB/s and hid behind GPU work on
-another stream, but overlap alone bounds the gain at about 1.2x: a layer's misses take longer over
-the link than the rest of a step takes on the device (`benchmarks/results/`).
+A policy that knows the next layer's selection while it selects for this one (`kv.Forecast`, whose
+head at layer l predicts layer l+1's blocks; `kv.PrHS` where layer l+1 shares layer l's selection:
+`KVSelector.predicts_layer`) has that layer's pages fetched ahead: at layer l the page cache of layer
+l+1 stages the predicted selection on a side stream (`PageCache.prefetch`) while layer l attends and
+runs its MLP, and layer l+1's main stream waits for it before its own lookup (`PageCache.wait_for_prefetch`).
+A predicted page that has not arrived makes the step wait; a page the prediction missed is fetched
+at the layer's own lookup as without prefetch, so the step reads the same values either way. Overlap
+hides at most the device time of the layer before, so where the link carries far more than the GPU
+does (1M tokens, 8 layers offloaded) the fetches it saves matter more than the prefetch.
 
 On a CPU device the cache is in host memory anyway: the layers are ordinary tensors, and decoding is
 the same as without offload (a page cache, if asked for, copies pages between host tensors: it
@@ -36,6 +41,7 @@ serves the tests).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -62,14 +68,20 @@ class Offload:
             every selected page is read over the link at every step). It must hold a whole
             selection: at least the policy's budget, plus room for the pages selected lately
             (``1.5`` times the budget is a good start, e.g. ``0.15`` for ``Quest(0.1)``).
+        prefetch: with a page cache and a policy that makes the next layer's selection early
+            (`KVSelector.predicts_layer`), fetch an offloaded layer's pages while the layer before it
+            runs (`PageCache.prefetch`). ``False`` fetches them at the layer's own lookup (to compare).
     """
 
     layers: int | tuple[int, ...] = 1
     cache: float = 0.0
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.cache, bool) or not isinstance(self.cache, (int, float)) or not 0.0 <= self.cache <= 1.0:
             raise ValueError(f"cache must be a share of the pages in [0, 1], got {self.cache!r}")
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
         layers = self.layers
         if isinstance(layers, bool):
             raise TypeError(f"layers must be an int or a tuple of layer indices, got {layers!r}")
@@ -171,10 +183,12 @@ class PageCache:
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self.hits = torch.zeros((), dtype=torch.int64, device=device)
         self.lookups = torch.zeros((), dtype=torch.int64, device=device)
+        self.fetched = torch.zeros((), dtype=torch.int64, device=device)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor it owns (static addresses for CUDA graphs, memory accounting)."""
-        return [self.keys, self.values, self.page_slot, self.slot_page, self.last_used, self.clock, self.hits, self.lookups]
+        return [self.keys, self.values, self.page_slot, self.slot_page, self.last_used, self.clock, self.hits,
+                self.lookups, self.fetched]
 
     def clear(self) -> None:
         """Forget every page (their host copies changed) and the hit counts."""
@@ -184,6 +198,7 @@ class PageCache:
         self.clock.zero_()
         self.hits.zero_()
         self.lookups.zero_()
+        self.fetched.zero_()
 
     def forget_from(self, page: int) -> None:
         """Forget the copies of pages ``page`` and later (their slots will be written again, e.g.
@@ -194,15 +209,18 @@ class PageCache:
         self.last_used.masked_fill_(stale, 0)
 
     def hit_rate(self) -> float:
-        """Share of the selected pages found on the device since `clear` (NaN before any lookup)."""
+        """Share of the looked-up pages that the link did not carry since `clear`: ``1 - fetched /
+        lookups`` (NaN before any lookup). Without prefetch these are the pages found on the device;
+        with it, pages fetched ahead count as carried, so this is always the byte account's."""
         lookups = int(self.lookups)
-        return int(self.hits) / lookups if lookups else float("nan")
+        return 1.0 - int(self.fetched) / lookups if lookups else float("nan")
 
-    def stage(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor) -> Tensor:
+    def stage(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor, ahead: bool = False) -> Tensor:
         """Bring the pages of page selection ``sel`` (``block`` = the page size) into the slots and
         return each entry's slot, ``int32`` shaped as ``sel.indices`` (`PageCache` steps 1-4).
         ``host_keys, host_values [B, H_kv, capacity, D]``: the layer's cache; ``length``: the cache's,
-        this step's token included."""
+        this step's token included. ``ahead``: a prefetch (`prefetch`), whose pages are counted as
+        fetched but not as looked up (the layer's own lookup counts them)."""
         n, s, page = self.num_pages, self.slots, self.page_size
         if sel.block != page:
             raise ValueError(f"a page cache takes selections of pages of {page} tokens, got blocks of {sel.block}")
@@ -210,7 +228,7 @@ class PageCache:
             raise ValueError(f"the selection has up to {sel.k_max} pages per head; the page cache holds {s}: "
                              f"raise Offload(cache=...) to at least {sel.k_max / n:.3f}")
         idx = sel.indices.long()
-        valid = sel.entry_valid() & (idx >= 0) & (idx < n)
+        valid = sel.entry_valid() & (idx >= 0) & (idx < n) & (idx * page < length)  # a block's future pages: nothing to read
         pages = torch.where(valid, idx, n)
         slot = self.page_slot.gather(-1, pages).long()
         hit = valid & (slot >= 0)
@@ -230,10 +248,38 @@ class PageCache:
         self.slot_page.scatter_(-1, target, installed)
         self.slot_page[..., s] = n
         self.last_used.scatter_(-1, target, torch.where(complete, self.clock, 0))  # a growing page's slot is free next step
-        self.hits += hit.sum()
-        self.lookups += valid.sum()
+        if not ahead:
+            self.hits += hit.sum()
+            self.lookups += valid.sum()
+        self.fetched += miss.sum()
         self._fetch(miss, pages, target, host_keys, host_values)
         return torch.where(hit, slot, torch.where(miss, target, 0)).to(torch.int32)
+
+    def prefetch(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor) -> None:
+        """`stage` page selection ``sel`` ahead of the layer's lookup, on the side stream (on CUDA;
+        inline elsewhere): the layer before calls it with this layer's predicted selection, and this
+        layer calls `wait_for_prefetch` before its own `stage`. One custom op, so that a compiled
+        step keeps it whole and its CUDA graph captures the fork and the join."""
+        torch.ops.policyzoo.prefetch_pages(sel.indices, sel.count, host_keys, host_values, length, *self._state(), self.page_size)
+
+    def wait_for_prefetch(self, after: Tensor) -> None:
+        """Make the current stream wait for this cache's `prefetch` (issued once ``after``, e.g.
+        the layer's query, exists, so that a compiler cannot move the wait up to the prefetch)."""
+        torch.ops.policyzoo.wait_for_prefetch(self.page_slot, after)
+
+    def _state(self) -> tuple[Tensor, ...]:
+        return (self.keys, self.values, self.page_slot, self.slot_page, self.last_used, self.clock, self.fetched)
+
+    @classmethod
+    def _of(cls, keys: Tensor, values: Tensor, page_slot: Tensor, slot_page: Tensor, last_used: Tensor, clock: Tensor,
+            fetched: Tensor, page_size: int) -> "PageCache":
+        """A page cache over existing tensors (`_state`'s, as a custom op receives them); it counts
+        no lookups (a prefetch does not)."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.page_slot, cache.slot_page = keys, values, page_slot, slot_page
+        cache.last_used, cache.clock, cache.fetched = last_used, clock, fetched
+        cache.num_pages, cache.slots, cache.page_size = page_slot.shape[-1] - 1, slot_page.shape[-1] - 1, page_size
+        return cache
 
     def _fetch(self, miss: Tensor, pages: Tensor, target: Tensor, host_keys: Tensor, host_values: Tensor) -> None:
         """Copy the missed pages into their slots: the misses listed first (flat page numbers), the
@@ -251,4 +297,46 @@ class PageCache:
         kernels.page_fetch(host_keys, host_values, self.keys, self.values, src_list, dst_list, flat.sum(), self.page_size)
 
 
-__all__ = ["Offload", "PageCache", "host_tensor"]
+@functools.cache
+def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream prefetches run on, one per CUDA device."""
+    return torch.cuda.Stream(device=device)
+
+
+@torch.library.custom_op(
+    "policyzoo::prefetch_pages",
+    mutates_args=("keys", "values", "page_slot", "slot_page", "last_used", "clock", "fetched"),
+)
+def _prefetch_pages(indices: Tensor, count: Tensor, host_keys: Tensor, host_values: Tensor, length: Tensor,
+                    keys: Tensor, values: Tensor, page_slot: Tensor, slot_page: Tensor, last_used: Tensor,
+                    clock: Tensor, fetched: Tensor, page_size: int) -> None:
+    cache = PageCache._of(keys, values, page_slot, slot_page, last_used, clock, fetched, page_size)
+    sel = Selection(indices=indices, count=count, block=page_size)
+    if keys.device.type != "cuda":
+        cache.stage(sel, host_keys, host_values, length, ahead=True)
+        return
+    side = prefetch_stream(keys.device)
+    side.wait_stream(torch.cuda.current_stream(keys.device))
+    for t in (indices, count):  # made on the main stream, read on the side one: not reused before it is done
+        t.record_stream(side)
+    with torch.cuda.stream(side):
+        cache.stage(sel, host_keys, host_values, length, ahead=True)
+
+
+@_prefetch_pages.register_fake
+def _(indices, count, host_keys, host_values, length, keys, values, page_slot, slot_page, last_used, clock, fetched, page_size):
+    return None
+
+
+@torch.library.custom_op("policyzoo::wait_for_prefetch", mutates_args=("page_slot",))
+def _wait_for_prefetch(page_slot: Tensor, after: Tensor) -> None:
+    if page_slot.device.type == "cuda":
+        torch.cuda.current_stream(page_slot.device).wait_stream(prefetch_stream(page_slot.device))
+
+
+@_wait_for_prefetch.register_fake
+def _(page_slot, after):
+    return None
+
+
+__all__ = ["Offload", "PageCache", "host_tensor", "prefetch_stream"]

@@ -173,6 +173,7 @@ class DecodeSession:
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
             page_size=self.page_size, dtype=self.dtype, device=self.device, summaries=self._summaries(),
             host_layers=self.host_layers, cache_slots=self.offload.cache_slots(capacity // self.page_size) if self.offload else 0,
+            prefetch=bool(self.offload and self.offload.prefetch),
         )  # fmt: skip
         if self._dynamic_capacity:
             _mark_capacity_dynamic(cache)

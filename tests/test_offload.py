@@ -10,7 +10,9 @@ no device memory; on a CPU device they are plain tensors (a CPU cache is in host
 A page cache (`Offload(cache=...)`, `PageCache`) changes where pages are read, never what: every
 selected entry's slot holds the page's current values, a page is kept only once it can no longer
 change, a repeated selection is served from the device without fetching, and a rewind forgets the
-pages it makes stale.
+pages it makes stale. A prefetch (the next layer's predicted selection, staged ahead) changes when
+pages cross the link, never what the lookup reads: a right prediction is found at the lookup, a
+wrong one costs fetches only, and each page is counted once as looked up.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 from tiny_models import padded_batch, tiny_model
 
 from policyzoo import Decoder, Offload, PagedKVCache, Quest
+from policyzoo.kv import Forecast, PrHS
 from policyzoo.bytes import ByteAccount
 from policyzoo.offload import PageCache, host_tensor
 from policyzoo.selection import Selection
@@ -36,6 +39,9 @@ CUDA = torch.cuda.is_available()
 @functools.cache
 def llama(layers: int = 3):
     return tiny_model("llama", layers=layers)
+
+
+FORECAST = dict(block=16, kernel=16, stride=4, sinks=4, window=4)  # Forecast's geometry at the tiny model's scale
 
 
 # ------------------------------------------------------------------------------------ Offload
@@ -61,6 +67,16 @@ def test_a_tuple_names_the_layers_and_is_kept_sorted():
 def test_bad_layers_are_refused_by_name(layers, exc):
     with pytest.raises(exc, match="layers|layer indices"):
         Offload(layers)
+
+
+def test_prefetch_off_fetches_at_the_lookup_only(monkeypatch):
+    monkeypatch.setattr(PageCache, "prefetch", lambda *a: pytest.fail("prefetched with prefetch=False"))
+    ids, mask = padded_batch(2, 150, seed=1)
+    want = Decoder(llama(), kv=Forecast(0.3, **FORECAST)).generate(ids, 6, attention_mask=mask)
+    dec = Decoder(llama(), kv=Forecast(0.3, **FORECAST), offload=Offload(2, cache=0.7, prefetch=False))
+    assert torch.equal(dec.generate(ids, 6, attention_mask=mask), want)
+    with pytest.raises(TypeError, match="prefetch"):
+        Offload(2, prefetch=1)
 
 
 @pytest.mark.parametrize("cache", [-0.1, 1.5, True, "0.1", None])
@@ -103,7 +119,7 @@ def test_offloaded_decoding_gives_the_tokens_of_decoding_without(seed, layers, k
     got = dec.generate(ids, 12, attention_mask=mask)
     assert torch.equal(got, want)
     assert dec.session.cache.host_layers == Offload(layers).host_layers(3)
-    hits, lookups = dec.session.cache.page_cache_counts()
+    hits, lookups, _ = dec.session.cache.page_cache_counts()
     if cache and kv == "quest":  # later steps find the pages earlier ones fetched; a dense pass reads in place
         assert 0 < hits < lookups
     else:
@@ -117,6 +133,45 @@ def test_offloaded_compiled_decoding_gives_the_eager_tokens(cache):
     dec = Decoder(llama(), kv=Quest(0.3, page=4, sinks=2, window=4), offload=Offload(1, cache=cache)).compile()
     assert torch.equal(dec.generate(ids, 10, attention_mask=mask), want)
     assert (dec.session.cache.page_cache_counts()[0] > 0) == bool(cache)  # the compiled step used the page cache
+
+
+@pytest.mark.parametrize("kv", ["forecast", "prhs"])
+def test_a_policy_that_predicts_the_next_layer_has_its_pages_fetched_ahead(kv, monkeypatch):
+    """`Forecast` (layer l's head chooses layer l+1's blocks) and `PrHS` sharing a selection between
+    layers: the offloaded layers' pages are prefetched by the layer below at every step, the tokens are
+    those of decoding without offload, and the lookups find all but the growing pages."""
+    ids, mask = padded_batch(2, 150, seed=1)
+    if kv == "forecast":
+        make, predicted = (lambda: Forecast(0.3, **FORECAST)), {1, 2}
+    else:
+        make, predicted = (lambda: PrHS(Quest(0.3, page=4, sinks=2, window=4), layer=(0, 1, 1))), {2}
+    want = Decoder(llama(), kv=make()).generate(ids, 12, attention_mask=mask)
+    calls = []
+    prefetch = PageCache.prefetch
+    monkeypatch.setattr(PageCache, "prefetch", lambda self, *a: calls.append(self) or prefetch(self, *a))
+    dec = Decoder(llama(), kv=make(), offload=Offload(2, cache=0.7))
+    assert torch.equal(dec.generate(ids, 12, attention_mask=mask), want)
+    cache = dec.session.cache
+    steps = 11  # the first token comes from the prefill
+    assert [id(c) for c in calls] == [id(cache.page_cache(layer)) for _ in range(steps) for layer in sorted(predicted)]
+    growing = steps * 2 * llama().config.num_key_value_heads  # one page per step, row and head
+    for layer in predicted:
+        pc = cache.page_cache(layer)
+        assert int(pc.lookups) - int(pc.hits) <= growing < int(pc.lookups)
+        assert 0 < pc.hit_rate() < 1  # the link still carries the prefetched pages
+
+
+def test_a_compiled_step_prefetches_as_the_eager_one():
+    """The prefetch and its wait are custom ops that mutate the page cache: the compile keeps both
+    (AOTAutograd's functionalization is where a mutation could be dropped; ``aot_eager`` keeps the
+    test short, and the CUDA run of the sweep compiles them with Inductor under a CUDA graph)."""
+    ids, mask = padded_batch(2, 150, seed=1)
+    eager = Decoder(llama(), kv=Forecast(0.3, **FORECAST), offload=Offload(2, cache=0.7))
+    want = eager.generate(ids, 12, attention_mask=mask)
+    counts = eager.session.cache.page_cache_counts()
+    dec = Decoder(llama(), kv=Forecast(0.3, **FORECAST), offload=Offload(2, cache=0.7)).compile(backend="aot_eager")
+    assert torch.equal(dec.generate(ids, 12, attention_mask=mask), want)
+    assert dec.session.cache.page_cache_counts() == counts  # the prefetches ran in the compiled step
 
 
 def test_a_selection_wider_than_the_page_cache_is_refused_with_the_share_it_needs():
@@ -164,6 +219,8 @@ def test_every_staged_entry_reads_its_page_and_the_maps_stay_inverse(data, slots
         got = pc.stage(sel, keys, values, torch.tensor(length))
         for i, j, e in sel.entry_valid().nonzero().tolist():
             page = int(sel.indices[i, j, e])
+            if page * PAGE >= length:  # no token there yet: nothing to read, nothing looked up
+                continue
             rows = slot_rows(pc, got, i, j, e)
             assert torch.equal(pc.keys[i, j, rows], keys[i, j, page * PAGE : (page + 1) * PAGE])
             assert torch.equal(pc.values[i, j, rows], values[i, j, page * PAGE : (page + 1) * PAGE])
@@ -177,6 +234,38 @@ def test_every_staged_entry_reads_its_page_and_the_maps_stay_inverse(data, slots
                     assert int(pc.slot_page[i, j, int(pc.page_slot[i, j, page])]) == page
                 assert len(kept) <= slots
     assert (int(pc.hits), int(pc.lookups)) == (hits, lookups)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16), right=st.booleans())
+def test_a_prefetch_is_found_at_the_lookup_and_never_changes_what_it_reads(data, seed, right):
+    """The lookup after a prefetch of the same selection finds every complete page on the device; after a
+    wrong prediction it reads the right pages all the same. Lookups count the lookup's pages once; the
+    link's share (`hit_rate`) counts every page fetched, ahead or not."""
+    b, h, k_max = 2, 2, 5
+    keys, values = host_layer(seed)
+    pc = PageCache(b, h, keys.shape[-1], PAGES, 2 * k_max, PAGE, keys.dtype, "cpu")
+    length = torch.tensor(data.draw(st.integers(1, PAGES * PAGE)))
+    predicted = random_selection(data.draw, b, h, k_max)
+    sel = predicted if right else random_selection(data.draw, b, h, k_max)
+    pc.prefetch(predicted, keys, values, length)
+    assert int(pc.lookups) == 0 and int(pc.fetched) > 0 or not (predicted.entry_valid() & (predicted.indices * PAGE < length)).any()
+    fetched_ahead = int(pc.fetched)
+    pc.wait_for_prefetch(keys)
+    got = pc.stage(sel, keys, values, length)
+    looked = sel.entry_valid() & (sel.indices * PAGE < length)
+    for i, j, e in looked.nonzero().tolist():
+        page = int(sel.indices[i, j, e])
+        rows = slot_rows(pc, got, i, j, e)
+        assert torch.equal(pc.keys[i, j, rows], keys[i, j, page * PAGE : (page + 1) * PAGE])
+        assert torch.equal(pc.values[i, j, rows], values[i, j, page * PAGE : (page + 1) * PAGE])
+    complete = looked & ((sel.indices.long() + 1) * PAGE <= length - 1)
+    assert int(pc.lookups) == int(looked.sum())
+    if right:  # only the growing page is fetched again
+        assert int(pc.hits) == int(complete.sum())
+        assert int(pc.fetched) - fetched_ahead == int((looked & ~complete).sum())
+    if int(pc.lookups):
+        assert pc.hit_rate() == 1 - int(pc.fetched) / int(pc.lookups)
 
 
 def test_a_repeated_selection_of_complete_pages_is_served_from_the_device():

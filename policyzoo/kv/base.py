@@ -112,6 +112,20 @@ class KVSelector:
     def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
         """Called after each decode token is written (the cache keeps page summaries itself)."""
 
+    # ----------------------------------------------------------- the next layer's selection
+    # A policy whose `select` at layer l already makes layer l+1's selection says so here; an
+    # offloaded layer l+1 then fetches those pages while layer l runs (`offload.PageCache.prefetch`).
+
+    def predicts_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s selection is made while layer ``layer - 1`` selects (fixed per
+        layer: a compiled step decides by it)."""
+        return False
+
+    def next_layer_selection(self, state: KVState, sel: Selection) -> Selection | None:
+        """Layer ``state.layer + 1``'s selection at this step, after this layer's `select` returned
+        ``sel``: a selection wherever `predicts_layer(state.layer + 1)`, else ``None``."""
+        return None
+
     # ------------------------------------------------------------------ learned parameters
     # A policy may own parameters: any attribute that is an `nn.Module` (a scoring head, say). The
     # Decoder moves them to the model's device and dtype; `save` and `load` keep them in a

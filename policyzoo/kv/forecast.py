@@ -312,6 +312,12 @@ class Forecast(KVSelector):
             shared["forecast.next"] = self.choose(state, layer + 1, ctx.hidden, ctx.rotary)
         return mine
 
+    def predicts_layer(self, layer: int) -> bool:
+        return layer > 0  # layer 0's selection is its own head's
+
+    def next_layer_selection(self, state: KVState, sel: Selection) -> Selection | None:
+        return state.context.shared.get("forecast.next")
+
     # ------------------------------------------------------------------------------ scoring
     def scores(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
         """``float32[B, H_kv, NB]``: layer ``layer``'s block scores by head ``layer``'s query, up to a

@@ -191,6 +191,12 @@ class PrHS(KVSelector):
         """Whether layer ``layer`` reuses the selection of the layer below."""
         return 0 < layer < len(self.layer) and self.layer[layer] == self.layer[layer - 1]
 
+    def predicts_layer(self, layer: int) -> bool:
+        return self.eps is None and self.shares_below(layer)  # it reuses the layer below's selection as is
+
+    def next_layer_selection(self, state: KVState, sel: Selection) -> Selection | None:
+        return sel if self.predicts_layer(state.layer + 1) else None
+
     # ------------------------------------------------------------------ life cycle
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         layers = state.cache.num_layers
