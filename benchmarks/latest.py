@@ -57,7 +57,8 @@ class Row:
     def key(self) -> tuple:
         d = self.data
         return (d.get("section"), d.get("mode", ""), d.get("setting"), d.get("context"), d.get("batch", 1), d.get("shape", ""),
-                d.get("model", self.meta.get("model", "")), d.get("host_layers") or 0, d.get("page_cache") or 0.0)
+                d.get("model", self.meta.get("model", "")), d.get("host_layers") or 0, d.get("page_cache") or 0.0,
+                bool(d.get("prefetch")))
 
     @property
     def order(self) -> tuple:
@@ -129,7 +130,8 @@ def render(rows: list[Row], base: Path = RESULTS) -> str:
             d = r.data
             name = d.get("setting", "") + (f" ({d['shape']})" if d.get("shape") else "") + (f" [{d['model']}]" if d.get("model") else "")
             if d.get("host_layers"):  # offloaded: the layers on the host and the page cache's share and hit rate
-                name += f" (offload {d['host_layers']} layers" + (f", page cache {d['page_cache']:g}, hits {d['hit_rate']:.2f}" if d.get("page_cache") else "") + ")"
+                name += f" (offload {d['host_layers']} layers" + (f", page cache {d['page_cache']:g}, hits {d['hit_rate']:.2f}" if d.get("page_cache") else "")
+                name += (", prefetch" if d.get("prefetch") else "") + ")"
             cells = [name, d.get("mode", ""), d.get("context", ""), d.get("batch", 1), *(d.get(c) for c in columns)]
             cells += [r.meta.get("gpu", ""), r.meta.get("date", ""), _link(r, base)]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

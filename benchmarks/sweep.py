@@ -169,12 +169,13 @@ def section_kernel(contexts, rows, check=True):
 
 
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
-                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None, offload_cache=0.0):
+                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None, offload_cache=0.0, prefetch=True):
     """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense.
     ``offload``: the last that many layers' keys and values in pinned host memory (`policyzoo.Offload`),
     with page caches of ``offload_cache`` of their pages; the floor then reads their selected KV,
-    less the hits measured over the timed steps, at ``host_bw``. Offloaded rows time consecutive
-    steps (no rewind), as generation runs them."""
+    less the hits measured over the timed steps, at ``host_bw``; ``prefetch``: a policy that predicts
+    the next layer's selection fetches its pages ahead (`Offload(prefetch=...)`; the row records whether
+    any layer did). Offloaded rows time consecutive steps (no rewind), as generation runs them."""
     dense_ms = {} if dense_ms is None else dense_ms
     for name in names:
         _, _, r_p, r_kv = settings()[name]
@@ -186,7 +187,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             with common.recorded(row, f"{section}/{mode} b={batch} n={n} {name}"):
                 if shared is None:
                     torch._dynamo.reset()
-                    dec = common.decoder(model, name, offload=Offload(offload, cache=offload_cache) if offload else None)
+                    dec = common.decoder(model, name, offload=Offload(offload, cache=offload_cache, prefetch=prefetch) if offload else None)
                     if mode == "compiled-dynamic":
                         shared = dec.compile(dynamic_capacity=True)
                 else:
@@ -204,7 +205,8 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                 if offload:
                     floor = acct.offload_floor_ms(n, bw, host_bw, offload, r_p, r_kv, batch, union, sel, hit_rate=hit or 0.0)
                     row.update({"host_layers": offload, "host_GB": acct.host_bytes(n, r_kv, offload, batch, hit or 0.0) / 1e9,
-                                "host_link_GBps": host_bw / 1e9, "page_cache": offload_cache, "hit_rate": hit})
+                                "host_link_GBps": host_bw / 1e9, "page_cache": offload_cache, "hit_rate": hit,
+                                "prefetch": prefetched(dec)})
                 bound = acct.bound(n, r_p, r_kv, batch=batch, union_keep=union, r_select=sel)
                 speedup = dense_ms.get(n, float("nan")) / ms
                 row.update({"ms": ms, "tok/s": batch * 1e3 / ms, "r_select": sel, "floor_ms": floor, "ms/floor": ms / floor,
@@ -219,6 +221,12 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
             save()
             dec = None
             free_memory()
+
+
+def prefetched(dec) -> bool:
+    """Whether ``dec``'s offloaded layers have their pages fetched ahead by the layer below."""
+    cache = dec.session.cache
+    return cache.prefetch and any(dec.session.runtime.policy.predicts_layer(layer) for layer in cache.page_caches)
 
 
 def compiled_items(spec: str, known: set[str], flag: str = "--compiled") -> list[tuple[str, int, int]]:
@@ -431,6 +439,9 @@ def main(argv=None) -> None:
                    help="step section: keep the last N layers' keys and values in pinned host memory (policyzoo.Offload)")
     p.add_argument("--offload-cache", type=float, default=0.0,
                    help="with --offload: each offloaded layer's page cache, as a share of its pages (Offload(cache=...))")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="with --offload-cache: fetch each offloaded layer's pages at its own lookup, even where the "
+                        "policy predicts them a layer ahead (Offload(prefetch=False))")
     p.add_argument("--settings", default="dense,attn-topk0.1,attn-topk0.3,quest0.1,quest0.3,topk0.5,topk0.5+attn-topk0.2,topk0.5+quest0.2")
     p.add_argument("--hf-contexts", default="4096")
     p.add_argument("--generate", default="dense@4096,dense@32768,dense@131072,dense@32768x16",
@@ -538,7 +549,7 @@ def main(argv=None) -> None:
         "profile": run_profile,
         "step": lambda: section_step(full_model(), contexts, names, rows, bw, acct, save, deadline,
                                      offload=args.offload, host_bw=host_link_bandwidth() if args.offload else None,
-                                     offload_cache=args.offload_cache),
+                                     offload_cache=args.offload_cache, prefetch=not args.no_prefetch),
         "batch": run_batch,
         "compiled": run_compiled,
         "hf": lambda: section_hf(full_model(), [int(c) for c in args.hf_contexts.split(",")], rows, bw, acct, save, deadline),

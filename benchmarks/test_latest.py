@@ -44,11 +44,13 @@ def test_offloaded_rows_are_settings_of_their_own_and_say_so(tmp_path):
     _run(tmp_path / "2026-01-02-run2", "call1.json", "2026-01-02", [
         _row("quest", 4096, 9.0, section="step", host_layers=4),
         _row("quest", 4096, 6.0, section="step", host_layers=4, page_cache=0.15, hit_rate=0.5),
+        _row("quest", 4096, 5.0, section="step", host_layers=4, page_cache=0.15, hit_rate=0.5, prefetch=True),
     ])
     rows = latest.newest(latest.load_rows(tmp_path))
-    assert sorted(r.data["ms"] for r in rows) == [4.0, 6.0, 9.0]
+    assert sorted(r.data["ms"] for r in rows) == [4.0, 5.0, 6.0, 9.0]
     text = latest.render(rows, tmp_path)
-    assert "quest (offload 4 layers) |" in text and "quest (offload 4 layers, page cache 0.15, hits 0.50)" in text
+    assert "quest (offload 4 layers) |" in text and "quest (offload 4 layers, page cache 0.15, hits 0.50) |" in text
+    assert "quest (offload 4 layers, page cache 0.15, hits 0.50, prefetch) |" in text
 
 
 def test_generate_rows_make_the_readme_block_between_its_markers():

@@ -154,13 +154,18 @@ def test_selection_bytes_of_each_setting():
 
 def test_offloaded_step_rows_record_the_host_link_and_the_page_cache(tmp_path):
     """``--offload N --offload-cache share``: step rows with the last N layers' KV in host memory, the
-    page caches' hit rate over the timed steps, and a floor that reads the misses over the link."""
+    page caches' hit rate over the timed steps, and a floor that reads the misses over the link. A
+    policy that predicts the next layer's selection (`Forecast`) prefetches, and the row says so."""
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path), "--only", "step",
-           "--contexts", "128", "--settings", "quest0.1", "--offload", "1", "--offload-cache", "1.0"]
+           "--contexts", "128", "--settings", "quest0.1,forecast0.1", "--offload", "1", "--offload-cache", "1.0"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
-    (row,) = [r for r in json.loads((tmp_path / "sweep.json").read_text())["rows"] if r["section"] == "step"]
-    assert "error" not in row and row["host_layers"] == 1 and row["host_link_GBps"] > 0 and row["page_cache"] == 1.0
-    assert row["ms"] > 0 and row["floor_ms"] > 0 and 0.0 < row["hit_rate"] <= 1.0
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "sweep.json").read_text())["rows"] if r["section"] == "step"}
+    assert set(rows) == {"quest0.1", "forecast0.1"}
+    for row in rows.values():
+        assert "error" not in row and row["host_layers"] == 1 and row["host_link_GBps"] > 0 and row["page_cache"] == 1.0
+        assert row["ms"] > 0 and row["floor_ms"] > 0 and 0.0 < row["hit_rate"] <= 1.0
+    assert rows["forecast0.1"]["prefetch"] is True and rows["quest0.1"]["prefetch"] is False
+    row = rows["quest0.1"]
     selected = ByteAccount.from_config(common.random_config(tiny=True), dtype=torch.float32).host_bytes(128, 0.1, 1) / 1e9
     assert row["host_GB"] == pytest.approx(selected * (1 - row["hit_rate"]))  # only the misses cross the link
