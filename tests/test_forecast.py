@@ -185,6 +185,21 @@ def test_each_layer_is_chosen_one_layer_ahead_from_the_hidden_state_below():
         torch.testing.assert_close(hidden, hf.hidden_states[below][:, ids.shape[1] + step], atol=1e-4, rtol=1e-4)
 
 
+@settings(max_examples=25, deadline=None)
+@given(pages=st.integers(1, 9), page=st.sampled_from([1, 4]), chunk=st.integers(1, 10), seed=st.integers(0, 2**16))
+def test_page_means_are_the_mean_visible_key_in_chunks_of_any_size(pages, page, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, pages * page, 5, generator=g).bfloat16()
+    valid = torch.rand(2, pages * page, generator=g) < 0.6
+    got = page_means(keys, valid, page, chunk_pages=chunk)
+    for b in range(2):
+        for p in range(pages):
+            seen = valid[b, p * page : (p + 1) * page]
+            k = keys[b, :, p * page : (p + 1) * page].float()[:, seen]
+            want = k.mean(1) if seen.any() else torch.zeros(3, 5)
+            torch.testing.assert_close(got[b, :, p], want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_page_means_stay_equal_to_a_recomputation():
     model = tiny_model("qwen3", layers=2)
     ids, mask = padded_batch(3, 37)

@@ -162,13 +162,24 @@ def rotate(x: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
     return torch.cat([head * cos + torch.cat([-x2, x1], dim=-1) * sin, tail], dim=-1)
 
 
-def page_means(keys: Tensor, valid: Tensor, page: int) -> Tensor:
+# Pages per pass of `page_means`: its fp32 temporaries stay near a gigabyte at the 8B shape, where a
+# whole layer at once would take 8 GiB at 1M tokens.
+MEAN_CHUNK_PAGES = 8192
+
+
+def page_means(keys: Tensor, valid: Tensor, page: int, chunk_pages: int = MEAN_CHUNK_PAGES) -> Tensor:
     """``[B, H_kv, P, D]`` (fp32): each page's mean visible key (zero on an empty page), from
-    ``keys [B, H_kv, P·page, D]`` and ``valid bool[B, P·page]``."""
+    ``keys [B, H_kv, P·page, D]`` and ``valid bool[B, P·page]``, ``chunk_pages`` pages at a time."""
     b, h, n, d = keys.shape
-    k = keys.view(b, h, n // page, page, d).float()
-    m = valid.view(b, 1, n // page, page, 1).float()
-    return (k * m).sum(3) / m.sum(3).clamp(min=1)
+    pages = n // page
+    k = keys.view(b, h, pages, page, d)
+    m = valid.view(b, 1, pages, page, 1)
+    out = torch.empty(b, h, pages, d, dtype=torch.float32, device=keys.device)
+    for lo in range(0, pages, chunk_pages):
+        hi = min(pages, lo + chunk_pages)
+        seen = m[:, :, lo:hi].float()
+        out[:, :, lo:hi] = (k[:, :, lo:hi].float() * seen).sum(3) / seen.sum(3).clamp(min=1)
+    return out
 
 
 def block_scores(page_scores: Tensor, counts: Tensor, kernel_pages: int, block_pages: int) -> Tensor:
