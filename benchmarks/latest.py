@@ -34,6 +34,7 @@ COLUMNS = {
     "kernel": ("us", "TB/s", "vs_dense_kernel"),
     "batch": ("ms", "floor_ms", "ms/floor", "speedup", "bound"),
     "step": ("ms", "floor_ms", "ms/floor", "speedup", "bound"),
+    "tp": ("world", "generate_ms", "step_ms", "generate/step", "floor_ms", "ms/floor"),
 }
 TITLES = {
     "generate": "`Decoder.generate` end to end (EOS id set, streamer attached, prefill excluded) beside the compiled step alone",
@@ -42,6 +43,7 @@ TITLES = {
     "kernel": "One layer's decode attention",
     "batch": "Eager step captured in a CUDA graph, batch rows",
     "step": "Eager step captured in a CUDA graph",
+    "tp": "Tensor-parallel `Decoder.generate` on each of `world` GPUs (`benchmarks.tp`; floor: one rank's bytes)",
 }
 
 
@@ -58,7 +60,7 @@ class Row:
         d = self.data
         return (d.get("section"), d.get("mode", ""), d.get("setting"), d.get("context"), d.get("batch", 1), d.get("shape", ""),
                 d.get("model", self.meta.get("model", "")), d.get("host_layers") or 0, d.get("page_cache") or 0.0,
-                bool(d.get("prefetch")))
+                bool(d.get("prefetch")), d.get("world", 1))
 
     @property
     def order(self) -> tuple:

@@ -53,6 +53,14 @@ def test_offloaded_rows_are_settings_of_their_own_and_say_so(tmp_path):
     assert "quest (offload 4 layers, page cache 0.15, hits 0.50, prefetch) |" in text
 
 
+def test_tensor_parallel_rows_are_kept_per_world_size(tmp_path):
+    _run(tmp_path / "2026-01-01-run1", "tp1.json", "2026-01-01", [_row("dense", 32768, 6.0, section="tp", world=1, generate_ms=6.0)])
+    _run(tmp_path / "2026-01-02-run2", "tp2.json", "2026-01-02", [_row("dense", 32768, 3.5, section="tp", world=2, generate_ms=3.5)])
+    rows = latest.newest(latest.load_rows(tmp_path))
+    assert sorted((r.data["world"], r.data["generate_ms"]) for r in rows) == [(1, 6.0), (2, 3.5)]
+    assert "Tensor-parallel" in latest.render(rows, tmp_path)
+
+
 def test_generate_rows_make_the_readme_block_between_its_markers():
     row = latest.Row({"section": "generate", "setting": "dense", "context": 4096, "batch": 1, "generate_ms": 5.0, "step_ms": 4.9,
                       "generate/step": 1.02, "floor_ms": 3.6}, {"gpu": "GPU X", "date": "2026-01-01", "model": "llama-3.1-8b"},
