@@ -12,13 +12,17 @@ for it (the implementation has no mask function registered): the cache knows eac
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from . import kernels
+from .kv.base import KVSelector, KVState
 from .kv.dense import Dense
+from .selection import Selection
 
 ATTN_IMPLEMENTATION = "policyzoo"
 _DENSE = Dense()
@@ -103,7 +107,7 @@ def prefill_attention_entmax15(
     return out.view(b, h, t, d).to(q.dtype)
 
 
-def prefetch_next_layer(runtime, layer: int, policy, state, sel) -> None:
+def prefetch_next_layer(runtime: Any, layer: int, policy: KVSelector, state: KVState, sel: Selection) -> None:
     """Start fetching the next layer's pages, where it is offloaded with a page cache and the policy
     has made its selection already (`KVSelector.predicts_layer`): on a side stream, while this layer
     attends and runs its MLP (`offload.PageCache.prefetch`)."""

@@ -294,6 +294,40 @@ def test_a_row_decodes_the_same_in_a_padded_batch_as_alone(name, lengths, seed):
         assert torch.equal(batch[i, t:], alone[0, len(row) :]), f"row {i} ({len(row)} tokens) differs from itself alone"
 
 
+@pytest.mark.parametrize("name", [n for n in BUILTIN_POLICIES if n != "dense"])
+def test_a_layers_predicted_selection_is_the_one_it_makes(name):
+    """`KVSelector.predicts_layer` / `next_layer_selection`, the contract an offloaded layer's prefetch
+    relies on: where a policy predicts layer l+1, layer l hands over exactly the entries layer l+1 then
+    attends to; elsewhere it hands over nothing."""
+    policy = BUILTIN_POLICIES[name]()
+    made, ahead = {}, {}
+    select = policy.select
+
+    def recording_select(state, q):
+        sel = select(state, q)
+        key = (int(state.context.index), state.layer)
+        made[key] = sel
+        if state.layer + 1 == state.cache.num_layers:
+            return sel
+        nxt = policy.next_layer_selection(state, sel)
+        assert (nxt is not None) == policy.predicts_layer(state.layer + 1)
+        if nxt is not None:
+            ahead[key[0], state.layer + 1] = nxt
+        return sel
+
+    policy.select = recording_select
+    ids, mask = padded_batch(2, 30, seed=4)
+    Decoder(tiny_model("llama"), kv=policy).generate(ids, 5, attention_mask=mask)
+    assert not policy.predicts_layer(0)
+    for key, nxt in ahead.items():
+        sel = made[key]
+        assert nxt.block == sel.block and torch.equal(nxt.count, sel.count)
+        keep = torch.arange(sel.k_max) < sel.count[..., None]
+        assert torch.equal(nxt.indices[keep], sel.indices[keep])
+    if name in ("forecast", "prhs"):  # the two that predict (PrHS: its second layer shares the first's)
+        assert ahead
+
+
 def test_bad_session_arguments_name_themselves():
     session = Decoder(tiny_model("llama")).session
     ids = torch.randint(1, 128, (2, 5))
