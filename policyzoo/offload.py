@@ -219,8 +219,8 @@ class PageCache:
         """Bring the pages of page selection ``sel`` (``block`` = the page size) into the slots and
         return each entry's slot, ``int32`` shaped as ``sel.indices`` (`PageCache` steps 1-4).
         ``host_keys, host_values [B, H_kv, capacity, D]``: the layer's cache; ``length``: the cache's,
-        this step's token included. ``ahead``: a prefetch (`prefetch`), whose pages are counted as
-        fetched but not as looked up (the layer's own lookup counts them)."""
+        this step's token included. ``ahead``: a prefetch (`prefetch`), which stages complete pages
+        only and counts them as fetched but not as looked up (the layer's own lookup counts them)."""
         n, s, page = self.num_pages, self.slots, self.page_size
         if sel.block != page:
             raise ValueError(f"a page cache takes selections of pages of {page} tokens, got blocks of {sel.block}")
@@ -229,6 +229,8 @@ class PageCache:
                              f"raise Offload(cache=...) to at least {sel.k_max / n:.3f}")
         idx = sel.indices.long()
         valid = sel.entry_valid() & (idx >= 0) & (idx < n) & (idx * page < length)  # a block's future pages: nothing to read
+        if ahead:  # a page that still grows would be fetched again at the lookup, after this step's token
+            valid &= (idx + 1) * page <= length - 1
         pages = torch.where(valid, idx, n)
         slot = self.page_slot.gather(-1, pages).long()
         hit = valid & (slot >= 0)
