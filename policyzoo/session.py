@@ -341,7 +341,8 @@ class DecodeSession:
             cache.values[layer][:, :, :n].normal_(generator=generator)
             cache.summarise(layer, slice(0, math.ceil(n / cache.page_size)))
             if self.needs_own_prefill():
-                q = torch.randn(q_shape, generator=generator, device=self.device).to(self.dtype)
+                # Drawn in the model's dtype: a float32 draw and its copy would be 24 GiB at 1M tokens (8B shape).
+                q = torch.randn(q_shape, generator=generator, device=self.device, dtype=self.dtype)
                 policy.prefill(state, q, cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n])
                 if self.contexts.keep_previous:
                     policy.finish_prefill([state])
