@@ -179,7 +179,7 @@ def policyzoo_attention(
             page_cache.wait_for_prefetch(q)
         sel = sel.split(cache.page_size)
         slots = page_cache.stage(sel, state.keys, state.values, cache.length)
-        prefetch_next_layer(runtime, layer, policy, state, sel)
+        prefetch_next_layer(runtime, layer, policy, state, sel)  # after this layer's fetch: they would share the link
         out, _ = attend(q, page_cache.keys, page_cache.values, sel, cache.start, cache.length, scale, slots)
     else:
         prefetch_next_layer(runtime, layer, policy, state, sel)
