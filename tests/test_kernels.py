@@ -450,6 +450,7 @@ def test_quest_page_bound_grouped_negative(group, method):
     method=st.sampled_from(SketchScoreConfig.METHODS),
 )
 @example(seed=7557386, dtype=torch.float32, d=64, b=2, h_kv=2, group=4, pages=8, page=16, agg="none", block_p=1, method="dot")
+@example(seed=416634, dtype=torch.float32, d=7, b=2, h_kv=2, group=2, pages=9, page=16, agg="none", block_p=1, method="dot")
 def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, block_p, method):
     """The kernel's page bound is the reference's (masked slots, padding rows and all), and above
     every visible key's exact logit."""
@@ -473,10 +474,11 @@ def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, blo
     live = expected.isfinite()
     if method == "sum":
         assert_close(got[live], expected[live], torch.float32, scale=expected[live].abs().max().item() + 1 if live.any() else 1)
-    else:  # fp16 weights W = q·step, 15 times their rounding (at most 2^-11 |W|) added back
+    else:  # fp16 weights W = q·step: codes up to 15 times their rounding δ (|δ| <= 2^-11 |W|) either
+        # way, and 15·|δ| added back, so the kernel sits 0 to 30·|δ| above the reference
         step = ref.sketch_grid(page_min, page_max)[1]  # [B, H_kv, P, D]
         weights = torch.einsum("bkgd,bkpd->bkgp", q.float().abs().view(b, h_kv, group, d), step)
-        slack = 15 * 2.0**-11 * scale * weights
+        slack = 30 * 2.0**-11 * scale * weights
         slack = slack.reshape(b, -1, pages) if agg == "none" else slack.amax(2)
         tol = 1e-4 * (1 + expected[live].abs())
         assert bool((got[live] >= expected[live] - tol).all())
