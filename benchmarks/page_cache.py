@@ -52,8 +52,9 @@ def measure(model, tokenizer, kv: str, contexts: list[int], shares: list[float],
                 dec.generate(ids, new_tokens)
                 cache = dec.session.cache
                 for layer, pc in cache.page_caches.items():
-                    hits[layer] += int(pc.lookups) - int(pc.fetched)  # pages the link did not carry
-                    lookups[layer] += int(pc.lookups)
+                    counts = pc.counts()
+                    hits[layer] += counts.lookups - counts.fetched  # pages the link did not carry
+                    lookups[layer] += counts.lookups
         except ValueError as e:  # a selection wider than the cache
             row["error"] = str(e)
             rows.append(row)

@@ -115,9 +115,8 @@ def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind:
         ms = cuda_time_ms(session.step)
     else:
         ms = session.time_step(calls=steps, reps=reps, warmup=1, rewind=rewind)
-    after = session.cache.page_cache_counts()
-    looked = after.lookups - before.lookups
-    return ms, setup_s, 1 - (after.fetched - before.fetched) / looked if looked else None
+    timed = session.cache.page_cache_counts() - before
+    return ms, setup_s, timed.hit_rate if timed.lookups else None
 
 
 # ------------------------------------------------------------------------------------- sections

@@ -107,21 +107,28 @@ def prefill_attention_entmax15(
     return out.view(b, h, t, d).to(q.dtype)
 
 
-def prefetch_next_layer(runtime: Any, layer: int, policy: KVSelector, state: KVState, sel: Selection) -> None:
-    """Start fetching the next layer's pages, where it is offloaded with a page cache and the policy
-    has made its selection already (`KVSelector.predicts_layer`): on a side stream, while this layer
-    attends and runs its MLP (`offload.PageCache.prefetch`)."""
+def fetched_ahead(runtime: Any, policy: KVSelector, layer: int) -> bool:
+    """Whether layer ``layer``'s page cache is filled by the layer below during a decode step (the
+    policy makes its selection there, `KVSelector.predicts_layer`): the fork and the join of the
+    prefetch both decide by this, so they always pair."""
     cache = runtime.cache
-    ahead = cache.page_cache(layer + 1)
-    if ahead is None or not cache.prefetch or runtime.phase != "decode" or not policy.predicts_layer(layer + 1):
+    return (runtime.phase == "decode" and cache.prefetch and cache.page_cache(layer) is not None
+            and policy.predicts_layer(layer))
+
+
+def prefetch_next_layer(runtime: Any, layer: int, policy: KVSelector, state: KVState, sel: Selection) -> None:
+    """Start fetching the next layer's pages where they are fetched ahead (`fetched_ahead`): on a
+    side stream, while this layer attends and runs its MLP (`offload.PageCache.prefetch`)."""
+    if not fetched_ahead(runtime, policy, layer + 1):
         return
+    cache = runtime.cache
     nxt = policy.next_layer_selection(state, sel)
     if nxt is None:
         raise RuntimeError(f"{type(policy).__name__}.predicts_layer({layer + 1}) is true, but next_layer_selection "
                            f"gave no selection at layer {layer}")
     if nxt.block % cache.page_size == 0:
         nxt = nxt.split(cache.page_size)
-        ahead.prefetch(nxt, cache.keys[layer + 1], cache.values[layer + 1], cache.length)
+        cache.page_cache(layer + 1).prefetch(nxt, cache.keys[layer + 1], cache.values[layer + 1], cache.length)
 
 
 def policyzoo_attention(
@@ -175,7 +182,7 @@ def policyzoo_attention(
     # An offloaded layer's page selection goes through its page cache; a dense pass (every page) and a
     # token selection read the host in place.
     if page_cache is not None and sel.block % cache.page_size == 0 and not isinstance(policy, Dense):
-        if cache.prefetch and runtime.phase == "decode" and policy.predicts_layer(layer):  # the layer below fetched them ahead
+        if fetched_ahead(runtime, policy, layer):
             page_cache.wait_for_prefetch(q)
         sel = sel.split(cache.page_size)
         slots = page_cache.stage(sel, state.keys, state.values, cache.length)

@@ -23,7 +23,6 @@ forward, so every layer writes its new token at slot ``length - 1`` and attends 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,22 +30,13 @@ from torch import Tensor
 from . import kernels
 from .kernels import reference
 from .kernels.reference import page_summaries, visible
-from .offload import PageCache, host_tensor
+from .offload import PageCache, PageCounts, host_tensor
 
 SUMMARIES = ("page_min", "page_max", "page_mean", "page_std")
 PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, or not at all
 # A per-token summary: the 4-bit key sketch on its page's min/max grid (`reference.sketch_encode`),
 # ``uint8[B, H_kv, capacity, ceil(D/2)]``. It needs the min/max pair, which the cache then keeps too.
 SKETCH = "key_sketch"
-
-
-class PageCounts(NamedTuple):
-    """`PagedKVCache.page_cache_counts`: selected pages looked up by the offloaded layers, found on
-    the device at the lookup, and fetched over the link (at lookups and prefetches)."""
-
-    hits: int
-    lookups: int
-    fetched: int
 
 
 class NotKept:
@@ -160,17 +150,13 @@ class PagedKVCache:
         return self.page_caches.get(layer)
 
     def page_cache_counts(self) -> PageCounts:
-        """The offloaded layers' page cache counts since the sequence began, summed over layers:
-        selected pages looked up, found on the device at the lookup, and fetched over the link."""
-        caches = self.page_caches.values()
-        return PageCounts(hits=sum(int(pc.hits) for pc in caches), lookups=sum(int(pc.lookups) for pc in caches),
-                          fetched=sum(int(pc.fetched) for pc in caches))
+        """The offloaded layers' page cache counts since the sequence began, summed over layers."""
+        return PageCounts.sum(pc.counts() for pc in self.page_caches.values())
 
     def page_cache_hit_rate(self) -> float:
         """Share of the offloaded layers' looked-up pages the link did not carry since the sequence
-        began (`PageCache.hit_rate`; NaN without page caches or before a lookup)."""
-        counts = self.page_cache_counts()
-        return 1.0 - counts.fetched / counts.lookups if counts.lookups else float("nan")
+        began (`PageCounts.hit_rate`; NaN without page caches or before a lookup)."""
+        return self.page_cache_counts().hit_rate
 
     # ----------------------------------------------------------------- visibility (derived state)
     def token_valid(self) -> Tensor:
@@ -264,4 +250,4 @@ class PagedKVCache:
             self._encode(layer, torch.arange(self.num_pages, device=self.device)[pages])
 
 
-__all__ = ["PagedKVCache", "PageCounts", "SUMMARIES", "SKETCH", "NotKept", "page_summaries"]
+__all__ = ["PagedKVCache", "SUMMARIES", "SKETCH", "NotKept", "page_summaries"]

@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -143,6 +143,30 @@ class _PinnedBuffer:
         }
 
 
+class PageCounts(NamedTuple):
+    """A page cache's counts: selected pages looked up, found on the device at the lookup, and
+    fetched over the link (at lookups and prefetches)."""
+
+    hits: int
+    lookups: int
+    fetched: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the looked-up pages that the link did not carry: ``1 - fetched / lookups`` (NaN
+        before any lookup). Without prefetch these are the pages found on the device; with it,
+        pages fetched ahead count as carried, so this is always the byte account's."""
+        return 1.0 - self.fetched / self.lookups if self.lookups else float("nan")
+
+    def __sub__(self, other: "PageCounts") -> "PageCounts":  # type: ignore[override]
+        return PageCounts(*(a - b for a, b in zip(self, other)))
+
+    @staticmethod
+    def sum(counts: Iterable["PageCounts"]) -> "PageCounts":
+        """Field by field (zero counts for none)."""
+        return PageCounts(*(sum(field) for field in zip(PageCounts(0, 0, 0), *counts)))
+
+
 class PageCache:
     """Device copies of one offloaded layer's pages: the pages it selected most recently, reused
     across decode steps, so that the host link carries only the pages it did not select lately.
@@ -208,12 +232,13 @@ class PageCache:
         self.slot_page.masked_fill_(stale, self.num_pages)
         self.last_used.masked_fill_(stale, 0)
 
+    def counts(self) -> PageCounts:
+        """Its counts since `clear` (read from the device)."""
+        return PageCounts(int(self.hits), int(self.lookups), int(self.fetched))
+
     def hit_rate(self) -> float:
-        """Share of the looked-up pages that the link did not carry since `clear`: ``1 - fetched /
-        lookups`` (NaN before any lookup). Without prefetch these are the pages found on the device;
-        with it, pages fetched ahead count as carried, so this is always the byte account's."""
-        lookups = int(self.lookups)
-        return 1.0 - int(self.fetched) / lookups if lookups else float("nan")
+        """`PageCounts.hit_rate` since `clear`."""
+        return self.counts().hit_rate
 
     def stage(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor, ahead: bool = False) -> Tensor:
         """Bring the pages of page selection ``sel`` (``block`` = the page size) into the slots and
@@ -341,4 +366,4 @@ def _(page_slot, after):
     return None
 
 
-__all__ = ["Offload", "PageCache", "host_tensor", "prefetch_stream"]
+__all__ = ["Offload", "PageCache", "PageCounts", "host_tensor", "prefetch_stream"]
