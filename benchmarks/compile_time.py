@@ -104,7 +104,7 @@ def measure(name: str, *, shape: str, context: int, new_tokens: int, layers: int
     dec.compile(backend=backend, **({} if regional is None else {"regional": regional}))
     ids = e2e.random_prompt(1, context, dec.session.vocab_size, dec.device)
     row: dict = {"policy": name, "backend": backend, "context": context, "layers": len(model.model.layers),
-                 "regional": type(dec.session._compiled).__name__ == "RegionalStep", "device": str(dec.device),
+                 "regional": dec.session.compiled_steps.regional, "device": str(dec.device),
                  "torch": torch.__version__}
     times = []
     for _ in range(2):  # the first compiles, warms up and captures; the second replays

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from . import _compat, kernels
 from .distributed import shard_of
-from .kv.base import KVSelector, check_count, two_stage
+from .kv.base import KVSelector, check_count
 from .kv.context import check_parts
 from .kv.dense import Dense
 from .offload import Offload
@@ -384,7 +384,7 @@ def _device(device: object) -> torch.device:
 
 def dynamic_capacity_refused(decoder: Decoder, backend: object = "inductor") -> str | None:
     """Why `Decoder.compile` refuses ``dynamic_capacity=True`` for ``decoder`` and ``backend``, or None."""
-    if backend == "inductor" and decoder.device.type == "cuda" and two_stage(decoder.kv):
+    if backend == "inductor" and decoder.device.type == "cuda" and decoder.kv is not None and decoder.kv.two_stage:
         return ("a two-stage policy (rescore > 0) on CUDA: torch 2.11's Inductor fails to generate code for its "
                 "second stage under a symbolic cache capacity; compile with a fixed capacity (the default) instead")
     return None

@@ -47,25 +47,18 @@ def call_layer(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def layer_invariant(kv: KVSelector | None, proj: Any) -> tuple[bool, str, bool]:
     """``(ok, why not, forceable)``: whether one compiled layer can serve every layer of a step
-    decoded with KV policy ``kv`` and projection sparsifier ``proj`` (see the module docstring).
-
-    Only known classes count as invariant: the built-in KV policies (and `Certified` around one),
-    `TopK` or no sparsifier; another class may read ``state.layer`` or keep per-layer constants, so
-    it is refused unless asked for (``forceable``). A policy that reads the step context is refused
-    outright: the layer views keep no previous selection and no hidden state.
+    decoded with KV policy ``kv`` and projection sparsifier ``proj`` (see the module docstring), as
+    they declare it (`KVSelector.layer_invariant`, `ProjectionSparsifier.layer_invariant`). One that
+    does not declare it may read ``state.layer`` or keep per-layer constants, so it is refused unless
+    asked for (``forceable``). A policy that reads the step context is refused outright: the layer
+    views keep no previous selection and no hidden state.
     """
-    from .kv import SSA, AttentionTopK, Certified, Dense, EntmaxKV, Quest, Window
-    from .proj import TopK
-
-    policy = kv.policy if type(kv) is Certified else kv
-    if kv is not None and (kv.step_context or policy.step_context):
-        return False, f"{type(policy).__name__} reads the step context {tuple(kv.step_context or policy.step_context)}", False
-    if kv is not None and type(policy) not in (Dense, Window, AttentionTopK, Quest, SSA, EntmaxKV):
-        return False, f"{type(policy).__name__} is not a built-in KV policy (its select may depend on state.layer)", True
-    if proj is not None and type(proj) is not TopK:
-        return False, f"{type(proj).__name__} is not TopK (its projections may differ by layer)", True
-    if proj is not None and proj.mode != "exact":
-        return False, f"TopK(mode={proj.mode!r}) keeps a calibrated ratio per projection and layer", True
+    if kv is not None and kv.step_context:
+        return False, f"{type(kv).__name__} reads the step context {tuple(kv.step_context)}", False
+    if kv is not None and not kv.layer_invariant:
+        return False, f"{type(kv).__name__} does not declare layer_invariant (its select may depend on state.layer)", True
+    if proj is not None and not proj.layer_invariant:
+        return False, f"{proj!r} does not declare layer_invariant (its projections may differ by layer)", True
     return True, "", True
 
 

@@ -38,9 +38,8 @@ class Recorder(Protocol):
 
 
 def attention_of(policy: KVSelector) -> Attention:
-    """The attention of the model a KV policy serves: its ``attention`` attribute (`EntmaxKV`,
-    `Certified`), ``"softmax"`` for policies without one."""
-    attention = getattr(policy, "attention", "softmax")
+    """The attention of the model a KV policy serves (`KVSelector.attention`), checked."""
+    attention = policy.attention
     if attention not in ATTENTIONS:
         raise ValueError(f"{type(policy).__name__}.attention must be 'softmax' or 'entmax', got {attention!r}")
     return attention

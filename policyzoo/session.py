@@ -13,17 +13,16 @@ per row, `audit` records what the policy changes. `Decoder.generate`, the evalua
         logits = session.step(token)                # or session.step(): feed the token it chose
         token = session.last_token
 
-The step is one function of the session's device tensors, so it compiles once
-(`Decoder.compile`) and, on CUDA, is captured in a CUDA graph that the session replays directly: a
-replay costs the host tens of microseconds, where a call through torch.compile's guards costs
-milliseconds on an 8B model. The first two steps of a new shape (cache, setting, sampling mode) run
-the compiled function itself (compilation, warm-up); the third captures the graph and replays it.
-Every step is a real step: nothing is run twice or rolled back.
+The step is one function of the session's device tensors, so it compiles once per shape key
+(`Decoder.compile`; `compiled.CompiledSteps`: each key's step has a code object of its own, so the
+compiled code of one Decoder never crowds out another's) and, on CUDA, is captured in a CUDA graph
+that the session replays directly.
 """
 
 from __future__ import annotations
 
 import math
+import types
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Iterator
@@ -37,13 +36,13 @@ from .bytes import SETTINGS
 from .cache import PagedKVCache
 from .kv.base import KVSelector, KVState, check_count
 from .kv.context import ContextStore
+from .compiled import WARMUP_STEPS, CompiledSteps, own_code
 from .regional import RegionalStep, call_layer
 from .offload import Offload
 from .runtime import Recorder, Runtime
 from .sampling import Sampler, is_token
 from .timing import time_ms
 
-WARMUP_STEPS = 2  # compiled runs of a new shape before its CUDA graph is captured
 # Prompt tokens (rows x positions) one prefill forward takes at most: a longer unpadded prompt is
 # prefilled in chunks, so its activations stay a few GB (one forward over 16 rows of 32K tokens
 # would hold 60 GB of MLP activations on an 8B model).
@@ -83,11 +82,8 @@ class DecodeSession:
         self.contexts: ContextStore | None = None
         self.last_token: Tensor | None = None  # the tokens the last step (or `choose`) chose, [B]
         self._tokens: Tensor | None = None  # [B, 1]: what the next step feeds
-        self._compiled: Any = None  # the compiled step, or None (eager)
-        self._cuda_graphs = False
+        self._compiled: CompiledSteps | None = None  # None: eager steps
         self._dynamic_capacity = False
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
-        self._runs: dict[tuple, int] = {}
         self._graph_state: tuple = ()  # `policy_state_layout` when the graphs were recorded
 
     # ------------------------------------------------------------------------------ setting
@@ -119,14 +115,12 @@ class DecodeSession:
     ) -> None:
         """Compile the step with ``torch.compile`` (see `Decoder.compile`): the whole step, or with
         ``regional`` one decoder layer that serves every layer (`regional.RegionalStep`)."""
-        self._dynamic_capacity = dynamic_capacity
-        self._cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        if self._cuda_graphs and self.device.type != "cuda":
+        cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a model on a CUDA device")
-        if self._cuda_graphs and mode in ("reduce-overhead", "max-autotune"):
+        if cuda_graphs and mode in ("reduce-overhead", "max-autotune"):
             raise ValueError(f"mode={mode!r} records CUDA graphs itself; pass cuda_graphs=False with it")
-        self._graphs.clear()
-        self._runs.clear()
+        self._dynamic_capacity = dynamic_capacity
         if backend == "inductor":
             inductor_compat.apply()
         if dynamic_capacity:
@@ -140,15 +134,35 @@ class DecodeSession:
                 _mark_capacity_dynamic(self.runtime.cache)
         else:
             compile_fn = partial(torch.compile, backend=backend, mode=mode, dynamic=False)
-        if regional:
-            self._compiled = RegionalStep(self.model, self.runtime, self._decode_step, compile_fn(call_layer))
-        else:
-            self._compiled = compile_fn(self._decode_step)
+
+        def build(label: str) -> Any:
+            if regional:
+                return RegionalStep(self.model, self.runtime, self._decode_step, compile_fn(own_code(call_layer, label)))
+            return compile_fn(types.MethodType(own_code(DecodeSession._decode_step, label), self))
+
+        name = type(self.kv).__name__ if self.kv is not None else "Dense"
+        self._compiled = CompiledSteps(build, name=name, cuda_graphs=cuda_graphs, dynamic_capacity=dynamic_capacity, regional=regional)
 
     @property
     def compiled(self) -> bool:
         """Whether steps run a compiled function (audited steps still run eagerly)."""
         return self._compiled is not None
+
+    @property
+    def compiled_steps(self) -> CompiledSteps | None:
+        """The compiled steps, one per key (`compiled.CompiledSteps`), or None when steps run eagerly."""
+        return self._compiled
+
+    def step_key(self) -> tuple:
+        """What tells this sequence batch's compiled step apart from others: the setting, the sampling
+        mode and, for a fixed capacity, the cache's batch and capacity (a dynamic capacity's step serves
+        them all)."""
+        cache = self.runtime.cache
+        mode = self.sampler.mode
+        sampling = ("nucleus" if mode.nucleus else "sample") if mode.do_sample else "greedy"
+        if self._dynamic_capacity:
+            return (self.setting, sampling)
+        return (self.setting, sampling, f"b{cache.batch}", f"n{cache.capacity}")
 
     # ------------------------------------------------------------------------------ cache
     @property
@@ -191,8 +205,8 @@ class DecodeSession:
         """Free the cache and everything made for it (its CUDA graphs, step context, sampler)."""
         self.runtime.cache, self.runtime.states, self.runtime.contexts = None, [], None
         self.contexts = self.sampler = self._tokens = self.last_token = None
-        self._graphs.clear()
-        self._runs.clear()
+        if self._compiled is not None:
+            self._compiled.drop_graphs()
 
     def _summaries(self) -> tuple[str, ...]:
         """The page summaries the cache keeps: those the KV policy reads (`KVSelector.summaries`).
@@ -298,7 +312,7 @@ class DecodeSession:
         policy = self.runtime.policy
         whole = (
             t <= chunk or padded or keep_logits > t - (t - 1) // chunk * chunk
-            or self.runtime.attention != "softmax" or type(policy).prefill is not KVSelector.prefill
+            or self.runtime.attention != "softmax" or policy.own_prefill
         )  # fmt: skip
         return t if whole else chunk
 
@@ -306,7 +320,7 @@ class DecodeSession:
         """Whether the policy in use builds state in a prefill of its own (`KVSelector.prefill`, or
         the previous step's selection it reads), so that `load_prefix` cannot start it."""
         policy = self.runtime.policy
-        return type(policy).prefill is not KVSelector.prefill or "previous" in policy.step_context
+        return policy.own_prefill or "previous" in policy.step_context
 
     @torch.no_grad()
     def load_prefix(self, prefix: list[tuple[Tensor, Tensor]], start: Tensor, *, capacity: int) -> None:
@@ -424,10 +438,8 @@ class DecodeSession:
         with self._phase("decode"):
             if self._compiled is None or self.runtime.audit is not None:
                 logits, token = self._decode_step()
-            elif self._cuda_graphs:
-                logits, token = self._replay()
             else:
-                logits, token = self._compiled()
+                logits, token = self._compiled(self.step_key())
         self.last_token = token
         return logits
 
@@ -507,25 +519,9 @@ class DecodeSession:
         prefill), the graphs are recorded again (and the compiled step warmed up again)."""
         layout = policy_state_layout(self.runtime)
         if layout != self._graph_state:
-            self._graphs.clear()
-            self._runs.clear()
+            if self._compiled is not None:
+                self._compiled.drop_graphs()
             self._graph_state = layout
-
-    def _replay(self) -> tuple[Tensor, Tensor]:
-        key = (self.setting, self.sampler.mode)  # and the cache: `release` drops its graphs
-        entry = self._graphs.get(key)
-        if entry is None:
-            runs = self._runs.get(key, 0)
-            if runs < WARMUP_STEPS:  # compile, then warm up, with real steps
-                self._runs[key] = runs + 1
-                return self._compiled()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outputs = self._compiled()
-            entry = self._graphs[key] = (graph, outputs)
-        graph, outputs = entry
-        graph.replay()
-        return outputs
 
 
 def policy_state_layout(runtime: Runtime) -> tuple:

@@ -218,7 +218,11 @@ def test_certified_rejects_bad_args():
     with pytest.raises(ValueError, match="sample=0"):  # at construction, not at the first decode step
         Certified(SSA(0.1, 0.05))
     assert Certified(SSA(0.1, 0)).policy.sample == 0
-    assert Certified(EntmaxKV(attention="entmax")).attention == "entmax"
+    with pytest.raises(ValueError, match=r"Certified\(EntmaxKV\(...\)\): the certificate bounds softmax"):
+        Certified(EntmaxKV(attention="entmax"))
+    with pytest.raises(ValueError, match="below the policy's own budget"):
+        Certified(Quest(0.5), max_budget=0.1)
+    assert Certified(Quest(0.5), max_budget=0.5).max_budget == 0.5
 
 
 # -------------------------------------------------------------------------------------- audit

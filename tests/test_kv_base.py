@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from policyzoo import kernels
 from policyzoo.kernels import reference
-from policyzoo.kv import Certified, Dense, KVSelector, Quest
+from policyzoo.kv import SSA, Certified, Dense, KVSelector, PrHS, Quest
 from policyzoo.kv.base import (
     Budget,
     aggregate_groups,
@@ -26,7 +26,6 @@ from policyzoo.kv.base import (
     group_page_bounds,
     page_bound_scores,
     round_for_ranking,
-    two_stage,
 )
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -334,8 +333,9 @@ def test_candidate_budget_keeps_at_least_the_kept_pages(factor, k_max, n_pages):
 
 
 def test_two_stage_sees_through_wrappers():
-    assert two_stage(Quest(0.1, rescore=2)) and two_stage(Certified(Quest(0.1, rescore=2)))
-    assert not two_stage(Quest(0.1)) and not two_stage(Dense()) and not two_stage(None)
+    assert Quest(0.1, rescore=2).two_stage and Certified(Quest(0.1, rescore=2)).two_stage
+    assert PrHS(SSA(0.1, 0.1, rescore=2), time=0.9).two_stage
+    assert not Quest(0.1).two_stage and not Dense().two_stage and not Certified(Quest(0.1)).two_stage
 
 
 @SETTINGS

@@ -135,14 +135,14 @@ CONSTRUCTOR_ARGS: list[tuple[type, str, dict, st.SearchStrategy, st.SearchStrate
     (EntmaxKV, "page", {}, COUNT1, BAD_COUNT1),
     (EntmaxKV, "sinks", {}, COUNT0, BAD_COUNT0),
     (EntmaxKV, "window", {}, COUNT0, BAD_COUNT0),
-    (EntmaxKV, "z", {}, st.floats(-10, 10), BAD_NUMBER),
+    (EntmaxKV, "z", {}, st.floats(0, 10), st.one_of(st.floats(max_value=-1e-6, allow_nan=False), BAD_NUMBER)),
     (EntmaxKV, "iters", {}, st.integers(1, 10**6), BAD_COUNT1),
     (EntmaxKV, "rescore", {}, RESCORE, BAD_RESCORE),
     (Certified, "policy", {}, st.sampled_from([QUEST, AttentionTopK(0.2), EntmaxKV(64)]),
      st.sampled_from([Window(), Dense(), TopK(0.5), Certified(QUEST), Quest, "quest", None])),  # fmt: skip
     (Certified, "eps", {"policy": QUEST}, st.floats(0.0, 1.0), st.one_of(BAD_NUMBER, st.sampled_from([-0.1, 1.5]))),
-    (Certified, "max_budget", {"policy": AttentionTopK(0.2)}, st.one_of(RATIO, st.integers(36, MAX_COUNT)),
-     st.one_of(BAD_BUDGET, st.integers(1, 35))),  # fmt: skip
+    (Certified, "max_budget", {"policy": AttentionTopK(0.2)}, st.one_of(st.floats(0.2, 1.0), st.integers(36, MAX_COUNT)),
+     st.one_of(BAD_BUDGET, st.integers(1, 35), st.floats(0.01, 0.19))),  # fmt: skip
     (Certified, "slack", {"policy": QUEST}, st.floats(0.0, 1e3), st.one_of(BAD_NUMBER, st.just(-1e-5))),
     (TopK, "keep", {}, RATIO, BAD_RATIO),
     (TopK, "mode", {}, st.sampled_from(["exact", "fast"]), BAD_NAME),
@@ -201,9 +201,9 @@ def valid_policies(draw):
         )  # fmt: skip
     if kind == "entmax":
         return EntmaxKV(draw(budget), mode=draw(st.sampled_from(["gaussian", "topk"])), page=page, sinks=sinks, window=window,
-                        z=draw(st.floats(-5, 5)), iters=draw(st.integers(1, 12)), rescore=draw(st.sampled_from([0, 2])))  # fmt: skip
+                        z=draw(st.floats(0, 5)), iters=draw(st.integers(1, 12)), rescore=draw(st.sampled_from([0, 2])))  # fmt: skip
     inner = draw(st.sampled_from([Quest(0.1, page=page), EntmaxKV(0.1, page=page, mode="topk"), AttentionTopK(0.1, sinks=2, window=2)]))
-    max_budget = draw(st.one_of(RATIO, st.integers(4, 64)))
+    max_budget = draw(st.one_of(st.floats(0.1, 1.0), st.integers(4, 64)))  # not below the policies' 0.1
     return Certified(inner, eps=draw(st.floats(0.0, 1.0)), max_budget=max_budget, slack=draw(st.floats(0, 1)))
 
 

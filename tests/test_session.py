@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import padded_batch, tiny_model
+from tiny_models import BUILTIN_POLICIES, padded_batch, tiny_model
 
 from policyzoo import SSA, AttentionTopK, Certified, CommunityKV, Decoder, EntmaxKV, Forecast, PrHS, Quest, Window
 from policyzoo.eval.audit import Audit
@@ -240,30 +240,6 @@ def test_ten_thousand_compiled_steps_keep_memory_flat_and_never_recompile():
     assert grown < 4, f"resident memory grew by {grown:.1f} MB over 9,000 steps"
 
 
-# Every built-in KV policy, small enough that a tiny prompt spans many of its pages and budgets bite.
-BUILTIN_POLICIES = {
-    "dense": lambda: None,
-    "window": lambda: Window(sinks=2, window=6),
-    "attn-topk": lambda: AttentionTopK(0.3, sinks=2, window=2),
-    "quest": lambda: Quest(0.3, page=4, sinks=2, window=2),
-    "quest-sketch": lambda: Quest(0.3, page=4, sinks=2, window=2, bound="sketch"),
-    "certified-quest-sketch": lambda: Certified(Quest(0.1, page=4, sinks=2, window=2, bound="sketch"), eps=0.05),
-    "ssa-page": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2),
-    "ssa-page-gumbel": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, scheme="gumbel_topk"),
-    "ssa-exact": lambda: SSA(0.2, 0.2, proxy="exact", sinks=2, window=2),
-    "entmax-kv": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2),
-    "certified-quest": lambda: Certified(Quest(0.2, page=4, sinks=2, window=2), eps=0.05),
-    "quest-rescore": lambda: Quest(0.3, page=4, sinks=2, window=2, rescore=2),
-    "ssa-page-rescore": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, rescore=2),
-    "entmax-kv-rescore": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2, rescore=3),
-    "entmax-kv-sketch": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2, bound="sketch"),
-    "ssa-page-sketch": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, bound="sketch"),
-    "prhs": lambda: PrHS(Quest(0.3, page=4, sinks=2, window=2), time=0.5, layer=(0, 0)),
-    "prhs-certified": lambda: PrHS(Quest(0.3, page=4, sinks=2, window=2), eps=0.5, time=0.5, layer=(0, 0)),
-    "forecast": lambda: Forecast(0.3, block=8, kernel=8, stride=4, sinks=2, window=2, rank=4),
-    "community-kv": lambda: CommunityKV(0.3, sinks=2, window=2),
-    "community-kv-head": lambda: CommunityKV(0.3, sinks=2, window=2, graph="head"),
-}
 
 
 def test_the_policy_list_covers_every_registered_policy():
@@ -360,10 +336,12 @@ def test_recorded_graphs_are_dropped_when_a_request_remakes_the_policys_tensors(
     model = tiny_model("llama", layers=2)
     ids, mask = padded_batch(2, 30)
     for policy, kept in ((CommunityKV(0.3, sinks=2, window=2), False), (Quest(0.3, page=4), True)):
-        session = Decoder(copy.deepcopy(model), kv=policy).session
-        session.prefill(ids, mask, capacity=40)
+        session = Decoder(copy.deepcopy(model), kv=policy).compile(backend="eager").session
+        session.choose(session.prefill(ids, mask, capacity=40)[:, -1])
+        session.step()
         before = policy_state_layout(session.runtime)
-        session._graphs[("kv", "greedy")] = "recorded"  # as a CUDA replay leaves it
+        for entry in session.compiled_steps._steps.values():
+            entry.graph = ("recorded", None)  # as a CUDA capture leaves it
         session.prefill(ids, mask, capacity=40)
         assert (policy_state_layout(session.runtime) == before) == kept
-        assert bool(session._graphs) == kept
+        assert (session.compiled_steps.graphs == 1) == kept

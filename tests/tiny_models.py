@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from policyzoo import Quest
+from policyzoo import SSA, AttentionTopK, Certified, CommunityKV, EntmaxKV, Forecast, PrHS, Quest, Window
 from policyzoo.kv.base import choose_topk, forced_pages, group_page_bounds, page_budget
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -91,3 +91,29 @@ class RecordingStreamer:
 
     def end(self) -> None:
         self.ended = True
+
+
+# Every built-in KV policy, small enough that a tiny prompt spans many of its pages and budgets bite.
+BUILTIN_POLICIES = {
+    "dense": lambda: None,
+    "window": lambda: Window(sinks=2, window=6),
+    "attn-topk": lambda: AttentionTopK(0.3, sinks=2, window=2),
+    "quest": lambda: Quest(0.3, page=4, sinks=2, window=2),
+    "quest-sketch": lambda: Quest(0.3, page=4, sinks=2, window=2, bound="sketch"),
+    "certified-quest-sketch": lambda: Certified(Quest(0.1, page=4, sinks=2, window=2, bound="sketch"), eps=0.05),
+    "ssa-page": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2),
+    "ssa-page-gumbel": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, scheme="gumbel_topk"),
+    "ssa-exact": lambda: SSA(0.2, 0.2, proxy="exact", sinks=2, window=2),
+    "entmax-kv": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2),
+    "certified-quest": lambda: Certified(Quest(0.2, page=4, sinks=2, window=2), eps=0.05),
+    "quest-rescore": lambda: Quest(0.3, page=4, sinks=2, window=2, rescore=2),
+    "ssa-page-rescore": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, rescore=2),
+    "entmax-kv-rescore": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2, rescore=3),
+    "entmax-kv-sketch": lambda: EntmaxKV(0.3, page=4, sinks=2, window=2, bound="sketch"),
+    "ssa-page-sketch": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, bound="sketch"),
+    "prhs": lambda: PrHS(Quest(0.3, page=4, sinks=2, window=2), time=0.5, layer=(0, 0)),
+    "prhs-certified": lambda: PrHS(Quest(0.3, page=4, sinks=2, window=2), eps=0.5, time=0.5, layer=(0, 0)),
+    "forecast": lambda: Forecast(0.3, block=8, kernel=8, stride=4, sinks=2, window=2, rank=4),
+    "community-kv": lambda: CommunityKV(0.3, sinks=2, window=2),
+    "community-kv-head": lambda: CommunityKV(0.3, sinks=2, window=2, graph="head"),
+}

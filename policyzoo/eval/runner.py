@@ -151,8 +151,8 @@ def run_setting(model: Any, tokenizer: Any, setting: Setting, batch: list[dict],
     and return one result per record."""
     from ..decoder import Decoder
 
-    if hasattr(setting.kv, "reseed"):  # a sampling policy (SSA): each batch's draws do not depend on the grid's order
-        setting.kv.reseed(setting.kv.seed)
+    if setting.kv is not None:  # a sampling policy (SSA): each batch's draws do not depend on the grid's order
+        setting.kv.reset_random()
     dec = Decoder(model, kv=setting.kv, proj=setting.proj)
     audit = EvalAudit()
     span = batch[0]["span"]

@@ -74,10 +74,14 @@ class KVSelector:
     """Base class of KV policies.
 
     Life cycle per layer: `prefill` once after the dense prefill, `select` every decode step (after
-    the step's token is written), `append` after each write. `page_size` is the cache page size the
-    policy needs (``None``: any).
+    the step's token is written), `append` after each write.
+
+    What a policy needs and offers is declared here, once, as class attributes (or properties where it
+    depends on the policy's parameters); the session, the compiler and the audit read these and
+    nothing else, and a wrapper (`kv.wrapper.PolicyWrapper`) derives each from the policy it wraps.
     """
 
+    # The cache page size the policy needs (``None``: any).
     page_size: int | None = None
     # The page summaries `select` reads (names from `cache.SUMMARIES`): the Decoder's cache keeps
     # and refreshes only these. All of them unless a policy says otherwise, so that a policy written
@@ -89,6 +93,30 @@ class KVSelector:
     # The slot multiple a prompt's end is placed on (``None``: the page size), so that the units a
     # policy chooses group the same tokens of a row in any batch (`DecodeSession.prompt_slot`).
     slot_alignment: int | None = None
+    # The attention of the model the policy serves: "softmax", or "entmax" (1.5-entmax models; the
+    # attention function then attends with entmax in prefill and decode).
+    attention: Literal["softmax", "entmax"] = "softmax"
+    # Whether `prefill` builds per-request state the decode steps need: such a policy cannot start
+    # from a dense prefix computed elsewhere (`DecodeSession.load_prefix`), and its prompt is
+    # prefilled in one forward (its prefill sees the whole prompt).
+    own_prefill: bool = False
+    # Whether selections carry ``log_weight`` (sampling corrections): a certificate, which needs the
+    # unweighted normaliser, cannot take them.
+    weighted: bool = False
+    # Whether `select` at layer l also makes layer l+1's selection and hands it over through the step
+    # context (`Forecast`): it must then run exactly once per layer and step, in layer order, so a
+    # wrapper that runs it twice, skips it or changes its budget by layer cannot take it.
+    selects_ahead: bool = False
+    # Whether `select` depends on its layer only through the layer's tensors (not through
+    # ``state.layer`` or per-layer constants of its own): one compiled decoder layer can then serve
+    # every layer (`policyzoo.regional`). A subclass whose `select` reads ``state.layer`` sets False.
+    layer_invariant: bool = False
+    # Whether the policy rescores candidates exactly in a second stage (``rescore`` > 0).
+    two_stage: bool = False
+
+    def reset_random(self) -> None:
+        """Restart the policy's random stream from its seed (a policy that samples), so that a
+        request's draws do not depend on the requests before it; nothing for the others."""
 
     def attach(self, model: nn.Module) -> None:
         """Called once when a Decoder takes the policy for ``model`` (before it moves the policy's
@@ -435,13 +463,6 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
 
 
 # ------------------------------------------------------------------------------- second stage
-def two_stage(policy: object) -> bool:
-    """Whether ``policy`` (or the policy a wrapper such as `Certified` holds) rescores candidates."""
-    while hasattr(policy, "policy"):
-        policy = policy.policy
-    return bool(getattr(policy, "rescore", 0))
-
-
 def check_rescore(value: object) -> None:
     """A page policy's ``rescore``: 0 (one stage) or a candidate factor of at least 1."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or 1 <= value < math.inf):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, is_dataclass, replace
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +38,7 @@ from torch import Tensor
 from ..selection import Selection
 from ..cache import SKETCH
 from .base import KVSelector, KVState, check_budget, page_bound_scores, selection_logits, token_bound_scores
+from .wrapper import PolicyWrapper
 
 DEFAULT_SLACK = 1e-5
 
@@ -231,13 +231,16 @@ def grow_until_certified(
 
 
 @dataclass
-class Certified(KVSelector):
+class Certified(PolicyWrapper):
     """Grow a policy's selection until the certified dropped-mass bound is under ``eps``.
 
-    ``policy`` must produce selections without ``log_weight`` and have a ``budget`` field (`Quest`,
-    `AttentionTopK`, `EntmaxKV`): its own budget is the minimum, the same policy at ``max_budget``
-    gives the candidates (static width; reordered by `priority_order`), and the kept count is the
-    shortest prefix that certifies (or all candidates). The bound of each step is left in
+    ``policy`` must be a softmax policy whose selections have no ``log_weight``, with a ``budget``
+    field (`Quest`, `AttentionTopK`, `EntmaxKV`, `SSA` with ``sample=0``, `CommunityKV`): its own budget
+    is the minimum, the same policy at ``max_budget`` gives the candidates (static width; reordered by
+    `priority_order`), and the kept count is the shortest prefix that certifies (or all candidates).
+    ``max_budget`` caps the selection: it may not be below the policy's budget (when both are keep
+    ratios or both token counts; a token cap over a ratio budget, or the reverse, caps the policy's
+    own budget where it is the smaller). The bound of each step is left in
     ``state.store["certified_bound"]`` (``float32[B, H]``, allocated at prefill and written in place;
     no host sync). Cost per step: the policy's scoring twice (its own budget and the wide copy) plus
     one pass over the keys of the wide candidates (`grow_until_certified`).
@@ -247,14 +250,27 @@ class Certified(KVSelector):
     eps: float = 0.05
     max_budget: int | float = 0.5
     slack: float = DEFAULT_SLACK
+    own_summaries = ("page_min", "page_max")  # the bound reads the page min/max
+    own_prefill = True  # the per-step bound's tensor is made in prefill
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.policy, KVSelector) and is_dataclass(self.policy) and hasattr(self.policy, "budget")):
-            raise TypeError(f"policy must be a KV policy with a budget (Quest, AttentionTopK, EntmaxKV), got {type(self.policy).__name__}")
-        if getattr(self.policy, "sample", 0) != 0:  # SSA's sampled entries carry weights the bound cannot take
-            raise ValueError(f"policy must select without sampling: {type(self.policy).__name__}(sample={self.policy.sample!r}) "
-                             "weights its samples; use sample=0 (its top-k stratum) or another policy")
+        self.check_policy()
+        if not (is_dataclass(self.policy) and hasattr(self.policy, "budget")):
+            raise TypeError(f"Certified: policy must be a KV policy with a budget (Quest, AttentionTopK, EntmaxKV, ...), "
+                            f"got {type(self.policy).__name__}")  # fmt: skip
+        if self.policy.weighted:  # SSA's sampled entries carry weights the bound cannot take
+            self.refuse(f"its sampled entries carry weights the certificate cannot take (sample={getattr(self.policy, 'sample', '?')!r}); "
+                        "use sample=0 (its top-k stratum) or another policy")  # fmt: skip
+        if self.policy.attention != "softmax":
+            self.refuse("the certificate bounds softmax dropped mass; an entmax policy has exact zeros and its own support test")
+        if self.policy.selects_ahead:
+            self.refuse("Certified runs its policy twice per layer (at its budget and at max_budget), and this policy makes "
+                        "each layer's selection one layer ahead, which must run once per layer")  # fmt: skip
         check_budget(self.max_budget, "max_budget")
+        budget = self.policy.budget
+        if isinstance(budget, float) == isinstance(self.max_budget, float) and self.max_budget < budget:
+            raise ValueError(f"max_budget={self.max_budget!r} is below the policy's own budget={budget!r}: the certified "
+                             "selection grows from the policy's budget up to max_budget")  # fmt: skip
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps <= 1.0:
             raise ValueError(f"eps must be a number in [0, 1], got {self.eps!r}")
         if isinstance(self.slack, bool) or not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
@@ -263,18 +279,16 @@ class Certified(KVSelector):
             self._wide = replace(self.policy, budget=self.max_budget)
         except ValueError as e:  # the policy at max_budget is invalid (e.g. smaller than sinks + window)
             raise ValueError(f"max_budget={self.max_budget!r}: {e}") from None
+        self._share_modules()
 
-    @property
-    def page_size(self) -> int | None:  # type: ignore[override]
-        return getattr(self.policy, "page_size", None)
+    def _share_modules(self) -> None:
+        """The wide copy scores with the policy's own learned parts (not copies of them)."""
+        for name, module in self.policy.modules().items():
+            setattr(self._wide, name, module)
 
-    @property
-    def attention(self) -> str:
-        return getattr(self.policy, "attention", "softmax")
-
-    @property
-    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(dict.fromkeys((*self.policy.summaries, "page_min", "page_max")))  # the bound reads min/max
+    def attach(self, model) -> None:
+        self.policy.attach(model)
+        self._share_modules()
 
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         self.policy.prefill(state, q, k, v)
@@ -284,12 +298,6 @@ class Certified(KVSelector):
         if bound.device.type == "cuda":
             torch._dynamo.mark_static_address(bound)
         state.store["certified_bound"] = bound
-
-    def finish_prefill(self, states: Sequence[KVState]) -> None:
-        self.policy.finish_prefill(states)
-
-    def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
-        self.policy.append(state, k, v)
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         base = self.policy.select(state, q)

@@ -99,6 +99,7 @@ class CommunityKV(KVSelector):
     candidates: int = 8
     partition: Partition | None = None
     summaries = ()  # centroids of its own; no page summaries
+    own_prefill = True  # the communities are found in prefill
     clustering: ClusteringTime = field(default_factory=ClusteringTime, init=False, repr=False, compare=False)
     _pool: tuple[int, Executor] | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -17,6 +17,7 @@ class Dense(KVSelector):
     """Attend to the whole visible context: every page holding a visible token."""
 
     summaries = ()  # reads no summary: a dense decode step refreshes none
+    layer_invariant = True
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         cache = state.cache

@@ -92,7 +92,8 @@ class EntmaxKV(KVSelector):
         attention: ``"softmax"`` or ``"entmax"``; the attention function routes on this attribute.
         page: the cache page size this policy needs.
         sinks, window: tokens whose pages are always kept; the last page is always kept.
-        z: standard deviations of the upper quantile of a page's Gaussian score model.
+        z: standard deviations (>= 0) above the mean of a page's Gaussian score model: the upper
+            quantile that must clear the threshold.
         iters: Newton steps of the threshold estimate (`gaussian_entmax_threshold`).
         rescore: 0, or a candidate factor >= 1: that many times the chosen pages are candidates and
             the best tokens by exact score are kept (`kv.base.rescore_pages`; as `Quest`'s).
@@ -115,6 +116,7 @@ class EntmaxKV(KVSelector):
     rescore: float = 0.0
     aggregate: Aggregate = "max"
     bound: PageBound = "box"
+    layer_invariant = True
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
@@ -130,14 +132,18 @@ class EntmaxKV(KVSelector):
         check_count(self.page, "page", minimum=1)
         check_count(self.sinks, "sinks")
         check_count(self.window, "window")
-        if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not math.isfinite(self.z):
-            raise ValueError(f"z must be a finite number, got {self.z!r}")
+        if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not (math.isfinite(self.z) and self.z >= 0):
+            raise ValueError(f"z must be a finite number >= 0 (standard deviations above a page's mean score), got {self.z!r}")
         check_count(self.iters, "iters", minimum=1)
         check_rescore(self.rescore)
 
     @property
     def page_size(self) -> int:  # type: ignore[override]
         return self.page
+
+    @property
+    def two_stage(self) -> bool:  # type: ignore[override]
+        return bool(self.rescore)
 
     @property
     def summaries(self) -> tuple[str, ...]:  # type: ignore[override]

@@ -234,6 +234,8 @@ class Forecast(KVSelector):
     rank: int | None = None
     step_context = ("hidden", "rotary")
     summaries = ()
+    selects_ahead = True  # layer l's head picks layer l+1's blocks
+    own_prefill = True  # the page means and the heads' products are made in prefill
     predictor: ForecastHeads | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

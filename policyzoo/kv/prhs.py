@@ -48,6 +48,7 @@ from ..selection import REUSE_AXES, Selection
 from .base import KVSelector, KVState, check_count, policy_params, read_policy_file
 from .certified import DEFAULT_SLACK, certify_before_attention
 from .prhs_calibration import measure
+from .wrapper import PolicyWrapper
 
 TIME, LAYER = (1 + REUSE_AXES.index(axis) for axis in ("time", "layer"))
 
@@ -82,7 +83,7 @@ def scaled_budget(budget: int | float, scale: float) -> int | float:
 
 
 @dataclass
-class PrHS(KVSelector):
+class PrHS(PolicyWrapper):
     """Reuse selections along time and layers, and schedule budgets along depth (module docstring).
 
     Args:
@@ -109,16 +110,20 @@ class PrHS(KVSelector):
     _per_layer: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.policy, KVSelector) or isinstance(self.policy, PrHS):
-            raise TypeError(f"policy must be a KV policy (not a PrHS), got {type(self.policy).__name__}")
+        self.check_policy()
+        if isinstance(self.policy, PrHS):
+            raise TypeError("PrHS: policy must be a KV policy, not a PrHS (one PrHS has all three axes)")
+        if self.policy.selects_ahead:
+            self.refuse("this policy makes each layer's selection one layer ahead, a chain PrHS would break by "
+                        "reusing a selection, skipping a layer or re-budgeting it")  # fmt: skip
         if self.eps is not None:
             if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps <= 1.0:
                 raise ValueError(f"eps must be None or a number in [0, 1], got {self.eps!r}")
-            if getattr(self.policy, "attention", "softmax") != "softmax":
-                raise ValueError("eps certifies softmax dropped mass: the policy attends with entmax")
-            if getattr(self.policy, "sample", 0):
-                raise ValueError(f"eps needs selections without sampling weights: {type(self.policy).__name__}"
-                                 f"(sample={self.policy.sample!r}); use sample=0 or no eps")
+            if self.policy.attention != "softmax":
+                self.refuse("eps certifies softmax dropped mass: the policy attends with entmax")
+            if self.policy.weighted:
+                self.refuse(f"eps needs selections without sampling weights (sample={getattr(self.policy, 'sample', '?')!r}); "
+                            "use sample=0 or no eps")  # fmt: skip
         if self.time is not None and (isinstance(self.time, bool) or not isinstance(self.time, (int, float))
                                       or not 0.0 < self.time <= 1.0):  # fmt: skip
             raise ValueError(f"time (the cosine τ) must be None or a number in (0, 1], got {self.time!r}")
@@ -127,7 +132,7 @@ class PrHS(KVSelector):
                 raise TypeError(f"depth must be a DepthSchedule, got {type(self.depth).__name__}")
             missing = [f for f in ("budget", "window") if not hasattr(self.policy, f)]
             if missing:
-                raise ValueError(f"a depth schedule sets the policy's budget and window: {type(self.policy).__name__} has no {missing[0]}")
+                self.refuse(f"a depth schedule sets the policy's budget and window: {type(self.policy).__name__} has no {missing[0]}")
         self.layer = tuple(self.layer)
         if not all(isinstance(g, int) and not isinstance(g, bool) for g in self.layer):
             raise TypeError(f"layer must be a tuple of int group ids, got {self.layer!r}")
@@ -144,36 +149,20 @@ class PrHS(KVSelector):
         if isinstance(self.slack, bool) or not (isinstance(self.slack, (int, float)) and math.isfinite(self.slack) and self.slack >= 0):
             raise ValueError(f"slack must be a finite number >= 0, got {self.slack!r}")
 
-    # ------------------------------------------------------------------ what the session reads
+    # ------------------------------------------------------------------ what PrHS adds
     @property
-    def page_size(self) -> int | None:  # type: ignore[override]
-        return self.policy.page_size
-
-    @property
-    def attention(self) -> str:
-        return getattr(self.policy, "attention", "softmax")
+    def own_summaries(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("page_min", "page_max") if self.eps is not None else ()  # the certificate reads them
 
     @property
-    def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
-        extra = ("page_min", "page_max") if self.eps is not None else ()  # the certificate reads them
-        return tuple(dict.fromkeys((*self.policy.summaries, *extra)))
+    def own_step_context(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (("previous",) if self.time is not None else ()) + (("below",) if self.layer else ())
 
     @property
-    def step_context(self) -> tuple[str, ...]:  # type: ignore[override]
-        parts = tuple(self.policy.step_context)
-        parts += ("previous",) if self.time is not None else ()
-        parts += ("below",) if self.layer else ()
-        return tuple(dict.fromkeys(parts))
+    def own_prefill(self) -> bool:  # type: ignore[override]
+        return self.policy.own_prefill or self.time is not None  # the reference queries are made in prefill
 
-    @property
-    def slot_alignment(self) -> int | None:  # type: ignore[override]
-        return self.policy.slot_alignment
-
-    def attach(self, model) -> None:
-        self.policy.attach(model)
-
-    def modules(self) -> dict:  # the learned parts are the wrapped policy's
-        return self.policy.modules()
+    layer_invariant = False  # its depth schedule and layer groups are per layer
 
     def policy_at(self, layer: int) -> KVSelector:
         """The wrapped policy as layer ``layer`` runs it (its depth entry applied; learned parts shared)."""

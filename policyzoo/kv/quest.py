@@ -60,6 +60,7 @@ class Quest(KVSelector):
     aggregate: Aggregate = "max"
     rescore: float = 0.0
     bound: PageBound = "box"
+    layer_invariant = True
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
@@ -78,6 +79,10 @@ class Quest(KVSelector):
     @property
     def page_size(self) -> int:  # type: ignore[override]
         return self.page
+
+    @property
+    def two_stage(self) -> bool:  # type: ignore[override]
+        return bool(self.rescore)
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "Quest")

@@ -172,6 +172,20 @@ class SSA(KVSelector):
     def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
         return bound_summaries(self.bound) if self.proxy == "page" else ()
 
+    layer_invariant = True
+    own_prefill = True  # the random stream's state is made in prefill
+
+    @property
+    def weighted(self) -> bool:  # type: ignore[override]
+        return self.sample != 0
+
+    @property
+    def two_stage(self) -> bool:  # type: ignore[override]
+        return bool(self.rescore)
+
+    def reset_random(self) -> None:
+        self.reseed(self.seed)
+
     # ------------------------------------------------------------------------------- randomness
     def reseed(self, seed: int) -> None:
         """Restart the random stream from ``seed`` (in place: a compiled step keeps its buffers)."""

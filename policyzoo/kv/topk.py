@@ -28,6 +28,7 @@ class AttentionTopK(KVSelector):
     window: int = 32
     aggregate: Aggregate = "sum"
     summaries = ()  # exact scores read the keys themselves
+    layer_invariant = True
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)

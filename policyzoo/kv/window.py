@@ -22,6 +22,7 @@ class Window(KVSelector):
     sinks: int = 4
     window: int = 256
     summaries = ()
+    layer_invariant = True
 
     def __post_init__(self) -> None:
         check_count(self.sinks, "sinks")

@@ -60,6 +60,9 @@ class ProjectionSparsifier:
     # True when it decodes a tensor-parallel model (`policyzoo.distributed`): it keeps, on a rank's
     # shard of a row-parallel projection's input, the features one process keeps.
     shardable: bool = False
+    # True when what it keeps depends on the layer only through the layer's tensors (no per-layer
+    # constants): one compiled decoder layer can then serve every layer (`policyzoo.regional`).
+    layer_invariant: bool = False
 
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         raise NotImplementedError  # abstract

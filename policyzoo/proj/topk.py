@@ -48,6 +48,10 @@ class TopK(ProjectionSparsifier):
     shardable = True  # a row-parallel shard is cut at the whole input's threshold (`_shard_threshold`)
     _shard = None  # the tensor-parallel model's `Shard` (set by `install`): not a dataclass field
 
+    @property
+    def layer_invariant(self) -> bool:  # type: ignore[override]
+        return self.mode == "exact"  # the fast mode's ratios are per projection and layer
+
     def __post_init__(self) -> None:
         self.keep = check_keep(self.keep)
         self.targets = check_targets(self.targets)
