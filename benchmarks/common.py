@@ -17,7 +17,7 @@ import torch
 
 import inspect
 
-from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, Offload, PrHS, Quest, Threshold, TopK
+from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, Offload, PrHS, Quest, Threshold, TopK, Window
 from policyzoo.bytes import BUILTIN
 from policyzoo.timing import time_ms
 
@@ -64,6 +64,8 @@ def settings() -> dict[str, tuple]:
         "attn-topk0.3": (lambda: AttentionTopK(0.3, window=64), None, 1.0, 0.3),
         "quest0.1": (lambda: Quest(0.1, page=PAGE, window=64), None, 1.0, 0.1),
         "quest0.3": (lambda: Quest(0.3, page=PAGE, window=64), None, 1.0, 0.3),
+        # The first 4 and the last 512 tokens: its share of the context is `kv_ratio`'s, per context.
+        "window4+512": (lambda: Window(4, 512), None, 1.0, 1.0),
         # Pages of 64: a quarter of the pages to bound and rank, at coarser granularity.
         "quest0.1p64": (lambda: Quest(0.1, page=64, window=64), None, 1.0, 0.1),
         # Pages ranked by the 4-bit key sketch's bound (about a nat over a page's best key, not 13).
@@ -116,6 +118,16 @@ def runs_partition(n: int, lo, hi, weight, gamma: float, seed: int, size: int) -
     """A `CommunityKV` partition function for timing: runs of ``size`` consecutive tokens, whatever
     the graph (module level: the policy's worker processes import it)."""
     return torch.arange(n) // size
+
+
+def kv_ratio(name: str, context: int) -> float:
+    """``r_kv`` of setting ``name`` at ``context`` tokens: the table's, but for a `Window` policy,
+    whose share of the context falls as the context grows."""
+    kv_f, _, _, r_kv = settings()[name]
+    policy = kv_f() if kv_f else None
+    if isinstance(policy, Window):
+        return min(1.0, (policy.sinks + policy.window) / context)
+    return r_kv
 
 
 def selection_ratio(name: str) -> float:

@@ -35,6 +35,7 @@ COLUMNS = {
     "batch": ("ms", "floor_ms", "ms/floor", "speedup", "bound"),
     "step": ("ms", "floor_ms", "ms/floor", "speedup", "bound"),
     "tp": ("world", "generate_ms", "step_ms", "generate/step", "floor_ms", "ms/floor"),
+    "many": ("order", "generate_ms", "fresh_generate_ms", "shared/alone", "step_ms", "floor_ms", "x_dense", "bound", "fallbacks"),
 }
 TITLES = {
     "generate": "`Decoder.generate` end to end (EOS id set, streamer attached, prefill excluded) beside the compiled step alone",
@@ -44,6 +45,8 @@ TITLES = {
     "batch": "Eager step captured in a CUDA graph, batch rows",
     "step": "Eager step captured in a CUDA graph",
     "tp": "Tensor-parallel `Decoder.generate` on each of `world` GPUs (`benchmarks.tp`; floor: one rank's bytes)",
+    "many": "Many compiled Decoders in one process (`benchmarks.many_decoders`): `generate` per setting in the shared process, "
+            "in the order given, and alone in a process of its own",
 }
 
 
