@@ -51,6 +51,25 @@ def sliding_window(model: nn.Module) -> int | None:
     return window
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The most positions the model was made for (``config.max_position_embeddings``), or None where
+    its config does not say. RoPE scaling (Llama 3.1's ``rope_scaling``) is already counted in it."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(model: nn.Module, tokens: int, what: str) -> None:
+    """Refuse a request whose ``tokens`` positions (``what`` they are, for the message) exceed the
+    model's `max_positions`: its rotary embedding was not trained there, so its output would be
+    garbage, silently."""
+    limit = max_positions(model)
+    if limit is not None and tokens > limit:
+        raise ValueError(
+            f"{what} = {tokens} tokens exceeds the model's max_position_embeddings ({limit}): shorten the prompt "
+            "or max_new_tokens, or use a model made for longer contexts"
+        )
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 

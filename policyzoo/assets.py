@@ -68,9 +68,17 @@ def _check_gguf() -> None:
 
 
 def _check_name(name_or_path: object) -> str:
+    """The name as a string; a name written as a path (absolute, ``./``, ``../``, ``~``, a Path, or
+    more than one ``/``: Hub names are ``org/name``) must be a directory that exists."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise TypeError(f"name_or_path must be a model name or a path, got {name_or_path!r}")
-    return str(name_or_path)
+    name = str(name_or_path)
+    as_path = isinstance(name_or_path, Path) or name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1
+    if as_path and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"no model directory {name!r} (a local path that does not exist; a Hub name is 'org/name')")
+    if as_path and not Path(name).expanduser().is_dir():
+        raise ValueError(f"{name!r} is a file, not a model directory (a folder holding config.json and the weights)")
+    return str(Path(name).expanduser()) if as_path else name
 
 
 # ------------------------------------------------------------------------------------- model

@@ -56,7 +56,12 @@ class ByteAccount:
                 path = path / "config.json"
             if not path.is_file():
                 raise ValueError(f"config: {config!r} is neither a built-in name ({', '.join(BUILTIN)}) nor a config.json path")
-            config = json.loads(path.read_text())
+            try:
+                config = json.loads(path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"config: {str(path)!r} is not a JSON model config (a config.json): {err}") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"config: {str(path)!r} holds JSON, but not a model config (an object of its dimensions)")
         get = config.get if isinstance(config, dict) else lambda k, default=None: getattr(config, k, default)
         try:
             d, h = int(get("hidden_size")), int(get("num_attention_heads"))

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import _compat
 from .argtypes import positive_int
 
 TIMING_NOTE = (
@@ -126,15 +127,32 @@ def format_table(rows: Sequence[Row], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def check_output_file(path: str | None, flag: str) -> None:
+    """Refuse an output path that cannot be written before any work: a directory, a file in a folder
+    that does not exist, or in one without write access."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path!r} is a directory: give the path of the file to write")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path!r}: no directory {str(folder)!r} to write it in")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path!r}: not writable")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from .assets import load_model, passkey_prompt
 
+    check_output_file(args.json, "--json")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_s = time.perf_counter() - t0
+    _compat.check_positions(model, args.tokens + args.new_tokens, f"--tokens ({args.tokens}) + --new-tokens ({args.new_tokens})")
     device = next(model.parameters()).device
     input_ids, answer = passkey_prompt(tokenizer, args.tokens, depth=args.depth, seed=args.seed)
     input_ids = input_ids.to(device)
@@ -249,8 +267,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .assets import essays_text, load_model
     from .proj import Threshold, TopK
 
+    check_output_file(args.out, "--out")
     if args.method == "prhs":
+        check_output_file(str(Path(args.out).with_suffix(".json")), "--out (its .json measurements)")
         return _calibrate_prhs(args)
+    prhs_only = [flag for flag, value, default in (("--kv", args.kv, None), ("--steps", args.steps, 32), ("--eps", args.eps, None),
+                                                   ("--axes", args.axes, "time,depth,layer")) if value != default]
+    if prhs_only:
+        raise ValueError(f"{', '.join(prhs_only)} apply to --method prhs only; --method {args.method} calibrates projections "
+                         "on the dense model")  # fmt: skip
     targets = tuple(t for t in args.targets.split(",") if t)
     # Built first: keep and targets are checked before the model loads.
     if args.method == "threshold":
@@ -281,7 +306,7 @@ def _calibrate_prhs(args: argparse.Namespace) -> int:
     from .kv import PrHS
     from .spec import parse_kv
 
-    policy = parse_kv(args.kv)  # checked before the model loads
+    policy = parse_kv(args.kv or "quest:0.1")  # checked before the model loads
     axes = tuple(a for a in args.axes.split(",") if a)
     model, tokenizer = load_model(args.model)
     ids = tokenizer(essays_text(), return_tensors="pt").input_ids[0]
@@ -321,7 +346,7 @@ def _add_calibrate_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="the safetensors file to write")
     p.add_argument("--method", choices=["threshold", "topk-fast", "prhs"], default="threshold",
                    help="what to calibrate (default threshold)")  # fmt: skip
-    p.add_argument("--kv", default="quest:0.1", help="with --method prhs: the KV policy PrHS wraps (default quest:0.1)")
+    p.add_argument("--kv", default=None, help="with --method prhs: the KV policy PrHS wraps (default quest:0.1)")
     p.add_argument("--steps", type=positive_int, default=32, help="with --method prhs: decode steps per passage (default 32)")
     p.add_argument("--eps", type=_depth, default=None, help="with --method prhs: certify every reuse at this dropped mass")
     p.add_argument("--axes", default="time,depth,layer", help="with --method prhs: the axes to calibrate (default time,depth,layer)")

@@ -10,6 +10,7 @@ registered attention function, which asks the KV policy for a `Selection` and at
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from functools import partial
 from typing import Any, Protocol
@@ -98,6 +99,12 @@ class Decoder:
             raise TypeError(f"gate must be a policyzoo.gate.Gate (e.g. Gate.load(path)) or None, got {type(gate).__name__}")
         if kv is not None:
             check_parts(kv.step_context, type(kv).__name__)
+            if kv.attention == "entmax" and getattr(model.config, "attention_kind", None) != "entmax":
+                warnings.warn(
+                    f"{type(kv).__name__}(attention='entmax') makes {type(model).__name__} attend with 1.5-entmax in prefill and "
+                    "decode; a model trained with softmax then decodes differently from its own forward. Mark an entmax "
+                    "model with model.config.attention_kind = 'entmax' (which silences this)", stacklevel=2,
+                )  # fmt: skip
         _check_flags(compile=compile)
         if offload is not None and not isinstance(offload, Offload):
             raise TypeError(f"offload must be a policyzoo.Offload (e.g. Offload(layers=8)) or None, got {type(offload).__name__}")
@@ -294,6 +301,7 @@ class Decoder:
         b, t = input_ids.shape
         eos = _eos_ids(self.model, eos_token_id, session.vocab_size)
         pad = _pad_id(self.model, pad_token_id, eos, session.vocab_size)
+        _compat.check_positions(self.model, t + max_new_tokens, f"prompt ({t}) + max_new_tokens ({max_new_tokens})")
         window = _compat.sliding_window(self.model)
         if window is not None and t + max_new_tokens > window:
             raise ValueError(

@@ -110,16 +110,20 @@ def check_settings(
 ) -> None:
     """Raise a `TypeError` or `ValueError` naming the argument unless the sampling settings are valid:
     a bool ``do_sample``, a finite ``temperature > 0``, ``top_p`` in (0, 1], and ``generator`` None or
-    a `torch.Generator` for ``device``'s type (the draws are made on the device)."""
+    a `torch.Generator` for ``device``'s type (the draws are made on the device). Greedy decoding
+    (``do_sample=False``) reads neither ``temperature`` nor ``top_p``, so there ``temperature=0`` and
+    ``top_p=0`` are accepted too, as Hugging Face's ``generate`` accepts them."""
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {do_sample!r}")
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not 0 < temperature < math.inf:  # type: ignore[operator]
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    if not 0.0 < top_p <= 1.0:  # type: ignore[operator]
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    # Greedy decoding reads neither, so the values that mean "no sampling" elsewhere pass there too.
+    low = 0 <= temperature if not do_sample else 0 < temperature  # type: ignore[operator]
+    if not (low and temperature < math.inf):  # type: ignore[operator]
+        raise ValueError(f"temperature must be a {'positive' if do_sample else 'non-negative'} finite number, got {temperature}")
+    if not (0.0 <= top_p <= 1.0 if not do_sample else 0.0 < top_p <= 1.0):  # type: ignore[operator]
+        raise ValueError(f"top_p must be in {'(0, 1]' if do_sample else '[0, 1]'}, got {top_p}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if generator is not None and generator.device.type != torch.device(device).type:

@@ -85,6 +85,7 @@ class DecodeSession:
         self._compiled: CompiledSteps | None = None  # None: eager steps
         self._dynamic_capacity = False
         self._graph_state: tuple = ()  # `policy_state_layout` when the graphs were recorded
+        self._room = 0  # steps the cache has room for (kept on the host: checking the device would sync)
 
     # ------------------------------------------------------------------------------ setting
     def available_settings(self) -> tuple[str, ...]:
@@ -220,6 +221,7 @@ class DecodeSession:
         for state in self.runtime.states:
             state.store.clear()
         cache.reset(start, length)
+        self._room = cache.capacity - length
         parts = self.runtime.policy.step_context
         self.contexts.keep_previous = "previous" in parts
         self.contexts.keep_hidden = "hidden" in parts
@@ -267,6 +269,9 @@ class DecodeSession:
         b, t = input_ids.shape
         if capacity is not None:
             check_count(capacity, "capacity", minimum=1)
+            if capacity < t:
+                raise ValueError(f"capacity ({capacity}) must hold the prompt's {t} tokens (and the tokens to decode after it)")
+        _compat.check_positions(self.model, max(capacity or t, t), "capacity (prompt + tokens to decode)")
         check_count(keep_logits, "keep_logits", minimum=1)
         if keep_logits > t:
             raise ValueError(f"keep_logits ({keep_logits}) must be at most the prompt's {t} tokens")
@@ -369,6 +374,7 @@ class DecodeSession:
         """Set every row's length back to ``length`` tokens (a benchmark times the same slot again)."""
         self._need_cache()
         self.runtime.cache.rewind(length)
+        self._room = self.runtime.cache.capacity - length
 
     def time_step(self, *, calls: int = 8, reps: int = 3, warmup: int = 2, rewind: bool = True) -> float:
         """Milliseconds per decode step at the current context, the step as `generate` runs it
@@ -429,6 +435,9 @@ class DecodeSession:
         outlive it.
         """
         self._need_cache()
+        if self._room <= 0:
+            raise RuntimeError(f"the cache is full ({self.runtime.cache.capacity} tokens a row): start the sequence batch "
+                               "with a larger capacity (prefill(..., capacity=prompt + tokens to decode))")
         if tokens is not None:
             if not isinstance(tokens, Tensor) or tokens.numel() != self._tokens.numel() or tokens.is_floating_point():
                 shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
@@ -441,6 +450,7 @@ class DecodeSession:
             else:
                 logits, token = self._compiled(self.step_key())
         self.last_token = token
+        self._room -= 1
         return logits
 
     @torch.no_grad()

@@ -254,7 +254,7 @@ def _kwargs(cls: type, name: str, params: list[tuple[str | None, str]], spec: st
 def _construct(factory: Callable[..., Any], cls: type, name: str, kwargs: dict[str, Any], spec: str) -> Any:
     try:
         return factory(**kwargs)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OSError) as e:  # OSError: a file a parameter names (heads=, path=)
         raise ValueError(f"spec {spec!r}: {e}; {name} parameters: {_params_text(cls)}") from None
 
 

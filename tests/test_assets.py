@@ -149,3 +149,12 @@ def test_check_answer():
     assert not check_answer(" 684135", "68413")
     assert not check_answer(" 1000. The pass key is 68413", "68413")  # first number counts
     assert not check_answer(" not a number", "68413")
+
+
+def test_a_model_path_that_does_not_exist_says_so(tmp_path):
+    for name in (str(tmp_path / "no-such-model"), "./no-such-model", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="no model directory"):
+            assets.load_model(name)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a model directory"):
+        assets.load_model(str(tmp_path / "file"))

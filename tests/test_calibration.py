@@ -37,3 +37,32 @@ def test_values_round_trip_and_are_checked(tmp_path):
     for bad, err in (({"0.q": float("nan")}, ValueError), ({0: 1.0}, TypeError), ([("0.q", 1.0)], TypeError)):
         with pytest.raises(err, match="ratios"):
             check_values(bad, "ratios")
+
+
+def test_calibrated_values_must_fit_the_model_they_are_installed_on(tmp_path):
+    """Thresholds (or fast-TopK ratios) calibrated for another model are refused at install, by name;
+    a file of another kind, or not a safetensors file, is refused at load, naming the file."""
+    from tiny_models import tiny_model
+
+    from policyzoo import Decoder, Forecast, Threshold, TopK
+
+    other = {f"{layer}.{t}": 0.5 for layer in range(30) for t in ("q", "k", "v", "o", "gate", "up", "down")}
+    with pytest.raises(ValueError, match=r"Threshold: the thresholds do not fit this model \(2 layers.*'10.down'"):
+        Decoder(tiny_model("llama"), proj=Threshold(0.5, thresholds=other))
+    with pytest.raises(ValueError, match=r"TopK\(mode='fast'\): the ratios do not fit.*lacks"):
+        Decoder(tiny_model("llama"), proj=TopK(0.5, mode="fast", ratios={"0.q": 1.0}))
+    fits = {f"{layer}.{t}": 0.1 for layer in range(2) for t in ("q", "k", "v", "o", "gate", "up", "down")}
+    Decoder(tiny_model("llama"), proj=Threshold(0.5, thresholds=fits))  # this model's own
+    heads = Forecast(0.5, rank=4)
+    heads.attach(tiny_model("llama"))
+    path = heads.save(tmp_path / "heads.safetensors")
+    with pytest.raises(ValueError, match=r"Threshold.load: .*heads.safetensors' holds 'Forecast' data"):
+        Threshold.load(path)
+    junk = tmp_path / "x.txt"
+    junk.write_text("not tensors")
+    with pytest.raises(ValueError, match=r"TopK.load: .*x.txt' is not a safetensors file"):
+        TopK.load(junk)
+    with pytest.raises(FileNotFoundError, match="Threshold.load: no file"):
+        Threshold.load(tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match=r"Forecast\(heads='.*x.txt'\): .* is not a safetensors file"):
+        Forecast(heads=str(junk))

@@ -151,3 +151,29 @@ def test_calibrate_prhs_writes_a_schedule_that_a_kv_spec_loads(tmp_path):
     assert policy.eps is None and abs(sum(policy.depth.scale) / 30 - 1) < 1e-6
     report = json.loads(path.with_suffix(".json").read_text())
     assert {"depth", "layer", "time"} <= set(report) and report["time"]["tau"] == policy.time
+
+
+def test_outputs_and_inputs_are_checked_before_any_work(tmp_path, capsys):
+    """An --out or --json that cannot be written, a model config that is not one, options of another
+    method: each a one-line error before a model loads (no traceback, no Rust error after the work)."""
+    cases = [
+        (["calibrate", "--out", str(tmp_path / "missing" / "x.safetensors")], "no directory"),
+        (["calibrate", "--out", str(tmp_path)], "is a directory"),
+        (["calibrate", "--method", "threshold", "--kv", "quest:0.1", "--out", str(tmp_path / "t.safetensors")], "--kv apply to --method prhs only"),
+        (["run", "--json", str(tmp_path / "missing" / "rows.json")], "no directory"),
+        (["bytes", "--model", __file__, "--rp", "0.5", "--rkv", "0.5"], "is not a JSON model config"),
+        (["bytes", "--model", str(tmp_path / "nope.json"), "--rp", "0.5", "--rkv", "0.5"], "neither a built-in name"),
+    ]
+    for argv, match in cases:
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, err
+
+
+def test_a_spec_naming_a_missing_file_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--kv", "forecast:0.1,heads=/missing/heads.safetensors", "--out", "/tmp/never"])
+    err = capsys.readouterr().err
+    assert "heads='/missing/heads.safetensors'" in err and "no policy file" in err and "Traceback" not in err

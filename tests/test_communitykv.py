@@ -325,3 +325,22 @@ def test_the_spec_builds_it():
 def test_bad_arguments_name_themselves(kwargs, exc, name):
     with pytest.raises(exc, match=name):
         CommunityKV(**kwargs)
+
+
+def test_more_graph_keys_than_the_prompt_has_are_capped_at_the_prompt(make_case):
+    """``top`` past the tokens a query sees is every pair already: the graph is built, not the
+    memory of ``top`` entries per query."""
+    case = make_case(b=1, h_kv=2, g=2, d=8, page=4, prompt=24, steps=0, starts=[0], seed=1)
+    policies = CommunityKV(0.5, top=10_000, **SMALL), CommunityKV(0.5, top=24, **SMALL)
+    many, every = (prefilled(case, p) for p in policies)
+    for policy, state in zip(policies, (many, every)):
+        policy.finish_prefill([state])
+    for name in ("order", "size"):
+        assert torch.equal(many.store[name], every.store[name]), name
+
+
+def test_a_partition_function_that_returns_nothing_is_named():
+    from policyzoo.kv.community_graph import _checked
+
+    with pytest.raises(TypeError, match="partition function must return n=5 integer community ids .* got NoneType"):
+        _checked(None, 5)

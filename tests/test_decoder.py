@@ -4,12 +4,13 @@ the compiled step does not recompile; bad input is rejected with a clear error."
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from tiny_models import FAMILIES, RecordingStreamer, padded_batch, tiny_model
 
-from policyzoo import AttentionTopK, Decoder, Quest, TopK, Window
+from policyzoo import AttentionTopK, Decoder, EntmaxKV, Quest, TopK, Window
 
 NEW = 12
 
@@ -380,3 +381,34 @@ def test_dense_audit_records_no_certified_bound_without_summaries():
     dec.generate(ids, 3, attention_mask=mask, audit=True)
     assert dec.last_audit.mean("dropped_mass") == pytest.approx(0.0, abs=1e-6)
     assert not dec.last_audit.certified_bound
+
+
+def test_a_request_longer_than_the_model_is_refused_before_any_work():
+    model = tiny_model("llama")  # max_position_embeddings = 1024
+    dec = Decoder(model)
+    ids = torch.randint(1, 128, (1, 1000))
+    with pytest.raises(ValueError, match=r"prompt \(1000\) \+ max_new_tokens \(30\) = 1030 tokens exceeds the model's max_position_embeddings \(1024\)"):
+        dec.generate(ids, 30)
+    assert dec.session.cache is None  # nothing was prefilled
+    with pytest.raises(ValueError, match="capacity .* exceeds the model's max_position_embeddings"):
+        dec.session.prefill(ids, capacity=1100)
+    assert dec.generate(ids, 24).shape == (1, 1024)  # up to the limit itself
+
+
+def test_greedy_decoding_ignores_temperature_and_top_p_as_hugging_face_does():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 128, (1, 12))
+    want = Decoder(model).generate(ids, 4)
+    assert torch.equal(Decoder(model).generate(ids, 4, temperature=0.0, top_p=0.0), want)
+    with pytest.raises(ValueError, match="temperature"):
+        Decoder(model).generate(ids, 4, do_sample=True, temperature=0.0)
+
+
+def test_an_entmax_policy_on_a_softmax_model_is_said_out_loud():
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="attend with 1.5-entmax"):
+        Decoder(model, kv=EntmaxKV(0.5, page=4, attention="entmax"))
+    model.config.attention_kind = "entmax"  # a model declared entmax: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Decoder(model, kv=EntmaxKV(0.5, page=4, attention="entmax"))

@@ -295,3 +295,12 @@ def test_untrained_heads_read_the_query_projection_through_a_decoders_wrapper(mo
     assert type(model.model.layers[0].self_attn.q_proj).__name__ == "SparseLinear"
     after = ForecastHeads.from_model(model, rank=8)
     assert torch.equal(before.down, after.down) and torch.equal(before.up, after.up)
+
+
+def test_a_rank_beyond_the_model_is_refused_when_the_decoder_takes_the_policy():
+    from tiny_models import tiny_model
+
+    from policyzoo import Decoder
+
+    with pytest.raises(ValueError, match=r"Forecast\(rank=1000\): the rank can be at most .* = 32"):
+        Decoder(tiny_model("llama"), kv=Forecast(0.5, rank=1000))  # hidden 64, H_kv·D = 2·16

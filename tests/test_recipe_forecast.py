@@ -212,6 +212,7 @@ def test_student_block_scores_rank_as_a_brute_force_over_windows():
     [
         (["--steps", "0"], "--steps"),
         (["--seq-len", "200"], "--seq-len"),
+        (["--seq-len", "256"], "--seq-len"),  # 4 blocks: one query position, nothing to train
         (["--mixed-precision", "fp8"], "--mixed-precision"),
         (["--holdout", "1.5"], "--holdout"),
         (["--init", "/nonexistent/heads.safetensors"], "--init"),

@@ -345,3 +345,18 @@ def test_recorded_graphs_are_dropped_when_a_request_remakes_the_policys_tensors(
         session.prefill(ids, mask, capacity=40)
         assert (policy_state_layout(session.runtime) == before) == kept
         assert (session.compiled_steps.graphs == 1) == kept
+
+
+def test_a_capacity_under_the_prompt_or_a_full_cache_is_a_clear_error():
+    session = Decoder(tiny_model("llama")).session
+    ids = torch.randint(1, 128, (1, 20))
+    with pytest.raises(ValueError, match=r"capacity \(10\) must hold the prompt's 20 tokens"):
+        session.prefill(ids, capacity=10)
+    session.choose(session.prefill(ids, capacity=21)[:, -1])  # room for 21 - 20 + page slack
+    room = session.cache.capacity - int(session.cache.length)
+    for _ in range(room):
+        session.step()
+    with pytest.raises(RuntimeError, match="the cache is full"):
+        session.step()
+    session.rewind(int(session.cache.length) - 1)
+    session.step()  # a rewound cache has room again

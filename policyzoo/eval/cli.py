@@ -93,6 +93,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def check_positions(model, tokens: int, what: str) -> None:
+    from .._compat import check_positions as check
+
+    check(model, tokens, what)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """``policyzoo eval``: build the tasks, run the grid, write the three outputs."""
     from . import tasks as tasks_mod
@@ -105,6 +111,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = assets.load_model(args.model)
+    if not args.dataset:  # before the tasks are built: a prompt of the longest length alone must fit
+        check_positions(model, max(args.lengths), f"--lengths {max(args.lengths)}")
     t_loaded = time.perf_counter()
     if args.dataset:
         data = load_dataset(args.dataset)

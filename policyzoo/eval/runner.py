@@ -212,6 +212,11 @@ def evaluate(
     records = to_records(data, tokenizer)
     if not records:
         raise ValueError("the dataset is empty")
+    from .._compat import check_positions
+
+    longest = max(records, key=lambda r: len(r["input_ids"]) + (0 if r["span"] else new_tokens(tokenizer, [r["answer"]])))
+    need = len(longest["input_ids"]) + (0 if longest["span"] else new_tokens(tokenizer, [longest["answer"]]))
+    check_positions(model, need, f"the longest record ({longest['task']}, length {longest['length']}) with its answer")
     calibrate_thresholds(model, tokenizer, settings)
     batches = batch_records(records, batch_size)
     collectors: dict[tuple, Collector] = {}

@@ -39,12 +39,20 @@ def make_settings(kv_specs: Sequence[str], proj_specs: Sequence[str]) -> list[Se
 
 
 def calibrate_thresholds(model: Any, tokenizer: Any, settings: Iterable[Setting], tokens: int = 4096) -> None:
-    """Calibrate every uncalibrated `Threshold` of ``settings`` on the first ``tokens`` essay tokens."""
+    """Calibrate every uncalibrated `Threshold` of ``settings`` on the first ``tokens`` essay tokens,
+    and say so on stderr (the Python API refuses an uncalibrated `Threshold`; the command line, given
+    ``threshold:KEEP`` without ``path=``, calibrates it on the essays)."""
+    import sys
+
     from ..proj import Threshold
 
-    todo = [s.proj for s in settings if isinstance(s.proj, Threshold) and not s.proj.thresholds]
+    todo = [s for s in settings if isinstance(s.proj, Threshold) and not s.proj.thresholds]
     if not todo:
         return
+    for s in todo:
+        print(f"calibrating {s.proj_spec} on the first {tokens} essay tokens (no path= given; "
+              "`policyzoo calibrate` writes a file to reuse)", file=sys.stderr)
+    todo = [s.proj for s in todo]
     ids = torch.tensor(tokenizer(assets.essays_text()[: tokens * 6], add_special_tokens=False).input_ids[:tokens])
     chunks = [ids[i : i + 1024] for i in range(0, len(ids), 1024)]
     for proj in todo:

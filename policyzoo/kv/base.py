@@ -221,11 +221,15 @@ def read_policy_file(path: str | Path, owner: str) -> tuple[dict[str, str], dict
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no policy file {str(path)!r}")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises its own (Rust) errors for a file that is not one
+        raise ValueError(f"{str(path)!r} is not a safetensors file written by {owner}.save ({e})") from None
     if meta.get("policy") != owner:
-        raise ValueError(f"{path} holds a {meta.get('policy', 'unknown')} policy, not {owner}")
+        what = f"a {meta['policy']} policy" if "policy" in meta else f"{meta['kind']!r} data" if "kind" in meta else "no policyzoo policy"
+        raise ValueError(f"{str(path)!r} holds {what}, not {owner}")
     return meta, tensors
 
 

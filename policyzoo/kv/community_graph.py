@@ -108,6 +108,8 @@ def graph_communities(n: int, first: int, dst: Tensor, p: Tensor, mix: float, si
 
 def _checked(membership: Tensor, n: int) -> Tensor:
     """A `CommunityKV.partition` function's answer, as int64 community ids ``0 .. C-1`` (each used)."""
+    if not isinstance(membership, (Tensor, list, tuple)) and type(membership).__module__ != "numpy":
+        raise TypeError(f"a partition function must return n={n} integer community ids (a tensor), got {type(membership).__name__}")
     membership = torch.as_tensor(membership)
     if membership.shape != (n,) or membership.dtype.is_floating_point or membership.dtype == torch.bool:
         raise ValueError(f"a partition function must return n={n} integer community ids, got {membership.dtype} {tuple(membership.shape)}")

@@ -205,8 +205,9 @@ class CommunityKV(KVSelector):
         keys = state.keys[row, :, start:length]  # [H_kv, n, D]
         first = max(start - (length - t), 0)  # the first query that is a visible token of the row
         q_pos0 = length - t + first - start  # its local index
-        # Fewer keys than `top` leave p = 0 in the rest: no edge there.
-        dst, p = kernels.attention_edges(q[:, first:], keys, q_pos0, state.scale, self.top)
+        # Fewer keys than `top` leave p = 0 in the rest: no edge there. `top` past the row's keys is
+        # capped at them (a graph of every pair already).
+        dst, p = kernels.attention_edges(q[:, first:], keys, q_pos0, state.scale, min(self.top, keys.shape[1]))
         # Rounded to bf16 precision, so a row's graph is the same alone and in a batch. The edges
         # go to the workers, which sum them into the graph: they are 4-5x smaller than it.
         return dst.cpu(), round_for_ranking(p).cpu(), q_pos0

@@ -252,7 +252,10 @@ class Forecast(KVSelector):
         if isinstance(self.heads, ForecastHeads):
             self.predictor = self.heads
         elif isinstance(self.heads, (str, Path)):
-            _, tensors = read_policy_file(self.heads, "Forecast")
+            try:
+                _, tensors = read_policy_file(self.heads, "Forecast")
+            except (OSError, ValueError) as e:
+                raise type(e)(f"Forecast(heads={str(self.heads)!r}): {e}") from None
             self.predictor = ForecastHeads.from_tensors({k.split(".", 1)[1]: v for k, v in tensors.items()})
         elif self.heads is not None:
             raise TypeError(f"heads must be a path, a ForecastHeads or None, got {type(self.heads).__name__}")
@@ -267,12 +270,16 @@ class Forecast(KVSelector):
 
     # --------------------------------------------------------------------------- life cycle
     def attach(self, model: nn.Module) -> None:
-        if self.predictor is None:
-            self.predictor = ForecastHeads.from_model(model, self.rank)
         config = model.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        most = min(config.hidden_size, kv_heads * head_dim)
+        if self.predictor is None and self.rank is not None and self.rank > most:
+            raise ValueError(f"Forecast(rank={self.rank}): the rank can be at most min(hidden_size, H_kv·head_dim) = {most} "
+                             "for this model (a larger one adds parameters, not expressiveness)")  # fmt: skip
+        if self.predictor is None:
+            self.predictor = ForecastHeads.from_model(model, self.rank)
         p = self.predictor
         want = (len(_compat.decoder_layers(model)), config.hidden_size, kv_heads, head_dim)
         have = (p.num_layers, p.down.shape[1], p.kv_heads, p.head_dim)

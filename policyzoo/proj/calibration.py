@@ -30,6 +30,41 @@ def check_values(values: object, what: str) -> None:
         raise ValueError(f"{what}[{bad[0]!r}] must be a finite number, got {values[bad[0]]}")
 
 
+def check_fits(values: dict[str, float], model: nn.Module, targets: Sequence[str], owner: str, what: str) -> None:
+    """Calibrated ``values`` (when there are any) must name exactly the target projections of
+    ``model``'s layers: values calibrated for another model (another depth, other targets) are refused
+    when the sparsifier is installed, not used where the names happen to match."""
+    if not values:
+        return  # not calibrated yet: `calibrate` may follow the install
+    layers = len(decoder_layers(model))
+    wanted = {f"{i}.{t}" for i in range(layers) for t in targets}
+    extra, missing = sorted(set(values) - wanted), sorted(wanted - set(values))
+    if extra or missing:
+        found = f"names {extra[0]!r}, which this model does not have" if extra else f"lacks {missing[0]!r}"
+        raise ValueError(
+            f"{owner}: the {what} do not fit this model ({layers} layers, targets {'+'.join(targets)}): the file or dict "
+            f"{found}; they were calibrated for another model. Calibrate on this one (calibrate(model, texts)) or load its own file"
+        )
+
+
+def read_values(path: str | Path, kind: str, owner: str) -> tuple[dict[str, str], dict[str, float]]:
+    """``(metadata, values)`` of a file that `save_values` wrote for ``kind`` (``threshold``,
+    ``topk-fast``), with an error naming the file for a missing file, one that is not safetensors, or
+    one of another kind (a policy's, another sparsifier's)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{owner}.load: no file {str(path)!r}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own (Rust) errors for a file that is not one
+        raise ValueError(f"{owner}.load: {str(path)!r} is not a safetensors file ({e})") from None
+    if "keep" not in meta or meta.get("kind", "threshold") != kind:
+        other = meta.get("policy") or meta.get("kind") or "unknown"
+        raise ValueError(f"{owner}.load: {str(path)!r} holds {other!r} data, not a {kind} file written by {owner}.save")
+    return load_values(path)
+
+
 @torch.no_grad()
 def collect_inputs(
     model: nn.Module,

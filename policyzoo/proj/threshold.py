@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, group_segment, shared_groups
-from .calibration import DeviceScalars, check_values, collect_inputs, load_values, save_values
+from .calibration import DeviceScalars, check_fits, check_values, collect_inputs, read_values, save_values
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -55,6 +55,7 @@ class Threshold(ProjectionSparsifier):
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
         """Wrap the projections, then make every calibrated threshold (and each q|k|v or gate|up
         group's per-column thresholds) a device tensor, once; `calibrate` later updates them in place."""
+        check_fits(self.thresholds, model, self.targets, "Threshold", "thresholds")
         super().install(model, runtime)
         groups = [(tuple(g.names), tuple(g.sizes)) for g in shared_groups(model, self)]
         self._device.install(next(model.parameters()).device, groups)
@@ -104,9 +105,7 @@ class Threshold(ProjectionSparsifier):
 
     @classmethod
     def load(cls, path: str | Path) -> "Threshold":
-        meta, values = load_values(path)
-        if "keep" not in meta or meta.get("kind", "threshold") != "threshold":
-            raise ValueError(f"{path} is not a policyzoo Threshold file (no 'keep' metadata, or another kind)")
+        meta, values = read_values(path, "threshold", "Threshold")
         return cls(keep=float(meta["keep"]), targets=tuple(meta["targets"].split(",")), thresholds=values)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .. import kernels
 from ..distributed import concat_over_ranks, is_row_parallel, shard_of, sum_over_ranks
 from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, kept_features, topk_mask
-from .calibration import DeviceScalars, check_values, collect_inputs, load_values, save_values
+from .calibration import DeviceScalars, check_fits, check_values, collect_inputs, read_values, save_values
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -63,6 +63,7 @@ class TopK(ProjectionSparsifier):
         self._device = DeviceScalars(self.ratios, "fast-TopK ratio", "call calibrate() or load() first")
 
     def install(self, model: nn.Module, runtime: "Runtime") -> None:
+        check_fits(self.ratios, model, self.targets, "TopK(mode='fast')", "ratios")
         super().install(model, runtime)
         self._shard = shard_of(model)
         if self.mode == "fast":
@@ -136,9 +137,7 @@ class TopK(ProjectionSparsifier):
     @classmethod
     def load(cls, path: str | Path) -> "TopK":
         """A fast-mode `TopK` from a file `save` wrote."""
-        meta, values = load_values(path)
-        if meta.get("kind") != _KIND:
-            raise ValueError(f"{path} is not a policyzoo fast-TopK file (metadata kind {meta.get('kind')!r})")
+        meta, values = read_values(path, _KIND, "TopK")
         return cls(keep=float(meta["keep"]), targets=tuple(meta["targets"].split(",")), mode="fast", ratios=values)
 
 

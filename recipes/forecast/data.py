@@ -13,6 +13,10 @@ from .errors import UsageError
 from .geometry import Geometry
 
 MIN_BLOCKS = 4  # query positions start this many blocks into a chunk: fewer leaves no candidates
+# Blocks of query positions a chunk must offer after those: at 4 blocks of context a query has one or
+# two blocks to choose among (the sinks' block and the window's are forced), and a chunk of exactly
+# MIN_BLOCKS blocks has one query position, which trains nothing.
+MIN_QUERY_BLOCKS = 4
 
 
 def load_texts(dataset: str | None, config: str | None, split: str, column: str):

@@ -51,7 +51,7 @@ from policyzoo import _compat, assets
 from policyzoo.argtypes import positive_int
 from policyzoo.kv.forecast import Forecast, ForecastHeads
 
-from .data import MIN_BLOCKS, load_texts, make_chunks, split_holdout
+from .data import MIN_BLOCKS, MIN_QUERY_BLOCKS, load_texts, make_chunks, split_holdout
 from .errors import UsageError
 from .evaluate import evaluate_heads, format_tasks, task_eval
 from .examples import Example, ExampleStore
@@ -173,8 +173,10 @@ def initial_heads(model: nn.Module, init: str | None, rank: int | None) -> Forec
 
 def check_args(args: argparse.Namespace, geo: Geometry = DEFAULT_GEOMETRY) -> None:
     """What argparse's types cannot say alone, each error naming its option."""
-    if args.seq_len < MIN_BLOCKS * geo.block:
-        raise UsageError(f"--seq-len must be at least {MIN_BLOCKS} blocks ({MIN_BLOCKS * geo.block} tokens): query positions start {MIN_BLOCKS} blocks in; got {args.seq_len}")
+    least = (MIN_BLOCKS + MIN_QUERY_BLOCKS) * geo.block
+    if args.seq_len < least:
+        raise UsageError(f"--seq-len must be at least {MIN_BLOCKS + MIN_QUERY_BLOCKS} blocks ({least} tokens): query positions start "
+                         f"{MIN_BLOCKS} blocks in, and {MIN_QUERY_BLOCKS} blocks of them are the fewest that train; got {args.seq_len}")
     if not 0.0 < args.holdout < 1.0:
         raise UsageError(f"--holdout must be a fraction in (0, 1), got {args.holdout}")
     if not args.lr > 0:
