@@ -88,7 +88,8 @@ def host_link_bandwidth() -> float:
 
 
 # ------------------------------------------------------------------------------------- steps
-def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind: bool = True) -> tuple[float, float, float | None]:
+def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind: bool = True,
+              backend: str = "inductor") -> tuple[float, float, float | None]:
     """(ms per decode step, seconds spent compiling and capturing, page-cache hit rate of the timed
     steps or None) at context ``n``, as `DecodeSession.time_step` times it (CUDA events);
     ``rewind=False``: the timed steps follow each other, as `DecodeSession.time_step` says (offload's
@@ -97,13 +98,14 @@ def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind:
     ``graph``: the eager step's kernels captured in a CUDA graph (torch.compile's ``eager``
     backend: no fusion); ``compiled``: the Inductor-compiled step replayed as a CUDA graph;
     ``compiled-dynamic``: the same, compiled once with a dynamic cache capacity for every context.
-    On CPU every mode is a smoke test of the logic.
+    On CPU every mode is a smoke test of the logic; ``backend`` is the compiled modes' (the CPU smoke
+    tests use ``aot_eager``: the same graphs, without Inductor's code generation).
     """
     session = dec.session
     if mode == "graph":
         dec.compile(backend="eager", cuda_graphs=DEVICE == "cuda")
     elif mode == "compiled":
-        dec.compile()
+        dec.compile(backend=backend)
     t0 = time.perf_counter()
     for _ in range(3):  # compile, warm up, capture
         session.step()
@@ -168,7 +170,8 @@ def section_kernel(contexts, rows, check=True):
 
 
 def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1, steps=8, reps=10,
-                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None, offload_cache=0.0, prefetch=True):
+                 section="step", mode="graph", dense_ms=None, offload=0, host_bw=None, offload_cache=0.0, prefetch=True,
+                 backend="inductor"):
     """One row per (setting, context): ms, tok/s, byte floor, ideal bound, speedup over dense.
     ``offload``: the last that many layers' keys and values in pinned host memory (`policyzoo.Offload`),
     with page caches of ``offload_cache`` of their pages; the floor then reads their selected KV,
@@ -188,12 +191,12 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
                     torch._dynamo.reset()
                     dec = common.decoder(model, name, offload=Offload(offload, cache=offload_cache, prefetch=prefetch) if offload else None)
                     if mode == "compiled-dynamic":
-                        shared = dec.compile(dynamic_capacity=True)
+                        shared = dec.compile(dynamic_capacity=True, backend=backend)
                 else:
                     dec = shared
                 common.fill_cache(dec, batch, n, n + steps * (reps + 3) + 64)
                 graphs = counters["stats"]["unique_graphs"]
-                ms, setup_s, hit = time_step(dec, batch, n, steps, reps, mode, rewind=not offload)
+                ms, setup_s, hit = time_step(dec, batch, n, steps, reps, mode, rewind=not offload, backend=backend)
                 if mode != "graph":  # graphs Dynamo compiled for this row (0: it reused a compiled step)
                     row["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
                 if name == "dense":
@@ -320,7 +323,7 @@ def generate_items(spec: str, known: set[str]) -> list[tuple[str, int, int]]:
     return compiled_items(spec, known, flag="--generate")
 
 
-def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64):
+def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64, backend="inductor"):
     """`Decoder.generate` per-token time as users see it, beside the compiled step alone, per
     ``(setting, context, batch)``: one compile per (setting, batch), with a dynamic cache capacity
     (two-stage settings: a fixed one, `Decoder.compile` refuses them a dynamic one on CUDA)."""
@@ -336,7 +339,7 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
                 decoders.clear()  # one Decoder (and cache) at a time
                 free_memory()
                 dec = common.decoder(model, name)
-                decoders[key] = dec.compile(dynamic_capacity=dynamic_capacity_refused(dec) is None)
+                decoders[key] = dec.compile(dynamic_capacity=dynamic_capacity_refused(dec, backend) is None, backend=backend)
             dec = decoders[key]
             row["dynamic_capacity"] = dynamic_capacity_refused(dec) is None
             graphs = counters["stats"]["unique_graphs"]
@@ -450,6 +453,8 @@ def main(argv=None) -> None:
                    "dense@131072,quest0.1@131072,dense@4096,topk0.5@4096",
                    help="setting@context pairs for the compiled section, setting@contextxB for batch B "
                         "(dense first: speedups divide by its row of the same context and batch)")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend of the compiled and generate sections (CPU smoke tests: aot_eager)")
     p.add_argument("--dynamic-capacity", action="store_true",
                    help="compiled section: compile each setting once with a dynamic cache capacity "
                         "(`Decoder.compile(dynamic_capacity=True)`) and time all its contexts with it")
@@ -525,17 +530,17 @@ def main(argv=None) -> None:
                 contexts_of.setdefault((name, b), []).append(n)
             for (name, b), ns in contexts_of.items():
                 section_step(full_model(), ns, [name], rows, bw, acct, save, deadline, batch=b, section="compiled",
-                             mode="compiled-dynamic", dense_ms=dynamic_dense.setdefault(b, {}))
+                             mode="compiled-dynamic", dense_ms=dynamic_dense.setdefault(b, {}), backend=args.backend)
             return
         for name, n, b in items:
             section_step(full_model(), [n], [name], rows, bw, acct, save, deadline, batch=b, section="compiled",
-                         mode="compiled", dense_ms=compiled_dense.setdefault(b, {}))
+                         mode="compiled", dense_ms=compiled_dense.setdefault(b, {}), backend=args.backend)
 
     run = ExitStack()  # the kernel configs the variants section keeps for the rest of the run
     sections = {
         "check": lambda: section_check(rows, names),
         "generate": lambda: section_generate(full_model(), generate_items(args.generate, set(settings())), rows, bw, acct, save,
-                                             deadline, new_tokens=args.new_tokens),
+                                             deadline, new_tokens=args.new_tokens, backend=args.backend),
         "kernel": lambda: section_kernel(contexts, rows),
         "variants": lambda: probes.section_variants(rows, run, args.variants.split(",")),
         "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),

@@ -86,17 +86,19 @@ class _StepClock:
         return 1.0 / statistics.median(steps) if steps else math.nan
 
 
-def run_setting(model: Any, tokenizer: Any, input_ids: torch.Tensor, answer: str, label: str, kv: Any, proj: Any, new_tokens: int) -> Row:
-    """Decode ``input_ids`` with a fresh `Decoder` over ``model``: one audited run, one timed run."""
+def run_setting(model: Any, tokenizer: Any, input_ids: torch.Tensor, answer: str, label: str, kv: Any, proj: Any, new_tokens: int,
+                progress: bool = False) -> Row:
+    """Decode ``input_ids`` with a fresh `Decoder` over ``model``: one audited run, one timed run
+    (``progress``: a bar for each, the prefill while it runs, then the tokens)."""
     from .assets import check_answer
     from .decoder import Decoder
 
     dec = Decoder(model, kv=kv, proj=proj)
-    out = dec.generate(input_ids, max_new_tokens=new_tokens, audit=True)
+    out = dec.generate(input_ids, max_new_tokens=new_tokens, audit=True, progress=progress)
     audit = dec.last_audit
     text = tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
     clock = _StepClock()
-    timed = dec.generate(input_ids, max_new_tokens=new_tokens, streamer=clock)
+    timed = dec.generate(input_ids, max_new_tokens=new_tokens, streamer=clock, progress=progress)
     if not torch.equal(timed, out):
         print(f"warning: {label}: the timed run decoded differently from the audited run", file=sys.stderr)
     proj_keep = audit.mean("proj_keep") if proj is not None else 1.0
@@ -149,6 +151,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_output_file(args.json, "--json")
     torch.manual_seed(args.seed)
+    if not args.no_progress:
+        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_s = time.perf_counter() - t0
@@ -160,10 +164,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"warning: --new-tokens {args.new_tokens} is too few to spell the {len(answer)}-digit key", file=sys.stderr)
     rows: list[Row] = []
     settings = default_settings()
+    if not args.no_progress:
+        print(f"model loaded in {load_s:.0f} s; {len(settings)} settings, each an audited and a timed run of the "
+              f"{input_ids.shape[1]}-token prompt", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    for label, make in tqdm(settings, desc="settings", disable=args.no_progress, file=sys.stderr):
+    bar = tqdm(settings, desc="settings", disable=args.no_progress, file=sys.stderr)
+    for label, make in bar:
+        bar.set_postfix_str(label)
         kv, proj = make()
-        rows.append(run_setting(model, tokenizer, input_ids, answer, label, kv, proj, args.new_tokens))
+        rows.append(run_setting(model, tokenizer, input_ids, answer, label, kv, proj, args.new_tokens, progress=not args.no_progress))
     run_s = time.perf_counter() - t0
     title = (
         f"passkey: {args.model}, {input_ids.shape[1]} prompt tokens, depth {args.depth}, key {answer}, "

@@ -286,7 +286,8 @@ class Decoder:
         tokens as the device delivers them. ``audit=True`` records dropped mass, output error and
         kept fractions against dense attention in ``self.last_audit`` (it runs the step uncompiled).
         ``output_logits=True`` also returns the logits each new token was chosen from,
-        ``float32[B, new, V]``.
+        ``float32[B, new, V]``. ``progress=True`` shows a bar: the prefill while it runs, then the
+        tokens as they come.
         """
         session = self.session
         input_ids, attention_mask = session.check_inputs(input_ids, attention_mask)
@@ -312,7 +313,8 @@ class Decoder:
             session.use(self.gate.choose(t + max_new_tokens // 2, self.available_settings()))
         self.last_choice = session.setting
 
-        bar = tqdm(total=max_new_tokens, desc="decode", disable=not progress, leave=False)
+        # The bar names the prefill while it runs (a long prompt on a CPU takes a while), then counts tokens.
+        bar = tqdm(total=max_new_tokens, desc=f"prefill {t} tokens", unit="tok", disable=not progress, leave=False)
         outbox = TokenOutbox(b, max_new_tokens, self.device, streamer, on_token=lambda: bar.update(1))
         scores: list[Tensor] = []
         if streamer is not None:
@@ -320,6 +322,7 @@ class Decoder:
         recorder = None
         try:
             logits = session.prefill(input_ids, attention_mask, capacity=t + max_new_tokens)[:, -1]
+            bar.set_description("decode")
             session.sample(do_sample=do_sample, temperature=temperature, top_p=top_p, eos_token_id=eos, pad_token_id=pad, generator=generator)
             with session.audit() if audit else nullcontext() as recorder:
                 session.choose(logits)

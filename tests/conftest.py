@@ -26,6 +26,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`scripts/test` runs a worker per core) each worker takes its share of the cores:
+# two workers of two threads each on two cores would fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 import math
 from dataclasses import dataclass, field
 

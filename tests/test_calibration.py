@@ -56,7 +56,7 @@ def test_calibrated_values_must_fit_the_model_they_are_installed_on(tmp_path):
     heads = Forecast(0.5, rank=4)
     heads.attach(tiny_model("llama"))
     path = heads.save(tmp_path / "heads.safetensors")
-    with pytest.raises(ValueError, match=r"Threshold.load: .*heads.safetensors' holds 'Forecast' data"):
+    with pytest.raises(ValueError, match=r"Threshold.load: .*heads.safetensors' is not a policyzoo Threshold file \(it holds 'Forecast' data"):
         Threshold.load(path)
     junk = tmp_path / "x.txt"
     junk.write_text("not tensors")

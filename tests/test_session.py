@@ -209,8 +209,10 @@ def test_a_long_prompt_prefilled_in_chunks_leaves_what_one_forward_leaves(monkey
 
 
 @pytest.mark.slow
-def test_ten_thousand_compiled_steps_keep_memory_flat_and_never_recompile():
-    """A long generation must not grow: no tensor kept per step, no recompiles (Quest, CPU)."""
+def test_thousands_of_compiled_steps_keep_memory_flat_and_never_recompile():
+    """A long generation must not grow: no tensor or Python object kept per step, no recompiles
+    (Quest, CPU). 3,000 measured steps: a leak of 0.5 KB a step (one small tensor) shows in the
+    resident memory, one object a step in the object count."""
     import gc
 
     from torch._dynamo.utils import counters
@@ -220,24 +222,28 @@ def test_ten_thousand_compiled_steps_keep_memory_flat_and_never_recompile():
             return int(f.read().split()[1]) * 4096 / 2**20
 
     model = tiny_model("llama", layers=1)
+    model.config.max_position_embeddings = 8192  # rotary positions are computed per step: any length runs
     torch._dynamo.reset()
     counters.clear()
     dec = Decoder(model, kv=Quest(0.1, page=16, window=16), compile=True)
     session = dec.session
     ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(0))
-    session.choose(session.prefill(ids, capacity=64 + 10_000)[:, -1])
+    session.choose(session.prefill(ids, capacity=64 + 6_000)[:, -1])
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(1_000):  # compile and settle the allocator
+        for _ in range(3_000):  # compile and settle the allocator
             session.step()
         gc.collect()
+        objects = len(gc.get_objects())  # counted before the memory is read: the list of them is megabytes
         before = rss_mb()
-        for _ in range(9_000):
+        for _ in range(3_000):
             session.step()
         gc.collect()
         grown = rss_mb() - before
-    assert int(session.cache.length) == 64 + 10_000 and int(session.contexts.index) == 10_000
+        more = len(gc.get_objects()) - objects
+    assert int(session.cache.length) == 64 + 6_000 and int(session.contexts.index) == 6_000
     assert counters["stats"]["unique_graphs"] == 1
-    assert grown < 4, f"resident memory grew by {grown:.1f} MB over 9,000 steps"
+    assert grown < 1.5, f"resident memory grew by {grown:.1f} MB over 3,000 steps"
+    assert more < 300, f"{more} more Python objects after 3,000 steps"
 
 
 

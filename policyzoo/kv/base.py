@@ -98,8 +98,12 @@ class KVSelector:
     attention: Literal["softmax", "entmax"] = "softmax"
     # Whether `prefill` builds per-request state the decode steps need: such a policy cannot start
     # from a dense prefix computed elsewhere (`DecodeSession.load_prefix`), and its prompt is
-    # prefilled in one forward (its prefill sees the whole prompt).
-    own_prefill: bool = False
+    # prefilled in one forward (its prefill sees the whole prompt). Undeclared, a policy that
+    # overrides `prefill` is taken to have one (the safe side); the built-ins declare it.
+    @property
+    def own_prefill(self) -> bool:
+        return type(self).prefill is not KVSelector.prefill
+
     # Whether selections carry ``log_weight`` (sampling corrections): a certificate, which needs the
     # unweighted normaliser, cannot take them.
     weighted: bool = False

@@ -47,10 +47,10 @@ def check_fits(values: dict[str, float], model: nn.Module, targets: Sequence[str
         )
 
 
-def read_values(path: str | Path, kind: str, owner: str) -> tuple[dict[str, str], dict[str, float]]:
+def read_values(path: str | Path, kind: str, owner: str, label: str) -> tuple[dict[str, str], dict[str, float]]:
     """``(metadata, values)`` of a file that `save_values` wrote for ``kind`` (``threshold``,
-    ``topk-fast``), with an error naming the file for a missing file, one that is not safetensors, or
-    one of another kind (a policy's, another sparsifier's)."""
+    ``topk-fast``; ``label`` names it in messages), with an error naming the file for a missing file,
+    one that is not safetensors, or one of another kind (a policy's, another sparsifier's)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{owner}.load: no file {str(path)!r}")
@@ -61,7 +61,7 @@ def read_values(path: str | Path, kind: str, owner: str) -> tuple[dict[str, str]
         raise ValueError(f"{owner}.load: {str(path)!r} is not a safetensors file ({e})") from None
     if "keep" not in meta or meta.get("kind", "threshold") != kind:
         other = meta.get("policy") or meta.get("kind") or "unknown"
-        raise ValueError(f"{owner}.load: {str(path)!r} holds {other!r} data, not a {kind} file written by {owner}.save")
+        raise ValueError(f"{owner}.load: {str(path)!r} is not a policyzoo {label} file (it holds {other!r} data)")
     return load_values(path)
 
 

@@ -105,7 +105,7 @@ class Threshold(ProjectionSparsifier):
 
     @classmethod
     def load(cls, path: str | Path) -> "Threshold":
-        meta, values = read_values(path, "threshold", "Threshold")
+        meta, values = read_values(path, "threshold", "Threshold", "Threshold")
         return cls(keep=float(meta["keep"]), targets=tuple(meta["targets"].split(",")), thresholds=values)
 
 

@@ -137,7 +137,7 @@ class TopK(ProjectionSparsifier):
     @classmethod
     def load(cls, path: str | Path) -> "TopK":
         """A fast-mode `TopK` from a file `save` wrote."""
-        meta, values = read_values(path, _KIND, "TopK")
+        meta, values = read_values(path, _KIND, "TopK", "fast-TopK")
         return cls(keep=float(meta["keep"]), targets=tuple(meta["targets"].split(",")), mode="fast", ratios=values)
 
 
