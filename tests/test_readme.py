@@ -74,3 +74,12 @@ def test_readme_step_context_example_runs_compiled_like_eager():
     eager = Decoder(copy.deepcopy(model), kv=Sticky(0.3, page=4, window=4)).generate(ids, 6, attention_mask=mask)
     compiled = Decoder(model, kv=Sticky(0.3, page=4, window=4), compile=True).generate(ids, 6, attention_mask=mask)
     assert torch.equal(eager, compiled)
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs_as_written(capsys):
+    pytest.importorskip("gguf")
+    namespace: dict = {}
+    exec(_block("## Quickstart"), namespace)
+    printed = capsys.readouterr().out
+    assert "| expected " + namespace["answer"] in printed and "mean dropped mass" in printed
