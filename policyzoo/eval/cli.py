@@ -74,7 +74,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--kv", nargs="+", default=["dense"], type=_spec_arg(parse_kv), metavar="SPEC", help="KV policy specs (default: dense)")
-    p.add_argument("--proj", nargs="+", default=["none"], type=_spec_arg(parse_proj), metavar="SPEC", help="projection specs (default: none)")
+    p.add_argument("--proj", nargs="+", default=["none"], type=_spec_arg(parse_proj), metavar="SPEC",
+                   help="projection specs (default: none); threshold:KEEP without path= is calibrated on the first 4K essay "
+                        "tokens first, and says so (the Python API refuses an uncalibrated Threshold)")
     p.add_argument("--tasks", type=_tasks_arg, default=["passkey", "multikey", "ppl"], help="comma-separated: passkey,multikey,ppl (default: all)")
     p.add_argument("--lengths", type=_lengths_arg, default=[1024, 2048], help="comma-separated lengths, K = 1024 (default: 1k,2k)")
     p.add_argument("--placements", type=positive_int, default=3, help="needle depths per length, (i + 0.5) / N (default 3)")
