@@ -22,7 +22,7 @@ their items with ``+`` (``topk:0.5,targets=gate+up+down``); a policy that wraps 
 takes it as a KV spec in brackets (``[quest:0.1,page=16]``). A bad spec raises `ValueError` naming
 the accepted policies, or the policy's parameters and defaults.
 
-New policies register in one line: ``KV_POLICIES["mine"] = MyPolicy`` (a dataclass whose fields are
+New policies register in one line: ``KV_POLICIES["mine"] = MyPolicy`` (`policyzoo.kv.registry`) (a dataclass whose fields are
 its parameters) or ``PROJ_SPARSIFIERS["mine"] = MySparsifier``. Every KV policy also takes ``path``:
 a safetensors file written by `KVSelector.save` (a policy with learned parameters), whose saved
 parameters the spec's others replace.
@@ -35,22 +35,12 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .kv import SSA, AttentionTopK, Certified, CommunityKV, Dense, EntmaxKV, Forecast, KVSelector, PrHS, Quest, Window
+from .kv import Dense, KVSelector, PrHS
+from .kv.registry import KV_POLICIES
 from .proj import ProjectionSparsifier, Threshold, TopK
 
-# name -> class; a class's dataclass fields are its spec parameters, in order.
-KV_POLICIES: dict[str, type] = {
-    "dense": Dense,
-    "window": Window,
-    "attn-topk": AttentionTopK,
-    "quest": Quest,
-    "ssa": SSA,
-    "entmax-kv": EntmaxKV,
-    "prhs": PrHS,
-    "certified": Certified,
-    "forecast": Forecast,
-    "community-kv": CommunityKV,
-}
+# name -> class (`kv.registry`, the one registry of KV policies); a class's dataclass fields are its
+# spec parameters, in order.
 PROJ_SPARSIFIERS: dict[str, type] = {
     "topk": TopK,
     "threshold": Threshold,

@@ -711,7 +711,7 @@ def test_bad_policy_files_are_clear_errors(tmp_path):
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     meta["wrapped"] = json.dumps({"class": "NoSuchPolicy", "params": {}})
     save_file(tensors, path, metadata=meta)
-    with pytest.raises(ValueError, match="wraps a NoSuchPolicy policy, which is not defined"):
+    with pytest.raises(ValueError, match="a NoSuchPolicy policy is not registered"):
         PrHS.load(path)
 
 
@@ -790,9 +790,12 @@ def test_calibrate_measures_every_axis_on_text():
         PrHS.calibrate(Decoder(model, kv=Window(2, 8)), texts, context=36, steps=8)
 
 
-def test_a_wrapped_learned_policy_keeps_its_tensors_through_save_and_load(tmp_path):
+def test_a_wrapped_learned_policy_keeps_its_tensors_through_save_and_load(tmp_path, monkeypatch):
     """`PrHS.modules` are the wrapped policy's (the Decoder moves them), and `save` / `load` keep
-    their tensors, not only the parameters."""
+    their tensors, not only the parameters (a policy of one's own is registered to be loaded)."""
+    from policyzoo.kv.registry import KV_POLICIES
+
+    monkeypatch.setitem(KV_POLICIES, "learned-quest", LearnedQuest)
     wrapped = PrHS(LearnedQuest(0.3, page=4), time=0.5)
     assert wrapped.modules() == wrapped.policy.modules() and wrapped.modules()
     for t in wrapped.parameters():

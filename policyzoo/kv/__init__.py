@@ -1,14 +1,15 @@
+# Imported in the order the registry lists the built-in policies (`kv.registry.KV_POLICIES`).
 from .base import KVSelector, KVState
-from .certified import Certified, certified_dropped_mass, grow_until_certified
-from .communitykv import CommunityKV
 from .dense import Dense
-from .entmax import EntmaxKV
-from .forecast import Forecast, ForecastHeads
-from .prhs import DepthSchedule, PrHS
+from .window import Window
+from .topk import AttentionTopK
 from .quest import Quest
 from .ssa import SSA
-from .topk import AttentionTopK
-from .window import Window
+from .entmax import EntmaxKV
+from .prhs import DepthSchedule, PrHS
+from .certified import Certified, certified_dropped_mass, grow_until_certified
+from .forecast import Forecast, ForecastHeads
+from .communitykv import CommunityKV
 
 __all__ = [
     "AttentionTopK",

@@ -39,6 +39,7 @@ from ..selection import Selection
 from ..cache import SKETCH
 from .base import KVSelector, KVState, check_budget, page_bound_scores, selection_logits, token_bound_scores
 from .wrapper import PolicyWrapper
+from .registry import register
 
 DEFAULT_SLACK = 1e-5
 
@@ -230,6 +231,7 @@ def grow_until_certified(
     return Selection(ranked.indices, chosen.int(), block=blk), at.float()
 
 
+@register("certified")
 @dataclass
 class Certified(PolicyWrapper):
     """Grow a policy's selection until the certified dropped-mass bound is under ``eps``.

@@ -54,6 +54,7 @@ from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, forced_at, round_for_ranking
 from .community_graph import INLINE, LEIDENS, ClusteringTime, Leiden, Partition, cpus, graph_communities, require_leiden
+from .registry import register
 
 Graph = Literal["group", "head"]
 GRAPHS = ("group", "head")
@@ -65,6 +66,7 @@ SPARE = 32
 PARALLEL_TOKENS = 4096
 # Where a policy's prefill leaves its partitions in progress, for `finish_prefill`.
 _JOBS = "communitykv.jobs"
+@register("community-kv")
 @dataclass
 class CommunityKV(KVSelector):
     """Keep ``budget`` tokens (or a keep ratio of the visible context; sinks and window included) as

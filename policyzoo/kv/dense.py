@@ -10,8 +10,10 @@ from torch import Tensor
 
 from ..selection import Selection
 from .base import KVSelector, KVState
+from .registry import register
 
 
+@register("dense")
 @dataclass
 class Dense(KVSelector):
     """Attend to the whole visible context: every page holding a visible token."""

@@ -68,6 +68,7 @@ from .base import (
     page_bound_scores,
     page_budget,
 )
+from .registry import register
 
 
 def page_gaussians(state: KVState, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -81,6 +82,7 @@ def page_gaussians(state: KVState, q: Tensor) -> tuple[Tensor, Tensor]:
     return mu.reshape(b, h, -1), var.clamp(min=0).sqrt().reshape(b, h, -1)
 
 
+@register("entmax-kv")
 @dataclass
 class EntmaxKV(KVSelector):
     """Support-aware page selection; see the module docstring for the exact rule.

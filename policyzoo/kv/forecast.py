@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, choose_topk, policy_params, read_policy_file
+from .registry import register
 
 
 class ForecastHeads(nn.Module):
@@ -213,6 +214,7 @@ def block_scores(page_scores: Tensor, counts: Tensor, kernel_pages: int, block_p
     return blocks
 
 
+@register("forecast")
 @dataclass
 class Forecast(KVSelector):
     """Keep the best ``budget`` of the blocks (tokens, or a keep ratio of the visible blocks), as

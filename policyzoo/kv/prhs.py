@@ -49,6 +49,7 @@ from .base import KVSelector, KVState, check_count, policy_params, read_policy_f
 from .certified import DEFAULT_SLACK, certify_before_attention
 from .prhs_calibration import measure
 from .wrapper import PolicyWrapper
+from .registry import policy_class, register
 
 TIME, LAYER = (1 + REUSE_AXES.index(axis) for axis in ("time", "layer"))
 
@@ -82,6 +83,7 @@ def scaled_budget(budget: int | float, scale: float) -> int | float:
     return max(1, round(budget * scale))
 
 
+@register("prhs")
 @dataclass
 class PrHS(PolicyWrapper):
     """Reuse selections along time and layers, and schedule budgets along depth (module docstring).
@@ -292,7 +294,7 @@ class PrHS(PolicyWrapper):
         params: dict[str, Any] = json.loads(meta["params"])
         if "policy" not in overrides:
             wrapped = json.loads(meta["wrapped"])
-            params["policy"] = _policy_class(wrapped["class"])(**wrapped["params"])
+            params["policy"] = policy_class(wrapped["class"])(**wrapped["params"])
             learned = {key[len("policy.") :]: value for key, value in tensors.items() if key.startswith("policy.")}
             if learned:
                 params["policy"].load_state_dict(learned)
@@ -345,17 +347,3 @@ def widen(sel: Selection, extra: int) -> Selection:
 def tagged(sel: Selection) -> Selection:
     """``sel`` tagged as made this step (reuse code 0), so the audit counts it in the reuse rates."""
     return replace(sel, reuse=torch.zeros_like(sel.count, dtype=torch.int8))
-
-
-def _policy_class(name: str) -> type:
-    """The `KVSelector` subclass called ``name`` (built-in or defined by the user before loading)."""
-    pending, seen = [KVSelector], {}
-    while pending:
-        cls = pending.pop()
-        for sub in cls.__subclasses__():
-            seen.setdefault(sub.__name__, sub)
-            pending.append(sub)
-    if name not in seen:
-        raise ValueError(f"the saved PrHS wraps a {name} policy, which is not defined (import it before loading)")
-    return seen[name]
-

@@ -39,8 +39,10 @@ from .base import (
     page_bound_scores,
     page_budget,
 )
+from .registry import register
 
 
+@register("quest")
 @dataclass
 class Quest(KVSelector):
     """Keep ``ceil(budget / page)`` pages (``budget`` in tokens, or a keep ratio of the context).

@@ -88,6 +88,7 @@ from .base import (
     page_bound_scores,
     page_log_mass,
 )
+from .registry import register
 
 Scheme = Literal["with_replacement", "gumbel_topk"]
 
@@ -98,6 +99,7 @@ def _check_zero_or_budget(value: object, name: str) -> None:
     check_budget(value, name)
 
 
+@register("ssa")
 @dataclass
 class SSA(KVSelector):
     """Stratified sparse attention: top ``budget`` entries by proxy plus ``sample`` corrected draws.

@@ -13,8 +13,10 @@ from torch import Tensor
 
 from ..selection import Selection
 from .base import Aggregate, Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, exact_scores, forced_tokens
+from .registry import register
 
 
+@register("attn-topk")
 @dataclass
 class AttentionTopK(KVSelector):
     """Keep ``budget`` tokens (an int) or a ``budget`` fraction of the context (a float in (0, 1]).

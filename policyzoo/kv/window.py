@@ -13,8 +13,10 @@ from torch import Tensor
 
 from ..selection import Selection
 from .base import KVSelector, KVState, check_count, choose_topk, forced_tokens
+from .registry import register
 
 
+@register("window")
 @dataclass
 class Window(KVSelector):
     """Keep the first ``sinks`` and the last ``window`` tokens of every row."""
