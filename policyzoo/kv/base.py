@@ -220,17 +220,9 @@ class KVSelector:
 def read_policy_file(path: str | Path, owner: str) -> tuple[dict[str, str], dict[str, Tensor]]:
     """``(metadata, tensors)`` of a policy file that `KVSelector.save` (or a subclass's) wrote for
     class ``owner``; a clear error for a missing file or another policy's."""
-    from safetensors import safe_open
+    from ..files import read_safetensors
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no policy file {str(path)!r}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as e:  # safetensors raises its own (Rust) errors for a file that is not one
-        raise ValueError(f"{str(path)!r} is not a safetensors file written by {owner}.save ({e})") from None
+    meta, tensors = read_safetensors(path, "no policy file", f"is not a safetensors file written by {owner}.save")
     if meta.get("policy") != owner:
         what = f"a {meta['policy']} policy" if "policy" in meta else f"{meta['kind']!r} data" if "kind" in meta else "no policyzoo policy"
         raise ValueError(f"{str(path)!r} holds {what}, not {owner}")

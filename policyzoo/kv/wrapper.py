@@ -17,6 +17,11 @@ from torch import Tensor, nn
 from .base import KVSelector, KVState
 
 
+def _of_policy(name: str) -> property:
+    """A read-only attribute that is the wrapped policy's attribute ``name``."""
+    return property(lambda self: getattr(self.policy, name), doc=f"The wrapped policy's ``{name}``.")
+
+
 class PolicyWrapper(KVSelector):
     """A policy that runs ``self.policy`` (a dataclass field of the subclass) to make its selections."""
 
@@ -36,9 +41,15 @@ class PolicyWrapper(KVSelector):
             raise TypeError(f"{type(self).__name__}: policy must be a KV policy (a KVSelector), got {type(self.policy).__name__}")
 
     # ------------------------------------------------------------------ derived declarations
-    @property
-    def page_size(self) -> int | None:  # type: ignore[override]
-        return self.policy.page_size
+    # Each of these is the wrapped policy's own declaration (`KVSelector` says what each means).
+    page_size = _of_policy("page_size")  # type: ignore[assignment]
+    slot_alignment = _of_policy("slot_alignment")  # type: ignore[assignment]
+    attention = _of_policy("attention")  # type: ignore[assignment]
+    own_prefill = _of_policy("own_prefill")  # type: ignore[assignment]
+    weighted = _of_policy("weighted")  # type: ignore[assignment]
+    selects_ahead = _of_policy("selects_ahead")  # type: ignore[assignment]
+    layer_invariant = _of_policy("layer_invariant")  # type: ignore[assignment]
+    two_stage = _of_policy("two_stage")  # type: ignore[assignment]
 
     @property
     def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -47,34 +58,6 @@ class PolicyWrapper(KVSelector):
     @property
     def step_context(self) -> tuple[str, ...]:  # type: ignore[override]
         return tuple(dict.fromkeys((*self.policy.step_context, *self.own_step_context)))
-
-    @property
-    def slot_alignment(self) -> int | None:  # type: ignore[override]
-        return self.policy.slot_alignment
-
-    @property
-    def attention(self) -> str:  # type: ignore[override]
-        return self.policy.attention
-
-    @property
-    def own_prefill(self) -> bool:  # type: ignore[override]
-        return self.policy.own_prefill
-
-    @property
-    def weighted(self) -> bool:  # type: ignore[override]
-        return self.policy.weighted
-
-    @property
-    def selects_ahead(self) -> bool:  # type: ignore[override]
-        return self.policy.selects_ahead
-
-    @property
-    def layer_invariant(self) -> bool:  # type: ignore[override]
-        return self.policy.layer_invariant
-
-    @property
-    def two_stage(self) -> bool:  # type: ignore[override]
-        return self.policy.two_stage
 
     # ------------------------------------------------------------------ forwarded life cycle
     def attach(self, model: nn.Module) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from .._compat import PROJECTIONS, check_supported, decoder_layers
+from ..files import read_safetensors
 from ..distributed import shard_of
 
 
@@ -51,18 +52,14 @@ def read_values(path: str | Path, kind: str, owner: str, label: str) -> tuple[di
     """``(metadata, values)`` of a file that `save_values` wrote for ``kind`` (``threshold``,
     ``topk-fast``; ``label`` names it in messages), with an error naming the file for a missing file,
     one that is not safetensors, or one of another kind (a policy's, another sparsifier's)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{owner}.load: no file {str(path)!r}")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own (Rust) errors for a file that is not one
-        raise ValueError(f"{owner}.load: {str(path)!r} is not a safetensors file ({e})") from None
+        meta, tensors = read_safetensors(path, f"{owner}.load: no file", "is not a safetensors file")
+    except ValueError as e:
+        raise ValueError(f"{owner}.load: {e}") from None
     if "keep" not in meta or meta.get("kind", "threshold") != kind:
         other = meta.get("policy") or meta.get("kind") or "unknown"
         raise ValueError(f"{owner}.load: {str(path)!r} is not a policyzoo {label} file (it holds {other!r} data)")
-    return load_values(path)
+    return meta, {k: float(v[0]) for k, v in tensors.items()}
 
 
 @torch.no_grad()
