@@ -156,6 +156,9 @@ class Decoder:
         for layer, (block, attn) in enumerate(zip(_compat.decoder_layers(model), _compat.attention_modules(model))):
             previous = getattr(attn, "_policyzoo", None)
             if previous is not None:  # its session now refuses to decode (`DecodeSession._need_active`)
+                old = previous[0].owner() if previous[0].owner is not None else None
+                if old is not None:
+                    old.retire()
                 previous[0].cache, previous[0].states, previous[0].contexts = None, [], None
                 previous[0].active = False
             attn._policyzoo = (runtime, layer)

@@ -10,7 +10,7 @@ policy states, the step context and the audit recorder. Its one writer is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 from torch import Tensor
 
@@ -75,6 +75,9 @@ class Runtime:
     attention: Attention | None = None
     # False once a Decoder built later on the same model has taken the model's hooks over.
     active: bool = True
+    # The session that drives this runtime (a weak reference): a Decoder taking the model over
+    # retires it (`DecodeSession.retire`), so its cache, CUDA graphs and compiled steps go at once.
+    owner: Callable[[], Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.attention is None:

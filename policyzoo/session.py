@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Iterator
@@ -86,6 +87,7 @@ class DecodeSession:
         self._dynamic_capacity = False
         self._graph_state: tuple = ()  # `policy_state_layout` when the graphs were recorded
         self._room = 0  # steps the cache has room for (kept on the host: checking the device would sync)
+        runtime.owner = weakref.ref(self)
 
     # ------------------------------------------------------------------------------ setting
     def available_settings(self) -> tuple[str, ...]:
@@ -201,6 +203,12 @@ class DecodeSession:
         if self.device.type == "cuda":
             torch._dynamo.mark_static_address(self._tokens)
         return cache
+
+    def retire(self) -> None:
+        """Free everything this session holds, compiled steps included: a later Decoder took its model
+        over, so it will never decode again (`_need_active` refuses it)."""
+        self.release()
+        self._compiled = None
 
     def release(self) -> None:
         """Free the cache and everything made for it (its CUDA graphs, step context, sampler)."""

@@ -366,3 +366,16 @@ def test_a_capacity_under_the_prompt_or_a_full_cache_is_a_clear_error():
         session.step()
     session.rewind(int(session.cache.length) - 1)
     session.step()  # a rewound cache has room again
+
+
+def test_a_decoder_taking_the_model_over_retires_the_previous_session():
+    """Its cache, graphs and compiled steps go when the new Decoder is built, not when the cycle
+    collector finds them."""
+    model = tiny_model("llama")
+    old = Decoder(model, kv=Quest(0.5, page=4)).compile(backend="eager")
+    old.generate(torch.randint(1, 128, (1, 12)), 3)
+    assert old.session.cache is not None and old.session.compiled
+    Decoder(model)
+    assert old.session.cache is None and not old.session.compiled
+    with pytest.raises(RuntimeError, match="no longer drives its model"):
+        old.generate(torch.randint(1, 128, (1, 12)), 3)
