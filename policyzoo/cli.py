@@ -252,7 +252,7 @@ def _add_bytes_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bytes",
         help="byte account: crossover context, step bytes, byte floor and ideal speedup bound",
-        description="Bytes a decode step reads with projection keep r_P and KV keep r_KV (policyzoo.bytes; README, 'Byte "
+        description="Bytes a decode step reads with projection keep r_P and KV keep r_KV (policyzoo.bytes; docs/bytes.md, 'Byte "
         "account'): the crossover context in K = 1024 tokens (all seven projections, and feed-forward only), and "
         "per context the step bytes, byte floor and ideal speedup bound of dense, proj, kv and both.",
     )

@@ -1,4 +1,5 @@
-"""The README's "Adding a KV policy" example runs as written and behaves as a policy must."""
+"""The user documentation's code runs as written: the README's Quickstart, the decode loop of
+docs/session.md, and the policies of docs/adding-a-policy.md, which behave as a policy must."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from tiny_models import padded_batch, tiny_model
 
 from policyzoo import Decoder
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _readme_policy():
-    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    block = re.search(r"## Adding a KV policy.*?```python\n(.*?)```", text, re.S).group(1)
+    text = ROOT.joinpath("docs", "adding-a-policy.md").read_text()
+    block = re.search(r"# Adding a KV policy.*?```python\n(.*?)```", text, re.S).group(1)
     namespace: dict = {}
     exec(block, namespace)
     return namespace["KeyNormTopK"]
@@ -47,8 +50,9 @@ def test_readme_policy_decodes_compiled_like_eager_where_its_scores_tie():
     assert torch.equal(eager, compiled)
 
 
-def _block(after: str) -> str:
-    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+def _block(after: str, doc: str = "README.md") -> str:
+    """The first python block after `after` in `doc` (a path from the repository root)."""
+    text = ROOT.joinpath(doc).read_text()
     return re.search(re.escape(after) + r".*?```python\n(.*?)```", text, re.S).group(1)
 
 
@@ -57,7 +61,7 @@ def test_readme_session_loop_runs_as_written():
     """As written, on the embedded model: nothing defined beforehand."""
     pytest.importorskip("gguf")
     namespace: dict = {}
-    exec(_block("## The decode session"), namespace)
+    exec(_block("## The decode session", "docs/session.md"), namespace)
     dec, ids = namespace["dec"], namespace["ids"]
     t = ids.shape[1]
     assert int(dec.session.cache.length) == dec.session.prompt_slot(t) + t + 32 and 0 <= namespace["audit"].mean("dropped_mass") < 1
@@ -67,7 +71,7 @@ def test_readme_step_context_example_runs_compiled_like_eager():
     import copy
 
     namespace: dict = {}
-    exec(_block("**Beyond one layer at one step.**"), namespace)
+    exec(_block("**Beyond one layer at one step.**", "docs/adding-a-policy.md"), namespace)
     Sticky = namespace["Sticky"]
     model = tiny_model("llama")
     ids, mask = padded_batch(2, 40)
