@@ -125,14 +125,75 @@ def load_model(name_or_path: str = DEFAULT_MODEL, **hf_kwargs: Any) -> tuple[tor
 
 @lru_cache(maxsize=1)
 def _embedded() -> tuple[torch.nn.Module, Any]:
-    """The embedded model and tokenizer as read from the GGUF file, once per process (about 20 s on
-    a CPU, 0.5 GB kept): `load_model` hands out copies, so every caller gets a model of its own."""
+    """The embedded model and tokenizer, once per process (0.5 GB kept): `load_model` hands out
+    copies, so every caller gets a model of its own.
+
+    Dequantising the GGUF file takes 15–20 s on a CPU, so its float32 weights, config and tokenizer
+    are kept as a plain checkpoint in `embedded_cache_dir` (0.5 GB) and read from there (under a
+    second) while the GGUF file and transformers are unchanged. A cache that cannot be written is
+    skipped, not an error: the model is the same either way."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _check_gguf()
+    cached = embedded_cache_dir()
+    if cached is not None and not (cached / "model.safetensors").is_file():
+        directory, gguf = default_model_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf).eval()
+        if not _write_checkpoint(model, tokenizer, cached):
+            return model, tokenizer
+    if cached is None:
+        directory, gguf = default_model_path()
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
+        return AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf).eval(), tokenizer
+    # Read back from the checkpoint the first time too, so that every process gets the same objects.
+    return AutoModelForCausalLM.from_pretrained(str(cached)).eval(), AutoTokenizer.from_pretrained(str(cached))
+
+
+def embedded_cache_dir() -> Path | None:
+    """Where the embedded model's dequantised checkpoint is kept: ``$POLICYZOO_CACHE_DIR`` (an empty
+    value turns the cache off) or ``~/.cache/policyzoo``, in a folder named after the GGUF file's
+    size and time and the transformers version, so that a change of either makes a new one."""
+    import os
+
+    import transformers
+
+    root = os.environ.get("POLICYZOO_CACHE_DIR")
+    if root == "":
+        return None
+    base = Path(root).expanduser() if root else Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "policyzoo"
     directory, gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
-    return AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf).eval(), tokenizer
+    stat = (directory / gguf).stat()
+    return base / f"smollm2-135m-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+
+
+def _write_checkpoint(model: torch.nn.Module, tokenizer: Any, target: Path) -> bool:
+    """Save ``model`` (float32, tied weights once) and ``tokenizer`` to ``target``, written in a
+    folder beside it and renamed into place, so a reader never sees half a checkpoint. True if
+    ``target`` holds a checkpoint afterwards (this one, or another process's)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".writing-"))
+    except OSError:
+        return False
+    try:
+        config = copy.deepcopy(model.config)
+        config.quantization_config = None  # the weights are plain float32 once dequantised
+        del config.quantization_config
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_model(model, str(staging / "model.safetensors"))
+        staging.rename(target)  # fails if another process got there first: theirs is the same
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return (target / "model.safetensors").is_file()
 
 
 # -------------------------------------------------------------------------------------- text

@@ -1,4 +1,4 @@
-"""Embedded assets: essay text, passkey prompts (tokenizer only; no model weights are loaded)."""
+"""Embedded assets: essay text, passkey prompts (tokenizer only), and the embedded model's checkpoint."""
 
 from __future__ import annotations
 
@@ -158,3 +158,66 @@ def test_a_model_path_that_does_not_exist_says_so(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a model directory"):
         assets.load_model(str(tmp_path / "file"))
+
+
+# ------------------------------------------------------------------- the embedded checkpoint
+@pytest.fixture
+def fresh_embedded(monkeypatch, tmp_path):
+    """`assets._embedded` with its checkpoint under ``tmp_path``, read anew (and forgotten after)."""
+    monkeypatch.setenv("POLICYZOO_CACHE_DIR", str(tmp_path))
+    assets._embedded.cache_clear()
+    yield tmp_path
+    assets._embedded.cache_clear()
+
+
+def test_the_embedded_checkpoint_is_the_gguf_model_and_is_read_instead_of_it(fresh_embedded, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = []  # (gguf_file, model) of every from_pretrained
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        loaded.append((kwargs.get("gguf_file"), real(cls, *args, **kwargs)))
+        return loaded[-1][1]
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
+    model, tok = assets._embedded()
+    (written,) = fresh_embedded.iterdir()
+    assert written == assets.embedded_cache_dir() and (written / "model.safetensors").is_file()
+    assert [g is None for g, _ in loaded] == [False, True]  # dequantised once, then read back
+    want = loaded[0][1]
+    directory, gguf = assets.default_model_path()
+    want_tok = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
+    got_state, want_state = model.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys() and all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    text = "<|im_start|>user\nThe pass key is 68413. Remember it.<|im_end|>"
+    assert tok(text).input_ids == want_tok(text).input_ids and tok.chat_template == want_tok.chat_template
+    assert tok.eos_token_id == want_tok.eos_token_id
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
+
+    # The next process reads the checkpoint alone.
+    loaded.clear()
+    assets._embedded.cache_clear()
+    again, _ = assets._embedded()
+    assert [g for g, _ in loaded] == [None] and torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_the_embedded_checkpoint_can_be_turned_off_and_an_unwritable_one_is_skipped(monkeypatch, tmp_path):
+    monkeypatch.setenv("POLICYZOO_CACHE_DIR", "")
+    assert assets.embedded_cache_dir() is None
+    monkeypatch.setenv("POLICYZOO_CACHE_DIR", str(tmp_path / "cache"))
+    assert assets.embedded_cache_dir().parent == tmp_path / "cache"
+    monkeypatch.delenv("POLICYZOO_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert assets.embedded_cache_dir().parent == tmp_path / "xdg" / "policyzoo"
+
+    from tiny_models import tiny_model
+
+    (tmp_path / "a-file").write_text("in the way")
+    assert assets._write_checkpoint(tiny_model("llama"), assets.load_tokenizer(), tmp_path / "a-file" / "x") is False
+    target = tmp_path / "ok" / "x"
+    assert assets._write_checkpoint(tiny_model("llama"), assets.load_tokenizer(), target) is True
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x"]  # no staging folder left behind

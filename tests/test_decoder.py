@@ -210,19 +210,19 @@ def test_a_two_stage_policy_is_refused_a_dynamic_capacity_on_cuda():
 
 def test_dynamic_capacity_reuses_the_compiled_step_for_larger_caches():
     """Three cache capacities, one compiled graph, the same tokens as eager (without
-    ``dynamic_capacity`` each capacity compiles its own graph)."""
+    ``dynamic_capacity`` each capacity compiles its own graph: two are enough to show it)."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("qwen3", layers=1)
     eager = Decoder(copy.deepcopy(model), kv=Quest(0.25, page=4))
-    for dynamic, expected in ((True, [1, 1, 1]), (False, [1, 2, 3])):
+    for dynamic, expected in ((True, [1, 1, 1]), (False, [1, 2])):
         torch._dynamo.reset()
         counters.clear()
         dec = Decoder(model, kv=Quest(0.25, page=4)).compile(dynamic_capacity=dynamic)
         graphs = []
         # Each prompt needs a larger cache; all are large enough that Quest's budget is past its
         # floor of sinks + window pages (a smaller cache is specialised on: one more graph).
-        for n in (150, 250, 400):
+        for n in (150, 250, 400)[: len(expected)]:
             ids, mask = padded_batch(1, n)
             out = dec.generate(ids, 4, attention_mask=mask)
             assert torch.equal(out, eager.generate(ids, 4, attention_mask=mask))
@@ -231,17 +231,17 @@ def test_dynamic_capacity_reuses_the_compiled_step_for_larger_caches():
 
 
 def test_dynamic_capacity_keeps_ssa_equal_to_eager_on_small_caches():
-    """`SSA`'s sampled stratum on caches of 6 to 12 pages: Inductor's full+scatter rewrite lost a
-    sampled page here with symbolic sizes, so the dynamic build turns that rewrite off."""
+    """`SSA`'s sampled stratum on a cache of 6 pages: Inductor's full+scatter rewrite lost a sampled
+    page on caches of up to 8 pages with symbolic sizes, so the dynamic build turns that rewrite off.
+    (One capacity: each symbolic compile of SSA takes most of a minute on a CPU.)"""
     from policyzoo import SSA
 
     model = tiny_model("llama", layers=1)
     eager = Decoder(copy.deepcopy(model), kv=SSA(0.1, 0.1, page=4, window=4))
     torch._dynamo.reset()
     dec = Decoder(model, kv=SSA(0.1, 0.1, page=4, window=4)).compile(dynamic_capacity=True)
-    for n in (17, 40):  # caches of 24 and 48 slots
-        ids, mask = padded_batch(2, n)
-        assert torch.equal(dec.generate(ids, 6, attention_mask=mask), eager.generate(ids, 6, attention_mask=mask))
+    ids, mask = padded_batch(2, 17)  # a cache of 24 slots
+    assert torch.equal(dec.generate(ids, 6, attention_mask=mask), eager.generate(ids, 6, attention_mask=mask))
 
 
 # ------------------------------------------------------------------------------------ errors

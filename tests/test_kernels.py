@@ -923,7 +923,7 @@ def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch):
 
 
 @here
-@settings(max_examples=60, deadline=None, database=None)
+@settings(max_examples=40, deadline=None, database=None)
 @given(
     seed=st.integers(0, 2**16),
     rows=st.integers(1, 5),
