@@ -53,6 +53,25 @@ def _groups(size: int, layers: int) -> tuple[int, ...]:
     return tuple(i // size for i in range(layers))
 
 
+def gpu_state() -> dict:
+    """The GPU's SM and memory clocks (MHz), temperature (C), power draw (W) and active clock-event
+    reasons (a bit mask: power cap, thermal, ...) as ``nvidia-smi`` reads them now, under
+    ``gpu_state`` as one string too; empty off CUDA or where ``nvidia-smi`` fails."""
+    import subprocess
+
+    if DEVICE != "cuda":
+        return {}
+    fields = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw", "clocks_event_reasons.active")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i",
+                              str(torch.cuda.current_device())], capture_output=True, text=True, timeout=10).stdout
+        sm, mem, temp, power, reasons = (v.strip() for v in out.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+    return {"sm_mhz": sm, "mem_mhz": mem, "temp_c": temp, "power_w": power, "clock_reasons": reasons,
+            "gpu_state": f"sm {sm} MHz, mem {mem} MHz, {temp} C, {power} W, reasons {reasons}"}
+
+
 def settings() -> dict[str, tuple]:
     """Benchmark setting name -> (KV policy factory, projection factory, r_p, r_kv). A KV factory
     may take the model's ``layers`` (PrHS's layer groups)."""
@@ -71,6 +90,9 @@ def settings() -> dict[str, tuple]:
         # Pages ranked by the 4-bit key sketch's bound (about a nat over a page's best key, not 13).
         "quest0.1-sketch": (lambda: Quest(0.1, page=PAGE, window=64, bound="sketch"), None, 1.0, 0.1),
         "quest0.2-sketch": (lambda: Quest(0.2, page=PAGE, window=64, bound="sketch"), None, 1.0, 0.2),
+        # Two levels: the box nominates 2 or 4 times the pages, the sketch ranks only those.
+        "quest0.1-nominate2": (lambda: Quest(0.1, page=PAGE, window=64, bound="sketch", nominate=2), None, 1.0, 0.1),
+        "quest0.1-nominate4": (lambda: Quest(0.1, page=PAGE, window=64, bound="sketch", nominate=4), None, 1.0, 0.1),
         "attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), None, 1.0, 0.2),
         "quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), None, 1.0, 0.2),
         # Two stages: 3 or 5 times the pages as candidates, their keys scored exactly.
@@ -158,7 +180,8 @@ def _selection_ratio_of(policy, r_kv: float) -> float:
     # fp32 mean and std (EntmaxKV's Gaussian) weigh twice the bf16 min and max
     wide = 1.0 + (2.0 if "page_mean" in policy.summaries else 0.0)
     sketch = "key_sketch" in policy.summaries
-    return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide, sketch=sketch)
+    return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide, sketch=sketch,
+                              nominate=getattr(policy, "nominate", 0.0))
 
 
 def community_report(dec: Decoder) -> dict:

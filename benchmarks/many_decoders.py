@@ -39,29 +39,44 @@ from policyzoo.compiled import CompileFallbackWarning
 SEQUENCE = "dense,quest0.1,quest0.2,quest0.1-sketch,window4+512,attn-topk0.1,ssa0.05+0.05,quest0.1p64,quest0.3"
 
 
+def measure_row(dec, row: dict, n: int, new_tokens: int, acct: ByteAccount, bw: float, r_p: float, log) -> dict:
+    """Time ``dec``'s `generate` at context ``n`` into ``row``, with its fallbacks, floor, bound and
+    the GPU's clocks, temperature and power as the row ended (`common.gpu_state`)."""
+    name = row["setting"]
+    with common.recorded(row, f"{name} n={n}"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallbackWarning)
+        row.update(e2e.measure(dec, 1, n, new_tokens))
+        row.update(common.gpu_state())
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+        row["fallbacks"] = len(fallbacks)
+        if fallbacks:
+            row["fallback"] = fallbacks[0][:200]
+        row["floor_ms"] = acct.floor_ms(n, bw, r_p, common.kv_ratio(name, n), r_select=common.selection_ratio(name))
+        row["bound"] = acct.floor_ms(n, bw, 1.0, 1.0) / row["floor_ms"]
+        log(f"{row['order']} {name:<18} n={n:>6}: generate {row['generate_ms']:.3f} ms/token, step {row['step_ms']:.3f} ms, "
+            f"floor {row['floor_ms']:.3f} ms, fallbacks {row['fallbacks']}, gpu {row.get('gpu_state', '?')}")
+    return row
+
+
 def run_settings(model, names: list[str], contexts: list[int], new_tokens: int, acct: ByteAccount, bw: float, log,
-                 backend: str = "inductor") -> list[dict]:
-    """One row per (setting, context), every setting a fresh compiled Decoder on ``model``."""
+                 backend: str = "inductor", retime_first: float | None = None) -> list[dict]:
+    """One row per (setting, context), every setting a fresh compiled Decoder on ``model``.
+
+    ``retime_first`` (seconds): after the sequence, a fresh Decoder of the first setting is timed at
+    once and again after that many seconds of an idle GPU. A slowdown that follows the process's
+    earlier captures stays after the pause; one that follows the GPU's state (clocks, temperature)
+    goes."""
     rows = []
-    for order, name in enumerate(names, 1):
+    plan = [(order, name) for order, name in enumerate(names, 1)]
+    for order, name in plan + ([("again", names[0])] if retime_first is not None else []):
         dec = common.decoder(model, name).compile(backend=backend)
         r_p = common.settings()[name][2]
-        for n in contexts:
-            row = {"section": "many", "mode": "compiled", "order": order, "setting": name, "context": n, "batch": 1}
-            with common.recorded(row, f"{name} n={n}"), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", CompileFallbackWarning)
-                row.update(e2e.measure(dec, 1, n, new_tokens))
-                fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
-                row["fallbacks"] = len(fallbacks)
-                if fallbacks:
-                    row["fallback"] = fallbacks[0][:200]
-                r = common.kv_ratio(name, n)
-                sel = common.selection_ratio(name)
-                row["floor_ms"] = acct.floor_ms(n, bw, r_p, r, r_select=sel)
-                row["bound"] = acct.floor_ms(n, bw, 1.0, 1.0) / row["floor_ms"]
-                log(f"{order:2d} {name:<18} n={n:>6}: generate {row['generate_ms']:.3f} ms/token, step {row['step_ms']:.3f} ms, "
-                    f"floor {row['floor_ms']:.3f} ms, fallbacks {row['fallbacks']}")
-            rows.append(row)
+        waits = [("", 0.0)] if order != "again" else [("1, again", 0.0), (f"1, after {retime_first:.0f} s idle", retime_first)]
+        for label, wait in waits:
+            time.sleep(wait)
+            for n in contexts:
+                row = {"section": "many", "mode": "compiled", "order": label or order, "setting": name, "context": n, "batch": 1}
+                rows.append(measure_row(dec, row, n, new_tokens, acct, bw, r_p, log))
         del dec
         common.free_memory()
     return rows
@@ -136,6 +151,8 @@ def main(argv=None) -> None:
     p.add_argument("--fresh", action="store_true", help="then each setting again in a process of its own")
     p.add_argument("--alone-for", default=None,
                    help="a many_decoders.json written before: run only its settings' processes of their own, and add them")
+    p.add_argument("--retime-first", type=float, default=None, metavar="SECONDS",
+                   help="after the sequence, time a fresh Decoder of the first setting, then again after SECONDS idle")
     p.add_argument("--json", default=None, help="(internal) write this process's rows here and exit")
     args = p.parse_args(argv)
     import transformers
@@ -152,7 +169,7 @@ def main(argv=None) -> None:
         dtype = next(model.parameters()).dtype
         acct = ByteAccount.from_config(model.config, dtype=dtype) if args.tiny else ByteAccount.from_config(args.model)
         bw = copy_bandwidth()
-        rows = run_settings(model, names, contexts, args.new_tokens, acct, bw, log, args.backend)
+        rows = run_settings(model, names, contexts, args.new_tokens, acct, bw, log, args.backend, args.retime_first)
         if args.json:
             Path(args.json).write_text(json.dumps(rows))
             return

@@ -506,6 +506,9 @@ def select_policies(keep: float = 0.1) -> dict:
         f"quest{keep}-rescore3": lambda: Quest(keep, page=PAGE, window=64, rescore=3),
         # Pages ranked by the 4-bit key sketch's bound (`kernels.sketch_page_bound`).
         f"quest{keep}-sketch": lambda: Quest(keep, page=PAGE, window=64, bound="sketch"),
+        # Two levels: the box nominates 2 or 4 times the pages; only their codes are read.
+        f"quest{keep}-nominate2": lambda: Quest(keep, page=PAGE, window=64, bound="sketch", nominate=2),
+        f"quest{keep}-nominate4": lambda: Quest(keep, page=PAGE, window=64, bound="sketch", nominate=4),
         f"ssa{keep / 2}+{keep / 2}-rescore5": lambda: SSA(keep / 2, keep / 2, page=PAGE, window=64, rescore=5),
         # One head per KV group scores one mean key per page: the next layer's blocks of 64.
         f"forecast{keep}": lambda: Forecast(keep, heads=ForecastHeads(1, HIDDEN, H_KV, D, rank=128)),

@@ -201,7 +201,8 @@ SKETCH_FRACTION = 0.125  # 4 bits per key channel against 2·16 bits of key and 
 
 
 def selection_overhead(
-    page: int | None = None, rescore: float = 0.0, r_kv: float = 1.0, summary_bytes: float = 1.0, sketch: bool = False
+    page: int | None = None, rescore: float = 0.0, r_kv: float = 1.0, summary_bytes: float = 1.0, sketch: bool = False,
+    nominate: float = 0.0,
 ) -> float:
     """``r_select`` of a KV policy: what it reads to choose, as a fraction of the KV elements of the
     cached tokens. A page policy reads its pages' key min and max (``2·H_kv·h`` elements per page,
@@ -209,9 +210,12 @@ def selection_overhead(
     than the cache); one that ranks by the 4-bit key sketch (``sketch``, `bound="sketch"`) also reads
     every key's codes, an eighth of a 16-bit cache's bytes; a two-stage policy (``rescore``) also
     reads the keys (half of a token's elements) of ``rescore·r_kv`` of the tokens. A token policy
-    that scores every key exactly (``page=None``, ``rescore=1/r_kv``) reads half the cache to choose."""
+    that scores every key exactly (``page=None``, ``rescore=1/r_kv``) reads half the cache to choose.
+    A two-level selection (``sketch`` with ``nominate``, `Quest(nominate=...)`) reads the codes of
+    ``nominate·r_kv`` of the tokens only (its box candidates)."""
     summaries = summary_bytes / page if page else 0.0
-    return summaries + (SKETCH_FRACTION if sketch else 0.0) + 0.5 * min(1.0, rescore * r_kv)
+    codes = SKETCH_FRACTION * (min(1.0, nominate * r_kv) if nominate else 1.0) if sketch else 0.0
+    return summaries + codes + 0.5 * min(1.0, rescore * r_kv)
 
 
 def _projection_keep(r_p: float, union_keep: float | None) -> float:

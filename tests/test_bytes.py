@@ -91,6 +91,9 @@ def test_selection_bytes_of_page_and_two_stage_policies():
     assert selection_overhead(16, rescore=3, r_kv=0.1) == pytest.approx(1 / 16 + 0.15)
     assert selection_overhead(None, rescore=10, r_kv=0.1) == 0.5  # every key scored exactly
     assert selection_overhead(16, sketch=True) == pytest.approx(1 / 16 + 1 / 8)  # 4-bit codes of every key
+    # two levels: the codes of the box's candidates only, 4 times a tenth of the tokens
+    assert selection_overhead(16, r_kv=0.1, sketch=True, nominate=4) == pytest.approx(1 / 16 + 0.4 / 8)
+    assert selection_overhead(16, r_kv=0.5, sketch=True, nominate=4) == pytest.approx(1 / 16 + 1 / 8)
     plain = acct.bound(n, r_kv=0.1)
     quest = acct.bound(n, r_kv=0.1, r_select=selection_overhead(16))
     two = acct.bound(n, r_kv=0.1, r_select=selection_overhead(16, rescore=3, r_kv=0.1))

@@ -489,6 +489,54 @@ def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, blo
     assert bool((got[live] >= best[live] - 1e-4 * (1 + best[live].abs())).all())
 
 
+@here
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    d=st.sampled_from([7, 64]),
+    h_kv=st.integers(1, 2),
+    group=st.integers(1, 4),
+    pages=st.integers(1, 9),
+    listed=st.integers(1, 12),
+    page=st.sampled_from([4, 16]),
+    agg=st.sampled_from(["none", "max"]),
+    method=st.sampled_from(SketchScoreConfig.METHODS),
+)
+def test_sketch_page_bound_listed(seed, d, h_kv, group, pages, listed, page, agg, method):
+    """Scoring a list of pages gives, entry by entry, the full bound of the listed page (the same
+    bits as the unlisted kernel), and ``-inf`` for an id outside the cache's pages; the reference
+    agrees on shape and on which entries are ``-inf``."""
+    g_rand = gen(seed)
+    b, n = 2, pages * page
+    keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32)
+    length = torch.randint(1, n + 1, (), generator=g_rand)
+    start = torch.randint(0, int(length), (b,), generator=g_rand)
+    page_min, page_max = keys.amin(3), keys.amax(3)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3).contiguous()
+    q = randn(g_rand, b, h_kv * group, d, dtype=torch.float32)
+    ids = torch.randint(-1, pages + 1, (b, h_kv, listed), generator=g_rand).to(DEVICE)  # -1 and P: no page
+    start, length, scale = start.to(DEVICE), length.to(DEVICE), d**-0.5
+    with poisoned(), override(sketch_score=SketchScoreConfig(method=method, block_p=4)):
+        full = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+        got = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, ids.int())
+    expected = ref.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, ids)
+    rows = ids if agg == "max" else ids.repeat_interleave(group, dim=1)
+    ok = (rows >= 0) & (rows < pages)
+    at = torch.gather(full, 2, rows.clamp(0, pages - 1).long()).masked_fill(~ok, -torch.inf)
+    assert got.shape == expected.shape == at.shape
+    assert torch.equal(got, at)
+    assert torch.equal(got.isneginf(), expected.isneginf())
+
+
+def test_sketch_page_bound_listed_shape_error():
+    q = torch.zeros(1, 2, 8)
+    codes = torch.zeros(1, 1, 16, 4, dtype=torch.uint8)
+    mm = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"pages must be \[B, H_kv, K\]"):
+        ref.sketch_page_bound(q, codes, mm, mm, torch.zeros(1, dtype=torch.long), torch.tensor(16), 1.0, "max",
+                              torch.zeros(2, 1, 3, dtype=torch.long))
+
+
 # --------------------------------------------------------------------------------------------------
 # Exact logits of gathered keys
 

@@ -239,3 +239,81 @@ def test_rescore_must_be_zero_or_a_factor_of_at_least_one(bad):
             cls(rescore=bad)
     with pytest.raises(ValueError, match="page proxy"):
         SSA(proxy="exact", rescore=2)
+
+
+# ----------------------------------------------------------------------- two-level (nominate)
+def nominate_args(draw_args: dict) -> dict:
+    return {**draw_args, "aggregate": "max", "bound": "sketch"}
+
+
+@SETTINGS
+@given(data=st.data(), args=quest_args(), factor=st.sampled_from([1, 2, 3.5]))
+def test_nominated_quest_keeps_the_best_sketch_bounds_among_the_box_candidates(data, cases, contract, args, factor):
+    """The box bound nominates ``factor`` times the pages; the kept pages lie within them, keep the
+    forced pages, meet the budget, and every kept unforced page's sketch bound is at least that of
+    every nominated page left out (up to the ranking's bf16 precision)."""
+    from policyzoo.kv.base import candidate_budget, choose_topk, forced_pages, group_page_bounds, page_budget
+
+    case = data.draw(cases(sketch=(True,)))
+    policy = Quest(page=case.page, nominate=factor, **nominate_args(args))
+    state = case.state()
+    sel = policy.select(state, case.q)
+    assert sel.block == case.page and sel.log_weight is None
+    contract.check_entries(sel, case, policy.sinks, policy.window, pages=True)
+    contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window, pages=True)
+    contract.check_error_bound(sel, case)
+    k_max, count = page_budget(state, policy._budget, case.page, policy.sinks, policy.window, "Quest")
+    wide, wide_count = candidate_budget(k_max, count, factor, case.cache.num_pages)
+    box = group_page_bounds(state, case.q, "box")
+    cand = choose_topk(box, forced_pages(state, policy.sinks, policy.window), wide, wide_count, block=case.page)
+    c = case.cache
+    sketch = reference.sketch_page_bound(case.q, c.key_sketch[0], c.page_min[0], c.page_max[0], c.start, c.length,
+                                         case.scale, "max").double()
+    for r in range(case.b):
+        forced = case.forced_pages(r, policy.sinks, policy.window)
+        for hk in range(case.h_kv):
+            kept, nominated = set(contract.selected(sel, r, hk)), set(contract.selected(cand, r, hk))
+            assert forced <= kept <= nominated
+            free, dropped = kept - forced, nominated - kept
+            if free and dropped:
+                lo = min(sketch[r, hk, p].item() for p in free)
+                hi = max(sketch[r, hk, p].item() for p in dropped)
+                assert lo >= hi - 2**-7 * abs(hi) - 1e-6, f"kept page sketch bound {lo} < nominated, dropped {hi}"
+
+
+@SETTINGS
+@given(data=st.data(), args=quest_args())
+def test_nominating_every_page_is_the_sketch_bound(data, cases, args):
+    """With a factor that nominates every visible page, the two levels choose what the sketch alone
+    chooses, page for page."""
+    case = data.draw(cases(sketch=(True,)))
+    state = case.state()
+    alone = Quest(page=case.page, **nominate_args(args)).select(state, case.q)
+    every = Quest(page=case.page, nominate=float(case.cache.num_pages), **nominate_args(args)).select(state, case.q)
+    assert torch.equal(alone.count, every.count)
+    assert torch.equal(alone.entry_valid(), every.entry_valid())
+    ok = alone.entry_valid()
+    assert torch.equal(alone.indices[ok], every.indices[ok])
+
+
+@SETTINGS
+@given(data=st.data(), factor=st.sampled_from([1, 3]), full=st.sampled_from(["ratio", "tokens"]), rescore=st.sampled_from([0, 2]))
+def test_nominated_quest_at_full_budget_is_dense(data, cases, contract, factor, full, rescore):
+    case = data.draw(cases(sketch=(True,)))
+    budget = 1.0 if full == "ratio" else case.cache.capacity
+    policy = Quest(budget=budget, page=case.page, bound="sketch", nominate=factor, rescore=rescore)
+    contract.check_reproduces_dense(policy.select(case.state(), case.q), case)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(nominate=2), "bound='sketch'"),
+        (dict(nominate=2, bound="sketch", aggregate="sum"), "aggregate='max'"),
+        (dict(nominate=0.5, bound="sketch"), "nominate must be 0"),
+        (dict(nominate=True, bound="sketch"), "nominate must be 0"),
+    ],
+)
+def test_nominate_needs_the_sketch_and_a_factor(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Quest(**kwargs)

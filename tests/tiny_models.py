@@ -100,6 +100,7 @@ BUILTIN_POLICIES = {
     "attn-topk": lambda: AttentionTopK(0.3, sinks=2, window=2),
     "quest": lambda: Quest(0.3, page=4, sinks=2, window=2),
     "quest-sketch": lambda: Quest(0.3, page=4, sinks=2, window=2, bound="sketch"),
+    "quest-nominate": lambda: Quest(0.3, page=4, sinks=2, window=2, bound="sketch", nominate=2),
     "certified-quest-sketch": lambda: Certified(Quest(0.1, page=4, sinks=2, window=2, bound="sketch"), eps=0.05),
     "ssa-page": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2),
     "ssa-page-gumbel": lambda: SSA(0.2, 0.2, page=4, sinks=2, window=2, scheme="gumbel_topk"),

@@ -63,13 +63,14 @@ def quest_page_bound_grouped(q, page_min, page_max, scale, agg="max"):
     return reference.quest_page_bound_grouped(q, page_min, page_max, scale, agg)
 
 
-def sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg="none"):
+def sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg="none", pages=None):
     """Upper bound of each page's best logit from the 4-bit key sketch → ``float32[B, H, P]`` (or the
-    group's max ``[B, H_kv, P]`` with ``agg="max"``); see `reference.sketch_page_bound`."""
+    group's max ``[B, H_kv, P]`` with ``agg="max"``), or of the listed ``pages int[B, H_kv, K]`` only;
+    see `reference.sketch_page_bound`."""
     page = codes.shape[2] // page_min.shape[2]
     if dispatch.use_triton(q) and page & (page - 1) == 0:  # the kernel tiles a page as a power of two
-        return dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
-    return reference.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+        return dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages)
+    return reference.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages)
 
 
 # Entries of a `select_top` row one program holds; longer rows are taken in bf16 only (by histograms).

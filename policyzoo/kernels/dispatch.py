@@ -208,22 +208,24 @@ def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scal
 
 @torch.library.custom_op("policyzoo::sketch_page_bound", mutates_args=())
 def _sketch_page_bound_op(
-    q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float, agg: str = "none"
+    q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
+    agg: str = "none", pages: Tensor | None = None,
 ) -> Tensor:
     _need_triton()
-    return _page.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+    return _page.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages)
 
 
 @_sketch_page_bound_op.register_fake
-def _(q, codes, page_min, page_max, start, length, scale, agg="none"):
+def _(q, codes, page_min, page_max, start, length, scale, agg="none", pages=None):
     b, h, _ = q.shape
     _, h_kv, p, _ = page_min.shape
-    return q.new_empty(b, h if agg == "none" else h_kv, p, dtype=torch.float32)
+    return q.new_empty(b, h if agg == "none" else h_kv, p if pages is None else pages.shape[-1], dtype=torch.float32)
 
 
-def sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg="none") -> Tensor:
-    """`reference.sketch_page_bound` on Triton: ``float32[B, H, P]`` (or ``[B, H_kv, P]`` with ``agg="max"``)."""
-    return torch.ops.policyzoo.sketch_page_bound(q, codes, page_min, page_max, start, length, float(scale), agg)
+def sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg="none", pages=None) -> Tensor:
+    """`reference.sketch_page_bound` on Triton: ``float32[B, H, P]`` (or ``[B, H_kv, P]`` with
+    ``agg="max"``; ``K`` entries for the ``K`` listed ``pages``)."""
+    return torch.ops.policyzoo.sketch_page_bound(q, codes, page_min, page_max, start, length, float(scale), agg, pages)
 
 
 # --------------------------------------------------------------------------------------------------

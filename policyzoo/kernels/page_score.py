@@ -182,22 +182,30 @@ def _sketch_grid(mn_ptrs, mx_ptrs, mask):
 
 @triton.jit
 def _sketch_bound_kernel(
-    q_ptr, code_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr,
+    q_ptr, code_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, list_ptr, out_ptr,
     s_qb, s_qh,
     s_cb, s_ch, s_ct,
     s_mb, s_mh, s_mp,
     s_xb, s_xh, s_xp,
+    s_lb, s_lh,
     s_ob, s_oh,
-    n_pages, scale,
+    n_pages, n_entries, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr, DOT: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr, DOT: tl.constexpr, LISTED: tl.constexpr,
 ):
     kv = tl.program_id(1)
     b = tl.program_id(2)
-    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    # Output entries of this program; with LISTED, entry e scores page list[b, kv, e], else page e.
+    offs_e = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    e_mask = offs_e < n_entries
+    if LISTED:
+        offs_p = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_e, mask=e_mask, other=0).to(tl.int32)
+        p_mask = e_mask & (offs_p >= 0) & (offs_p < n_pages)
+    else:
+        offs_p = offs_e
+        p_mask = e_mask
     offs_t = tl.arange(0, PAGE)
     offs_j = tl.arange(0, DH_PAD)
-    p_mask = offs_p < n_pages
     lo_ch = offs_j < DH  # channel j: the low nibble
     hi_ch = (offs_j + DH) < D  # channel j + DH: the high nibble (absent for the spare one of an odd D)
     slot = offs_p[:, None] * PAGE + offs_t[None, :]  # [BLOCK_P, PAGE]
@@ -239,11 +247,11 @@ def _sketch_bound_kernel(
         bound = tl.where(seen[:, :, None], (acc + (base + 15.0 * slack)[:, None, :]) * scale, -float("inf"))
         best = tl.max(bound, 1)  # [BLOCK_P, G_PAD]
         if AGG == 0:
-            out = out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_p[:, None]
-            tl.store(out, best, mask=pm & g_ok)
+            out = out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None]
+            tl.store(out, best, mask=e_mask[:, None] & g_ok)
         else:
             red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
-            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
     else:
         c_lo = (c & 15).to(tl.float32)
         c_hi = (c >> 4).to(tl.float32)
@@ -259,18 +267,22 @@ def _sketch_bound_kernel(
             coded = tl.sum(w_lo[:, None, :] * c_lo + w_hi[:, None, :] * c_hi, 2)  # [BLOCK_P, PAGE]
             best = tl.max(tl.where(seen, (base[:, None] + coded) * scale, -float("inf")), 1)  # [BLOCK_P]
             if AGG == 0:
-                tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, best, mask=p_mask)
+                tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_e, best, mask=e_mask)
             else:
                 red = tl.maximum(red, best)
         if AGG != 0:
-            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
 
 
 def sketch_page_bound(
     q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
-    agg: str = "none",
+    agg: str = "none", pages: Tensor | None = None,
 ) -> Tensor:
-    """Launch the key-sketch kernel. ``agg="none"`` → ``float32[B, H, P]``; ``"max"`` → ``[B, H_kv, P]``."""
+    """Launch the key-sketch kernel. ``agg="none"`` → ``float32[B, H, P]``; ``"max"`` → ``[B, H_kv, P]``.
+
+    With ``pages int[B, H_kv, K]`` only those pages are scored, entry ``e`` of KV head ``h`` being
+    page ``pages[b, h, e]`` (``[B, H, K]`` or ``[B, H_kv, K]`` out; an id outside ``[0, P)`` gives
+    ``-inf``): a two-level selection reads the codes of its candidates alone."""
     if agg not in ("none", "max"):
         raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
     if q.device.type == "cpu" and not INTERPRET:
@@ -280,26 +292,34 @@ def sketch_page_bound(
     page = codes.shape[2] // n_pages
     if page & (page - 1):
         raise ValueError(f"the sketch kernel needs a power-of-two page size, got {page}")
+    if pages is not None and (pages.dim() != 3 or tuple(pages.shape[:2]) != (b, h_kv)):
+        raise ValueError(f"pages must be [B, H_kv, K] = [{b}, {h_kv}, K], got {tuple(pages.shape)}")
     q, codes, page_min, page_max = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, codes, page_min, page_max))
-    out = _alloc(b, h if agg == "none" else h_kv, n_pages, dtype=torch.float32, device=q.device)
+    n_entries = n_pages if pages is None else pages.shape[-1]
+    if pages is not None and pages.stride(-1) != 1:
+        pages = pages.contiguous()
+    out = _alloc(b, h if agg == "none" else h_kv, n_entries, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     cfg = current(SketchScoreConfig)
     dh = codes.shape[-1]
-    grid = (triton.cdiv(n_pages, cfg.block_p), h_kv, b)
+    grid = (triton.cdiv(n_entries, cfg.block_p), h_kv, b)
     g = h // h_kv
     dot = cfg.method == "dot" and page >= 16  # tl.dot takes 16 token rows at least
+    listed = pages if pages is not None else out  # a placeholder pointer when nothing is listed
     _sketch_bound_kernel[grid](
-        q, codes, page_min, page_max, start, length, out,
+        q, codes, page_min, page_max, start, length, listed, out,
         q.stride(0), q.stride(1),
         codes.stride(0), codes.stride(1), codes.stride(2),
         page_min.stride(0), page_min.stride(1), page_min.stride(2),
         page_max.stride(0), page_max.stride(1), page_max.stride(2),
+        listed.stride(0), listed.stride(1),
         out.stride(0), out.stride(1),
-        n_pages, float(scale),
+        n_pages, n_entries, float(scale),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, DH=dh,
         DH_PAD=triton.next_power_of_2(dh) if not dot else max(16, triton.next_power_of_2(dh)),
-        PAGE=page, BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, DOT=dot, num_warps=cfg.num_warps,
+        PAGE=page, BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, DOT=dot, LISTED=pages is not None,
+        num_warps=cfg.num_warps,
     )
     return out
 

@@ -206,21 +206,33 @@ def sketch_token_bound(q: Tensor, codes: Tensor, page_min: Tensor, page_max: Ten
 
 def sketch_page_bound(
     q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
-    agg: str = "none",
+    agg: str = "none", pages: Tensor | None = None,
 ) -> Tensor:
     """The best `sketch_token_bound` over each page's visible slots: an upper bound of the page's best
     logit, ``float32[B, H, P]`` per query head (``agg="none"``) or the GQA group's max ``[B, H_kv, P]``
-    (``agg="max"``); ``-inf`` on pages with nothing visible."""
+    (``agg="max"``); ``-inf`` on pages with nothing visible.
+
+    With ``pages int[B, H_kv, K]`` the bound of the listed pages alone, ``[B, H, K]`` (``[B, H_kv, K]``
+    with ``agg="max"``): entry ``e`` of KV head ``h`` (and of its query heads) is page ``pages[b, h,
+    e]``, ``-inf`` for an id outside ``[0, P)``. The kernel then reads the codes of those pages only."""
+    if agg not in ("none", "max"):
+        raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
     b, h, _ = q.shape
     h_kv, n_pages = page_min.shape[1], page_min.shape[2]
     bound = sketch_token_bound(q, codes, page_min, page_max, scale).view(b, h, n_pages, -1)
     seen = visible(start, length, codes.shape[2]).view(b, 1, n_pages, -1)
     best = bound.masked_fill(~seen, -torch.inf).amax(-1)  # [B, H, P]
-    if agg == "none":
-        return best
     if agg == "max":
-        return best.view(b, h_kv, h // h_kv, n_pages).amax(2)
-    raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
+        best = best.view(b, h_kv, h // h_kv, n_pages).amax(2)
+    if pages is None:
+        return best
+    if pages.dim() != 3 or tuple(pages.shape[:2]) != (b, h_kv):
+        raise ValueError(f"pages must be [B, H_kv, K] = [{b}, {h_kv}, K], got {tuple(pages.shape)}")
+    listed = pages.long()
+    if agg == "none":  # each query head reads its KV head's list
+        listed = listed.repeat_interleave(h // h_kv, dim=1)
+    ok = (listed >= 0) & (listed < n_pages)
+    return torch.gather(best, 2, listed.clamp(0, n_pages - 1)).masked_fill(~ok, -torch.inf)
 
 
 def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: str = "none") -> Tensor:

@@ -463,10 +463,10 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
 
 
 # ------------------------------------------------------------------------------- second stage
-def check_rescore(value: object) -> None:
-    """A page policy's ``rescore``: 0 (one stage) or a candidate factor of at least 1."""
+def check_rescore(value: object, name: str = "rescore") -> None:
+    """A page policy's ``rescore`` (or ``nominate``): 0 (off) or a candidate factor of at least 1."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or 1 <= value < math.inf):
-        raise ValueError(f"rescore must be 0 (off) or a finite candidate factor >= 1, got {value!r}")
+        raise ValueError(f"{name} must be 0 (off) or a finite candidate factor >= 1, got {value!r}")
 
 
 def candidate_budget(k_max: int, count: Tensor, factor: float, n_pages: int) -> tuple[int, Tensor]:
@@ -541,16 +541,44 @@ def page_log_mass(state: KVState, q: Tensor, bounds: Tensor, pages: Selection) -
     return spare.scatter(3, ids, torch.where(ok, exact, 0.0))[..., :n_pages].reshape(b, h, n_pages)
 
 
+def nominate_pages(state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_max: int, count: Tensor,
+                   factor: float) -> Selection:
+    """Two-level page choice: the cheap page ``scores`` (the box bound, group-folded, ``[B, H_kv, P]``)
+    nominate ``factor`` times the pages as candidates (`candidate_budget`); the key-sketch bound of
+    those candidates alone ranks them, and the best ``count`` (forced pages first) are kept, ascending.
+
+    The sketch's codes are read for the candidates only, so the step reads the box summaries, plus
+    ``factor`` times the budget's codes, not the sketch of the whole cache. A page the box does not
+    nominate is never kept: the fidelity rests on the box ranking the right page in its top
+    ``factor × budget``, which is much weaker than ranking it in its top budget."""
+    c = state.cache
+    wide, wide_count = candidate_budget(k_max, count, factor, c.num_pages)
+    candidates = choose_topk(scores, forced, wide, wide_count, block=state.page_size)
+    listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)  # -1: the kernel's empty entry
+    sketch = kernels.sketch_page_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer],
+                                       c.start, c.length, state.scale, "max", listed)  # [B, H_kv, wide]
+    forced = forced if forced.dim() == 3 else forced[:, None, :].expand_as(scores)
+    forced_listed = torch.gather(forced, 2, listed.clamp(min=0).long()) & (listed >= 0)
+    chosen = choose_topk(sketch, forced_listed, min(k_max, wide), count)
+    # Candidates ascend and so do the chosen entries: the kept page ids ascend too.
+    return Selection(torch.gather(candidates.indices, 2, chosen.indices.long()), chosen.count, block=state.page_size)
+
+
 def choose_pages(
     state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_max: int, count: Tensor, *,
-    rescore: float = 0.0, sinks: int = 0, window: int = 0, aggregate: Aggregate = "max",
+    rescore: float = 0.0, nominate: float = 0.0, sinks: int = 0, window: int = 0, aggregate: Aggregate = "max",
 ) -> Selection:
     """A page policy's choice from its page ``scores``: the top pages (`choose_topk`), or with
-    ``rescore`` >= 1 that many times the pages as candidates, of which `rescore_pages` keeps the
-    best tokens (the same token budget)."""
+    ``nominate`` >= 1 the best by key sketch among that many times the pages (`nominate_pages`; the
+    ``scores`` are then the box bound's, folded by group max). With ``rescore`` >= 1, that many times
+    the pages are chosen so, as candidates of which `rescore_pages` keeps the best tokens (the same
+    token budget)."""
     page = state.page_size
+    k_pages, pages_count = candidate_budget(k_max, count, rescore, state.cache.num_pages) if rescore else (k_max, count)
+    if nominate:
+        pages = nominate_pages(state, q, scores, forced, k_pages, pages_count, nominate)
+    else:
+        pages = choose_topk(scores, forced, k_pages, pages_count, block=page)
     if not rescore:
-        return choose_topk(scores, forced, k_max, count, block=page)
-    wide, wide_count = candidate_budget(k_max, count, rescore, state.cache.num_pages)
-    candidates = choose_topk(scores, forced, wide, wide_count, block=page)
-    return rescore_pages(state, q, candidates, count * page, k_max * page, sinks, window, aggregate)
+        return pages
+    return rescore_pages(state, q, pages, count * page, k_max * page, sinks, window, aggregate)

@@ -13,6 +13,10 @@ With ``bound="sketch"`` the pages are ranked by a bound from a 4-bit copy of eve
 min/max grid (`kv.base.page_bound_scores`): about one nat over the page's best key instead of 13, for
 an eighth of the KV bytes read to choose. The same sketch makes the certified dropped mass
 (`kv.certified`) informative.
+
+With ``bound="sketch", nominate=f`` the selection has two levels: the box bound nominates ``f`` times
+the budget's pages, and the sketch ranks those candidates alone (`kv.base.nominate_pages`), so the
+step reads the box summaries and the candidates' codes, not the sketch of the whole cache.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ class Quest(KVSelector):
     two-stage selection: ``rescore`` times the pages as candidates, then the best tokens by exact
     score (a token selection of the same token budget). ``bound`` is the page bound that ranks the
     pages: ``"box"`` (the page min/max) or ``"sketch"`` (the 4-bit key sketch; tighter, and it reads
-    half a byte per key channel more).
+    half a byte per key channel more). ``nominate`` >= 1 (with ``bound="sketch"`` and
+    ``aggregate="max"``) lets the box nominate that many times the pages and the sketch rank only
+    those: the sketch's ranking for the candidates' codes alone.
     """
 
     budget: int | float = 0.25
@@ -62,6 +68,7 @@ class Quest(KVSelector):
     aggregate: Aggregate = "max"
     rescore: float = 0.0
     bound: PageBound = "box"
+    nominate: float = 0.0
     layer_invariant = True
 
     def __post_init__(self) -> None:
@@ -73,6 +80,10 @@ class Quest(KVSelector):
             raise ValueError(f"aggregate must be 'sum' or 'max', got {self.aggregate!r}")
         check_rescore(self.rescore)
         check_page_bound(self.bound)
+        check_rescore(self.nominate, "nominate")
+        if self.nominate and (self.bound != "sketch" or self.aggregate != "max"):
+            raise ValueError("Quest(nominate=...) ranks the box's candidates by the key sketch: it needs "
+                             f"bound='sketch' and aggregate='max', got bound={self.bound!r}, aggregate={self.aggregate!r}")
 
     @property
     def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
@@ -89,9 +100,9 @@ class Quest(KVSelector):
     def select(self, state: KVState, q: Tensor) -> Selection:
         k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "Quest")
         if self.aggregate == "max":
-            scores = group_page_bounds(state, q, self.bound)
+            scores = group_page_bounds(state, q, "box" if self.nominate else self.bound)
         else:
             scores = aggregate_groups(page_bound_scores(state, q, self.bound), state.page_valid(), state.keys.shape[1], "sum")
         forced = forced_pages(state, self.sinks, self.window)
-        return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, sinks=self.sinks,
-                            window=self.window, aggregate=self.aggregate)
+        return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, nominate=self.nominate,
+                            sinks=self.sinks, window=self.window, aggregate=self.aggregate)
