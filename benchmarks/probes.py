@@ -39,7 +39,8 @@ import torch.nn.functional as F
 
 from policyzoo import SSA, AttentionTopK, CommunityKV, EntmaxKV, Forecast, Quest, inductor_compat, kernels
 from policyzoo.cache import SKETCH, SUMMARIES, PagedKVCache
-from policyzoo.kernels.config import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, current, override
+from policyzoo.kernels.config import (AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, SketchScoreConfig,
+                                     current, override)
 from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
 from policyzoo.kv import ForecastHeads
 from policyzoo.kv.base import KVState
@@ -321,7 +322,7 @@ def _attention_case(q, keys, values, start, length, sel):
     return call, check
 
 
-VARIANT_GROUPS = ("select_top", "merge", "page_bound", "attention_pages", "epilogue", "append")
+VARIANT_GROUPS = ("select_top", "merge", "page_bound", "sketch_bound", "attention_pages", "epilogue", "append")
 
 
 def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
@@ -418,6 +419,36 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
         if small:
             tiles = dict(list(tiles.items())[::9])
         _, chosen = _pick(rows, "variants", "page bound 128K bfloat16", fn, check, tiles)
+        keep_for_run(**chosen)
+
+    # The key-sketch page bound over a whole 128K cache, group-folded as Quest ranks by it: the
+    # method (fp32 sums, a dot per page, decoded fp16 keys through one dot), pages per program and
+    # warps. Each is checked as an upper bound of the reference within 0.05 of it (per unit of the
+    # logit's scale); the fastest correct one is kept for the run.
+    if "sketch_bound" in groups:
+        n = 1024 if small else 131072
+        cache = filled_cache(n)
+        q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+        args = (q, cache.key_sketch[0], cache.page_min[0], cache.page_max[0], cache.start, cache.length, D**-0.5, "max")
+        want = kernels.reference.sketch_page_bound(*args)
+        live = want.isfinite()
+
+        def check():
+            got = page_module.sketch_page_bound(*args)
+            if not torch.equal(got.isfinite(), live):
+                return "other pages are empty"
+            over = (got - want)[live]
+            if bool((over < -1e-3 * (1 + want[live].abs())).any()):
+                return f"under the reference by {-over.min().item():.1e}"
+            return "" if over.max().item() < 0.05 else f"over the reference by {over.max().item():.2f}"
+
+        fn = lambda: page_module.sketch_page_bound(*args)  # noqa: E731
+        base = current(SketchScoreConfig)
+        tiles = {f"{m} BLOCK_P={bp} warps={w}": {"sketch_score": replace(base, method=m, block_p=bp, num_warps=w)}
+                 for m in SketchScoreConfig.METHODS for bp in (2, 4, 8) for w in (2, 4, 8)}
+        if small:
+            tiles = dict(list(tiles.items())[::9])
+        _, chosen = _pick(rows, "variants", "sketch bound 128K bfloat16", fn, check, tiles)
         keep_for_run(**chosen)
 
     # Decode attention over a sparse page selection (1/10 of the pages at 128K, as Quest(0.1) picks):

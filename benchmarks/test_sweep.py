@@ -24,7 +24,7 @@ from policyzoo.bytes import ByteAccount
 def test_sweep_sections_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path),
-           "--only", "variants,kernel,select,step,gemvfused", "--variants", "select_top,merge,page_bound,attention_pages,epilogue,append", "--contexts", "256",
+           "--only", "variants,kernel,select,step,gemvfused", "--variants", "select_top,merge,page_bound,sketch_bound,attention_pages,epilogue,append", "--contexts", "256",
            "--select-contexts", "256", "--select-policies", "quest0.1,attn-topk0.1,entmax-kv0.1", "--settings", "dense,quest0.1,topk0.5"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
@@ -34,15 +34,16 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     by_section = {s: [r for r in rows if r["section"] == s] for s in ("variants", "kernel", "select", "step")}
     # variants: every alternative checked against the reference, one choice per group
     chosen = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("chosen: ")]
-    # select_top per row shape, the merge, the page bound, sparse attention, the GEMV epilogue per shape
-    assert len(chosen) == 5 + 1 + 1 + 1 + 4
+    # select_top per row shape, the merge, the page bound, the sketch bound, sparse attention, the GEMV
+    # epilogue per shape
+    assert len(chosen) == 5 + 1 + 1 + 1 + 1 + 4
     assert all(r["correct"] for r in by_section["variants"] if "correct" in r)
     # select_top's choice for the rest of the run is a rule by row length, and the run records it
     rule = [r["setting"] for r in by_section["variants"] if r["setting"].startswith("rule for the rest")]
     assert len(rule) == 1 and "METHOD=" in rule[0]
     meta = json.loads((tmp_path / "sweep.json").read_text())["meta"]
-    # the launch configs in force: the merge and the page bound kept from the variants section
-    assert meta["knobs"]["select_top"]["method"] == "auto" and set(meta["knobs"]["overridden"]) >= {"attention", "page_score"}
+    # the launch configs in force: the merge and the page bounds kept from the variants section
+    assert meta["knobs"]["select_top"]["method"] == "auto" and set(meta["knobs"]["overridden"]) >= {"attention", "page_score", "sketch_score"}
     assert meta["source"] == common.source_digest()  # the code this test runs
     appends = [r for r in by_section["variants"] if r["shape"].startswith("cache append")]
     assert len(appends) == 2 * 3 * 2 and all(r["us"] > 0 for r in appends)  # 2 page sizes x 3 summary sets x 2

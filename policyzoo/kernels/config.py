@@ -273,12 +273,14 @@ class SketchScoreConfig:
     """Launch parameters of the key-sketch page bound (`page_score.sketch_page_bound`): a program
     holds ``block_p`` pages of codes."""
 
-    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot")
+    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys")
 
     method: str = "sum"
     """``"sum"``: the products summed on CUDA cores; ``"dot"``: a batched tl.dot per page of the codes
     (fp16, exact) with the page's weights ``q·step`` in fp16, their rounding added back (pages of 16
-    or more; smaller ones take the sum)."""
+    or more; smaller ones take the sum); ``"keys"``: the sketch's keys decoded in fp16 and one tl.dot
+    of the program's tokens with the group's queries in fp16, the roundings' worst case added back
+    (``block_p·page`` of 16 or more)."""
     block_p: int = 4
     """Pages per program."""
     num_warps: int = 4

@@ -27,10 +27,13 @@ The key-sketch page bound (`sketch_page_bound`; specification `reference.sketch_
 token bound ``scale·(q·min + |q|·radius + Σ_i (q_i·step_i)·c_ti)`` over its visible slots, per query
 head or folded over the group. The codes are half a byte per key channel, so the kernel streams
 about a quarter of the bytes the keys hold. `SketchScoreConfig.method` picks how the products are
-summed: ``"sum"`` in fp32 on CUDA cores, or ``"dot"``, a batched tl.dot of each page's codes (fp16,
+summed: ``"sum"`` in fp32 on CUDA cores; ``"dot"``, a batched tl.dot of each page's codes (fp16,
 exact) with its weights ``q·step`` in fp16, where 15 times the weights' rounding is added back so
-the result stays an upper bound. Both are bound by their arithmetic, not their bytes: on an H200
-at 128K the default ran at 0.9 TB/s (`benchmarks/results/2026-12-02-h200-run17/`).
+the result stays an upper bound; or ``"keys"``, the sketch's keys ``min + step·c`` decoded in fp16
+and one tl.dot of the program's tokens with the group's queries (the query is the same for every
+page, so the dot is as wide as the program's tokens), the worst case of both roundings added back
+per page. "sum" and "dot" are bound by their arithmetic, not their bytes: on an H200 at 128K "sum"
+ran at 0.9 TB/s (`benchmarks/results/2026-12-02-h200-run17/`).
 """
 
 from __future__ import annotations
@@ -191,7 +194,8 @@ def _sketch_bound_kernel(
     s_ob, s_oh,
     n_pages, n_entries, scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr, DOT: tl.constexpr, LISTED: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr,
+    LISTED: tl.constexpr,
 ):
     kv = tl.program_id(1)
     b = tl.program_id(2)
@@ -223,7 +227,46 @@ def _sketch_bound_kernel(
     mn_lo, step_lo, rad_lo = _sketch_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
     mn_hi, step_hi, rad_hi = _sketch_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
 
-    if DOT:
+    if KEYS:
+        # The sketch's keys k̂ = low + step·c decoded in fp16, against the group's queries in fp16: one
+        # [BLOCK_P·PAGE, DH_PAD] × [DH_PAD, G_PAD] dot per half, the query shared by every token.
+        offs_g = tl.arange(0, G_PAD)
+        q_cols = q_ptr + b * s_qb + (kv * G + offs_g[None, :]) * s_qh
+        g_ok = offs_g[None, :] < G
+        q_lo = tl.load(q_cols + offs_j[:, None], mask=lo_ch[:, None] & g_ok, other=0.0).to(tl.float32)
+        q_hi = tl.load(q_cols + DH + offs_j[:, None], mask=hi_ch[:, None] & g_ok, other=0.0).to(tl.float32)
+        q16_lo = tl.minimum(tl.maximum(q_lo, -60000.0), 60000.0).to(tl.float16)
+        q16_hi = tl.minimum(tl.maximum(q_hi, -60000.0), 60000.0).to(tl.float16)
+        k_lo = mn_lo[:, None, :] + step_lo[:, None, :] * (c & 15).to(tl.float32)  # [BLOCK_P, PAGE, DH_PAD]
+        k_hi = mn_hi[:, None, :] + step_hi[:, None, :] * (c >> 4).to(tl.float32)
+        k16_lo = tl.minimum(tl.maximum(k_lo, -60000.0), 60000.0).to(tl.float16)
+        k16_hi = tl.minimum(tl.maximum(k_hi, -60000.0), 60000.0).to(tl.float16)
+        acc = tl.dot(tl.reshape(k16_lo, (BLOCK_P * PAGE, DH_PAD)), q16_lo)  # [BLOCK_P·PAGE, G_PAD], fp32
+        acc = tl.dot(tl.reshape(k16_hi, (BLOCK_P * PAGE, DH_PAD)), q16_hi, acc)
+        acc = tl.reshape(acc, (BLOCK_P, PAGE, G_PAD))
+        # Per page and head: |q|·radius, plus what the fp16 roundings can have taken off q·k̂. A key
+        # channel of the page lies within M = max(|low|, |high|): its rounding (2^-11 relative, 2^-24
+        # below fp16's normal range, and the clamp) costs |q|·(2^-11·M + 2^-24 + max(M - 60000, 0)) at
+        # most; the query's, |q - q16|·|k16| <= |q - q16|·M·(1 + 2^-10).
+        big_lo = tl.maximum(tl.abs(mn_lo), tl.abs(mn_lo + 15.0 * step_lo))  # [BLOCK_P, DH_PAD]
+        big_hi = tl.maximum(tl.abs(mn_hi), tl.abs(mn_hi + 15.0 * step_hi))
+        err_lo = q_lo - q16_lo.to(tl.float32)
+        err_hi = q_hi - q16_hi.to(tl.float32)
+        k_err_lo = big_lo * (1.0 / 2048 + 1.0 / 1048576) + 1.0 / 16777216 + tl.maximum(big_lo - 60000.0, 0.0)
+        k_err_hi = big_hi * (1.0 / 2048 + 1.0 / 1048576) + 1.0 / 16777216 + tl.maximum(big_hi - 60000.0, 0.0)
+        q_big_lo = big_lo * (1.0 + 1.0 / 1024)
+        q_big_hi = big_hi * (1.0 + 1.0 / 1024)
+        base = tl.sum((rad_lo + k_err_lo)[:, :, None] * tl.abs(q_lo)[None, :, :] + q_big_lo[:, :, None] * tl.abs(err_lo)[None, :, :], 1)
+        base += tl.sum((rad_hi + k_err_hi)[:, :, None] * tl.abs(q_hi)[None, :, :] + q_big_hi[:, :, None] * tl.abs(err_hi)[None, :, :], 1)
+        bound = tl.where(seen[:, :, None], (acc + base[:, None, :]) * scale, -float("inf"))
+        best = tl.max(bound, 1)  # [BLOCK_P, G_PAD]
+        if AGG == 0:
+            out = out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None]
+            tl.store(out, best, mask=e_mask[:, None] & g_ok)
+        else:
+            red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
+            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
+    elif DOT:
         c_lo = (c & 15).to(tl.float16)  # 0..15: exact
         c_hi = (c >> 4).to(tl.float16)
         # The group's queries as [DH_PAD, G_PAD] columns.
@@ -306,6 +349,7 @@ def sketch_page_bound(
     grid = (triton.cdiv(n_entries, cfg.block_p), h_kv, b)
     g = h // h_kv
     dot = cfg.method == "dot" and page >= 16  # tl.dot takes 16 token rows at least
+    keys = cfg.method == "keys" and page * cfg.block_p >= 16
     listed = pages if pages is not None else out  # a placeholder pointer when nothing is listed
     _sketch_bound_kernel[grid](
         q, codes, page_min, page_max, start, length, listed, out,
@@ -317,8 +361,8 @@ def sketch_page_bound(
         out.stride(0), out.stride(1),
         n_pages, n_entries, float(scale),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, DH=dh,
-        DH_PAD=triton.next_power_of_2(dh) if not dot else max(16, triton.next_power_of_2(dh)),
-        PAGE=page, BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, DOT=dot, LISTED=pages is not None,
+        DH_PAD=max(16, triton.next_power_of_2(dh)) if dot or keys else triton.next_power_of_2(dh),
+        PAGE=page, BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, DOT=dot, KEYS=keys, LISTED=pages is not None,
         num_warps=cfg.num_warps,
     )
     return out
