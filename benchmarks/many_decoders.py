@@ -59,22 +59,31 @@ def measure_row(dec, row: dict, n: int, new_tokens: int, acct: ByteAccount, bw: 
 
 
 def run_settings(model, names: list[str], contexts: list[int], new_tokens: int, acct: ByteAccount, bw: float, log,
-                 backend: str = "inductor", retime_first: float | None = None) -> list[dict]:
+                 backend: str = "inductor", retime_first: float | None = None, recapture: int = 0) -> list[dict]:
     """One row per (setting, context), every setting a fresh compiled Decoder on ``model``.
 
     ``retime_first`` (seconds): after the sequence, a fresh Decoder of the first setting is timed at
     once and again after that many seconds of an idle GPU. A slowdown that follows the process's
     earlier captures stays after the pause; one that follows the GPU's state (clocks, temperature)
-    goes."""
+    goes.
+
+    ``recapture``: the first Decoder's CUDA graphs are dropped and captured again that many times,
+    each capture timed (no new compile): whether a replay slows with the captures made before it."""
     rows = []
-    section = "many" if retime_first is None else "many-retime"  # a probe: LATEST.md keeps the plain sequence
+    probe = retime_first is not None or recapture
+    section = "many-retime" if probe else "many"  # a probe: LATEST.md keeps the plain sequence
     plan = [(order, name) for order, name in enumerate(names, 1)]
     for order, name in plan + ([("again", names[0])] if retime_first is not None else []):
         dec = common.decoder(model, name).compile(backend=backend)
         r_p = common.settings()[name][2]
         waits = [("", 0.0)] if order != "again" else [("1, again", 0.0), (f"1, after {retime_first:.0f} s idle", retime_first)]
+        if order == 1 and recapture:
+            waits += [(f"1, captured {k + 2} times", 0.0) for k in range(recapture)]
         for label, wait in waits:
             time.sleep(wait)
+            if "captured" in label:
+                dec.session.compiled_steps.drop_graphs()
+                common.free_memory()  # the dropped graphs and their pools released before the next capture
             for n in contexts:
                 row = {"section": section, "mode": "compiled", "order": label or order, "setting": name, "context": n, "batch": 1}
                 rows.append(measure_row(dec, row, n, new_tokens, acct, bw, r_p, log))
@@ -157,6 +166,8 @@ def main(argv=None) -> None:
                    help="a many_decoders.json written before: run only its settings' processes of their own, and add them")
     p.add_argument("--retime-first", type=float, default=None, metavar="SECONDS",
                    help="after the sequence, time a fresh Decoder of the first setting, then again after SECONDS idle")
+    p.add_argument("--recapture", type=int, default=0, metavar="N",
+                   help="drop the first Decoder's CUDA graphs and capture them again N times, timing each")
     p.add_argument("--json", default=None, help="(internal) write this process's rows here and exit")
     args = p.parse_args(argv)
     import transformers
@@ -173,7 +184,7 @@ def main(argv=None) -> None:
         dtype = next(model.parameters()).dtype
         acct = ByteAccount.from_config(model.config, dtype=dtype) if args.tiny else ByteAccount.from_config(args.model)
         bw = copy_bandwidth()
-        rows = run_settings(model, names, contexts, args.new_tokens, acct, bw, log, args.backend, args.retime_first)
+        rows = run_settings(model, names, contexts, args.new_tokens, acct, bw, log, args.backend, args.retime_first, args.recapture)
         if args.json:
             Path(args.json).write_text(json.dumps(rows))
             return
