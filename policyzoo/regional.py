@@ -89,7 +89,7 @@ class LayerContexts:
         self.first = layer == 0
 
     def view(self, layer: int) -> StepContext:
-        return StepContext(index=self.main.index, below=None if self.first else self.main.below, shared=self.main.shared)
+        return StepContext(index=self.main.index, below=None if self.first else self.main.below, request=self.main.request)
 
     def record(self, layer: int, sel: Selection) -> None:
         self.main.below = sel

@@ -21,6 +21,7 @@ that the session replays directly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 import weakref
@@ -234,7 +235,7 @@ class DecodeSession:
         self.contexts.keep_previous = "previous" in parts
         self.contexts.keep_hidden = "hidden" in parts
         self.contexts.keep_rotary = "rotary" in parts
-        self.contexts.reset()
+        self.contexts.reset(self.runtime.policy.new_request())
         self.sampler.configure()
         return cache
 
@@ -544,8 +545,9 @@ class DecodeSession:
 
 def policy_state_layout(runtime: Runtime) -> tuple:
     """Where the policy's per-request tensors live: ``(address, shape, dtype)`` of every tensor in the
-    layers' stores and the step context's shared dict (nested dicts, lists and tuples included), in
-    a fixed order. Equal for two requests exactly when a graph recorded on one reads the other's."""
+    layers' stores and the policy's request state (nested dicts, lists, tuples and dataclass fields
+    included), in a fixed order. Equal for two requests exactly when a graph recorded on one reads
+    the other's."""
     out: list = []
 
     def visit(value: object) -> None:
@@ -557,9 +559,12 @@ def policy_state_layout(runtime: Runtime) -> tuple:
         elif isinstance(value, (list, tuple)):
             for item in value:
                 visit(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name))
 
     visit([state.store for state in runtime.states])
-    visit(runtime.contexts.shared if runtime.contexts is not None else {})
+    visit(runtime.contexts.request if runtime.contexts is not None else None)
     return tuple(out)
 
 

@@ -64,7 +64,7 @@ def test_a_standalone_state_has_a_context_at_step_zero_with_nothing_recorded():
     from policyzoo.cache import PagedKVCache
 
     ctx = KVState(PagedKVCache(2, 1, 2, 8, 16, page_size=4), 0, 1.0).context
-    assert int(ctx.index) == 0 and ctx.previous is None and ctx.below is None and ctx.hidden is None and ctx.shared == {}
+    assert int(ctx.index) == 0 and ctx.previous is None and ctx.below is None and ctx.hidden is None and ctx.request is None
 
 
 def test_probe_sees_the_step_index_previous_and_below_selections_and_the_hidden_state():
@@ -176,21 +176,48 @@ def test_previous_buffers_keep_their_addresses_across_requests():
     assert [p.indices.data_ptr() for p in dec.session.contexts.previous] == before
 
 
-def test_shared_store_is_one_dict_for_every_layer_and_restarts_per_request():
-    seen = []
+def test_the_request_state_is_one_object_for_every_layer_and_fresh_per_request():
+    seen, made = [], []
+
+    @dataclass
+    class Layers:
+        visited: list = field(default_factory=list)
 
     @dataclass
     class Counting(Window):
+        def new_request(self):
+            made.append(Layers())
+            return made[-1]
+
         def select(self, state, q):
-            shared = state.context.shared
-            shared.setdefault("layers", []).append(state.layer)
-            seen.append(len(shared["layers"]))
+            request = state.context.request
+            assert request is state.request_for(self)
+            request.visited.append(state.layer)
+            seen.append(len(request.visited))
             return super().select(state, q)
 
     model = tiny_model("llama")
     ids, mask = padded_batch(1, 10)
     dec = Decoder(model, kv=Counting(sinks=1, window=4))
     dec.generate(ids, 3, attention_mask=mask)  # 2 steps x 2 layers
-    assert seen == [1, 2, 3, 4]
+    assert seen == [1, 2, 3, 4] and len(made) == 1
     dec.generate(ids, 2, attention_mask=mask)
-    assert seen[4:] == [1, 2]
+    assert seen[4:] == [1, 2] and len(made) == 2 and made[1] is not made[0]
+
+
+def test_a_state_outside_a_session_makes_its_request_state_on_first_use(make_case):
+    case = make_case(b=1, h_kv=1, g=1, d=8, page=4, prompt=12, steps=0, starts=[0], seed=0)
+
+    @dataclass
+    class Keeping(Window):
+        def new_request(self):
+            return Layers()
+
+    @dataclass
+    class Layers:
+        visited: list = field(default_factory=list)
+
+    state, policy = case.state(), Keeping(sinks=1, window=4)
+    assert state.context.request is None
+    first = state.request_for(policy)
+    assert isinstance(first, Layers) and state.request_for(policy) is first and state.context.request is first

@@ -206,7 +206,7 @@ def test_the_page_means_stay_equal_to_a_recomputation():
     dec = Decoder(model, kv=Forecast(0.4, rank=4, **SMALL))
     dec.generate(ids, 11, attention_mask=mask)
     cache = dec.session.cache
-    means = dec.session.contexts.shared["forecast.means"]
+    means = dec.session.contexts.request.means
     for layer in range(2):
         want = page_means(cache.keys[layer], cache.token_valid(), 4)
         torch.testing.assert_close(means[layer].float(), want, rtol=1e-5, atol=1e-5)

@@ -38,7 +38,7 @@ class KVState:
 
     @property
     def context(self) -> StepContext:
-        """This layer's `StepContext` (step index, previous selections, hidden state, shared store).
+        """This layer's `StepContext` (step index, previous selections, hidden state, request state).
 
         A state made outside a decode session (tests, a hand-driven cache) gets one of its own, at
         step 0 with nothing recorded.
@@ -46,6 +46,17 @@ class KVState:
         if self.contexts is None:
             self.contexts = ContextStore(self.cache.num_layers, self.cache.device)
         return self.contexts.view(self.layer)
+
+    def request_for(self, policy: KVSelector) -> object | None:
+        """``context.request``: ``policy``'s state for this request (`KVSelector.new_request`). A
+        session makes it before each prefill; a state made outside one (tests, a hand-driven cache)
+        makes it here on first use."""
+        contexts = self.contexts
+        if contexts is None:
+            contexts = self.contexts = ContextStore(self.cache.num_layers, self.cache.device)
+        if contexts.request is None:
+            contexts.request = policy.new_request()
+        return contexts.request
 
     @property
     def keys(self) -> Tensor:
@@ -87,7 +98,7 @@ class KVSelector:
     # and refreshes only these. All of them unless a policy says otherwise, so that a policy written
     # before this attribute existed still finds what it reads.
     summaries: tuple[str, ...] = SUMMARIES
-    # The parts of the step context `select` reads beyond the step index and the shared store
+    # The parts of the step context `select` reads beyond the step index and the request state
     # (`kv.context.PARTS`: "previous", "below", "hidden", "rotary"); the session keeps only these.
     step_context: tuple[str, ...] = ()
     # The slot multiple a prompt's end is placed on (``None``: the page size), so that the units a
@@ -117,6 +128,14 @@ class KVSelector:
     layer_invariant: bool = False
     # Whether the policy rescores candidates exactly in a second stage (``rescore`` > 0).
     two_stage: bool = False
+
+    def new_request(self) -> object | None:
+        """A fresh state object for one request (one batch of sequences), shared by every layer as
+        ``state.context.request``: the session makes it before each prefill and drops it with the
+        request. A typed object (a dataclass), not a dict of string keys; ``None`` (the default):
+        the policy keeps no state across layers. Tensors in it follow the step context's rule: made
+        in `prefill` (eager), updated in place."""
+        return None
 
     def reset_random(self) -> None:
         """Restart the policy's random stream from its seed (a policy that samples), so that a

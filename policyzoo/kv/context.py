@@ -10,23 +10,24 @@
 - ``rotary``: ``(cos, sin)``, each ``[B, D_rot]``, the rotary embedding of the step's token that the
   model hands its layers (``None`` for a model without one), so a policy can rotate a query it
   makes itself (`kv.Forecast`) the way the model rotates its own;
-- ``shared``: one dict for all layers of the session, kept across steps.
+- ``request``: the policy's state for this request, one object for all layers, kept across steps
+  (`KVSelector.new_request` makes it; ``None`` for a policy that keeps none).
 
 The per-layer store that persists across steps is ``state.store`` (the policy's own dict).
 
 A policy names the parts it reads in `KVSelector.step_context` (``"previous"``, ``"below"``,
-``"hidden"``, ``"rotary"``): the session keeps only those (``index`` and ``shared`` are always there), so a policy
+``"hidden"``, ``"rotary"``): the session keeps only those (``index`` and ``request`` are always there), so a policy
 that reads nothing costs nothing. Everything is a tensor the compiled step reads or writes in place,
 never a Python number, so a compiled decode step replays the same graph at every step.
 
-Tensors a policy keeps across steps (in ``state.store`` or ``shared``) must be made before the first
+Tensors a policy keeps across steps (in ``state.store`` or ``request``) must be made before the first
 decode step (in `KVSelector.prefill`, which runs eagerly) and updated in place (``copy_``): a
 compiled step replays a CUDA graph, whose outputs are overwritten by the next replay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,7 +46,7 @@ class StepContext:
     below: Selection | None = None
     hidden: Tensor | None = None
     rotary: tuple[Tensor, Tensor] | None = None
-    shared: dict = field(default_factory=dict)
+    request: object | None = None
 
 
 def check_parts(parts: object, owner: str) -> tuple[str, ...]:
@@ -74,7 +75,7 @@ class ContextStore:
         self.hidden: list[Tensor | None] = [None] * num_layers
         self.rotary: tuple[Tensor, Tensor] | None = None  # the same for every layer of a step
         self.below: Selection | None = None
-        self.shared: dict = {}
+        self.request: object | None = None  # the policy's per-request state (`KVSelector.new_request`)
         self.keep_previous = False  # set by the session from the policy in use
         self.keep_hidden = False
         self.keep_rotary = False
@@ -89,13 +90,13 @@ class ContextStore:
             below=self.below if layer > 0 else None,
             hidden=self.hidden[layer],
             rotary=self.rotary,
-            shared=self.shared,
+            request=self.request,
         )
 
-    def reset(self) -> None:
-        """A new sequence batch: step 0, nothing shared, no transient state."""
+    def reset(self, request: object | None = None) -> None:
+        """A new sequence batch: step 0, the policy's fresh ``request`` state, no transient state."""
         self.index.zero_()
-        self.shared.clear()
+        self.request = request
         self.end_step()
 
     def seed_previous(self, layer: int, sel: Selection) -> None:

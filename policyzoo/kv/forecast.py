@@ -214,6 +214,18 @@ def block_scores(page_scores: Tensor, counts: Tensor, kernel_pages: int, block_p
     return blocks
 
 
+@dataclass
+class ForecastRequest:
+    """Forecast's state for one request, shared by every layer (``state.context.request``)."""
+
+    weights: Tensor | None = None
+    """Every layer's head, its two factors multiplied once (``[L, d_model, H_kv·D]``), made at layer 0's prefill."""
+    means: dict[int, Tensor] = field(default_factory=dict)
+    """Per layer, the mean key of every page ``[B, H_kv, P, D]``, refreshed in place by `append`."""
+    next: Selection | None = None
+    """The selection layer l made for layer l + 1 at this step, taken by layer l + 1."""
+
+
 @register("forecast")
 @dataclass
 class Forecast(KVSelector):
@@ -288,19 +300,22 @@ class Forecast(KVSelector):
         if want != have:
             raise ValueError(f"Forecast heads are for (layers, hidden, H_kv, D) = {have}, the model has {want}")
 
+    def new_request(self) -> ForecastRequest:
+        return ForecastRequest()
+
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         if self.predictor is None:
             raise RuntimeError("Forecast has no heads: give heads= (a trained file) or let a Decoder take the policy")
         if state.page_size != self.stride:
             raise ValueError(f"Forecast(stride={self.stride}) needs a cache with page_size={self.stride}, got {state.page_size}")
-        shared = state.context.shared
+        request: ForecastRequest = state.request_for(self)
         if state.layer == 0:  # the heads' products, for `scores` (made here, eagerly, once per request)
             p = self.predictor
             weights = torch.matmul(p.down.float(), p.up.float()).to(p.down.dtype)
             if weights.device.type == "cuda":
                 torch._dynamo.mark_static_address(weights)
-            shared["forecast.weights"] = weights
-        means = shared.setdefault("forecast.means", {})
+            request.weights = weights
+        means = request.means
         # The whole layer again (a chunked prefill calls this once per chunk), made here (eager):
         # decode steps update it in place, for CUDA graphs.
         value = page_means(state.keys, state.token_valid(), self.stride).to(state.keys.dtype)
@@ -319,26 +334,30 @@ class Forecast(KVSelector):
         keys = state.keys.index_select(2, slots).float()  # [B, H_kv, p, D]
         seen = cache.visible_at(slots.expand(cache.batch, p))[:, None, :, None].float()
         mean = (keys * seen).sum(2, keepdim=True) / seen.sum(2, keepdim=True).clamp(min=1)
-        state.context.shared["forecast.means"][state.layer].index_copy_(2, page, mean.to(state.keys.dtype))
+        state.request_for(self).means[state.layer].index_copy_(2, page, mean.to(state.keys.dtype))
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         ctx = state.context
         if ctx.hidden is None:
             raise RuntimeError("Forecast reads the hidden state entering each layer: decode it through a Decoder")
-        shared, layer = ctx.shared, state.layer
+        request: ForecastRequest = state.request_for(self)
+        layer = state.layer
         if layer == 0:
             mine = self.choose(state, 0, ctx.hidden, ctx.rotary)
         else:
-            mine = shared.pop("forecast.next")
+            mine, request.next = request.next, None
+            if mine is None:
+                raise RuntimeError(f"Forecast: layer {layer} selects before layer {layer - 1} chose for it "
+                                   "(its layers must select once per step, in order)")
         if layer + 1 < state.cache.num_layers:  # the next layer's blocks, one layer ahead
-            shared["forecast.next"] = self.choose(state, layer + 1, ctx.hidden, ctx.rotary)
+            request.next = self.choose(state, layer + 1, ctx.hidden, ctx.rotary)
         return mine
 
     def predicts_layer(self, layer: int) -> bool:
         return layer > 0  # layer 0's selection is its own head's
 
     def next_layer_selection(self, state: KVState, sel: Selection) -> Selection | None:
-        return state.context.shared.get("forecast.next")
+        return state.request_for(self).next
 
     # ------------------------------------------------------------------------------ scoring
     def scores(self, state: KVState, layer: int, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
@@ -347,8 +366,8 @@ class Forecast(KVSelector):
 
         The head's two factors are multiplied once per request (`prefill`): one product per step
         instead of two, at ``d_model · H_kv · D`` elements per layer."""
-        shared = state.context.shared
-        means, weight = shared["forecast.means"][layer], shared["forecast.weights"][layer]
+        request: ForecastRequest = state.request_for(self)
+        means, weight = request.means[layer], request.weights[layer]
         p = self.predictor
         f = rotate((hidden.to(weight.dtype) @ weight).float().unflatten(-1, (p.kv_heads, p.head_dim)), rotary)
         page_scores = torch.matmul(means, f.to(means.dtype)[..., None])[..., 0].float() * state.scale

@@ -66,6 +66,9 @@ class PolicyWrapper(KVSelector):
     def modules(self) -> dict[str, nn.Module]:  # the learned parts are the wrapped policy's
         return self.policy.modules()
 
+    def new_request(self) -> object | None:
+        return self.policy.new_request()
+
     def reset_random(self) -> None:
         self.policy.reset_random()
 
