@@ -77,7 +77,7 @@ def layer_cache(cache: PagedKVCache, layer: int) -> PagedKVCache:
 
 class LayerContexts:
     """Layer ``layer``'s view of the session's `ContextStore` (as layer 0): the step index, the
-    shared dict and the layer below's selection at this step (``None`` in layer 0). A layer-invariant
+    request state and the layer below's selection at this step (``None`` in layer 0). A layer-invariant
     policy keeps no previous selection and no hidden state."""
 
     keep_previous = False
