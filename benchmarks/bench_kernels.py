@@ -26,17 +26,19 @@ elif "triton" not in sys.modules:
 else:
     MODE = "subprocess"
 
+import functools  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from policyzoo.kernels import dispatch  # noqa: E402
+from policyzoo import kernels  # noqa: E402
 from policyzoo.kernels import reference as ref  # noqa: E402
 from policyzoo.selection import Selection  # noqa: E402
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
-TRITON_HERE = dispatch.HAS_TRITON and MODE != "subprocess"
+TRITON_HERE = kernels.route.HAS_TRITON and MODE != "subprocess"
+WORKSPACE = kernels.Workspace(DEVICE) if TRITON_HERE else None  # the GEMV's counters, as a Decoder makes them
 IMPLS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_HERE, reason="no triton here"))]
 
 # (batch, query heads, KV heads, head dim, cache slots, selected tokens)
@@ -45,7 +47,7 @@ ATTN = dict(cpu=(1, 8, 2, 64, 256, 64), cuda=(4, 32, 8, 128, 32768, 2048))[DEVIC
 GEMV = dict(cpu=(1, 256, 192, 0.5), cuda=(1, 4096, 14336, 0.5))[DEVICE.type]
 
 
-@pytest.mark.skipif(MODE != "subprocess" or not dispatch.HAS_TRITON, reason="the kernels run in this process")
+@pytest.mark.skipif(MODE != "subprocess" or not kernels.route.HAS_TRITON, reason="the kernels run in this process")
 def test_bench_in_fresh_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--benchmark-disable"]
@@ -101,7 +103,8 @@ def test_decode_attention(benchmark, impl, block, mode):
         fn = reference
     else:
         def fn(*a):
-            return dispatch.decode_attention(*a, mode=mode)
+            attend = kernels.decode_attention if mode == "softmax" else kernels.decode_attention_entmax15
+            return attend.triton(*a)
     out, second = benchmark(timed(fn), *args)
     expected_out, expected_second = reference(*args)
     close(out.float(), expected_out.float(), dtype)
@@ -119,13 +122,13 @@ def test_quest_page_bound(benchmark, impl, agg):
     args = (q, page_min, page_max, d**-0.5)
     benchmark.group = f"quest_page_bound agg={agg}"
     if agg == "none":
-        reference, kernel = ref.quest_page_bound, dispatch.quest_page_bound
+        reference, kernel = ref.quest_page_bound, kernels.quest_page_bound.triton
     else:
         def reference(*a):
             return ref.quest_page_bound_grouped(*a, agg=agg)
 
         def kernel(*a):
-            return dispatch.quest_page_bound_grouped(*a, agg=agg)
+            return kernels.quest_page_bound_grouped.triton(*a, agg=agg)
     got = benchmark(timed(reference if impl == "reference" else kernel), *args)
     close(got, reference(*args), torch.float32)
 
@@ -141,10 +144,11 @@ def test_sparse_gemv(benchmark, impl, kind):
     benchmark.group = f"sparse_gemv {kind}"
     if kind == "index":
         sparsity = x.abs().topk(int(keep * d_in), dim=-1).indices.to(torch.int32)
-        reference, kernel = ref.sparse_gemv_index, dispatch.sparse_gemv_index
+        reference, kernel = ref.sparse_gemv_index, functools.partial(kernels.sparse_gemv_index.triton, workspace=WORKSPACE)
     else:
         sparsity = torch.quantile(x.float().abs(), 1 - keep).to(DEVICE)
-        reference, kernel = ref.sparse_gemv_threshold, dispatch.sparse_gemv_threshold
+        reference, kernel = ref.sparse_gemv_threshold, functools.partial(kernels.sparse_gemv_threshold.triton,
+                                                                         workspace=WORKSPACE)
     args = (x, sparsity, w_t, None)
     got = benchmark(timed(reference if impl == "reference" else kernel), *args)
     close(got.float(), reference(*args).float(), dtype)

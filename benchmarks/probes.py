@@ -39,9 +39,8 @@ import torch.nn.functional as F
 
 from policyzoo import SSA, AttentionTopK, CommunityKV, EntmaxKV, Forecast, Quest, inductor_compat, kernels
 from policyzoo.cache import SKETCH, SUMMARIES, PagedKVCache
-from policyzoo.kernels.config import (AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, SketchScoreConfig,
-                                     current, override)
-from policyzoo.kernels.dispatch import _attn as attn_module  # the module (its name is shadowed by the function)
+from policyzoo.kernels import AttentionConfig, GemvConfig, PageScoreConfig, SelectTopConfig, SketchScoreConfig
+from policyzoo.kernels.config import current, override
 from policyzoo.kv import ForecastHeads
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
@@ -87,9 +86,10 @@ def section_tune(contexts, rows, grid=None):
             try:
                 cfg = replace(current(AttentionConfig), block_t=bt, num_warps=w, num_stages=st, target_programs=tp)
                 with override(attention=cfg):
-                    out, _ = attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale)
+                    out, _ = torch.ops.policyzoo.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE,
+                                                                  start, length, scale)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    t = common.graph_time_ms(lambda: attn_module.decode_attention(
+                    t = common.graph_time_ms(lambda: torch.ops.policyzoo.decode_attention(
                         q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale))
                 row.update({"us": t * 1e3, "TB/s": kv_bytes / (t * 1e-3) / 1e12, "vs_sdpa": t_sdpa / t, "rel_err": err})
                 print(f"tune n={n} {row['setting']:<42} {t*1e3:7.1f} us  x{t_sdpa/t:4.2f} of SDPA  err {err:.1e}", flush=True)
@@ -140,9 +140,8 @@ def section_gemv_tune(rows, keep: float = 0.5):
     """The index GEMV at keep 0.5 over launch parameters: outputs per program (up to whole 2 KB rows
     of the weight), rows per tile, warps and the split-K's program target. Combinations whose fp32
     accumulator would take over 128 registers per thread are skipped."""
-    from policyzoo.kernels.dispatch import _gemv as gemv_module
-
     dev = common.DEVICE
+    workspace = kernels.Workspace(dev)  # the arrival counters, as a Decoder makes them
     grid = [(bn, bk, w, tp) for bn in (64, 256, 1024) for bk in (8, 16, 32, 128) for w in (4, 8) for tp in (512, 1024)
             if bn * bk <= 128 * 32 * w and bn * bk >= 32 * w * 8]
     if dev == "cpu":
@@ -160,9 +159,9 @@ def section_gemv_tune(rows, keep: float = 0.5):
             row = {"section": "gemvtune", "shape": label, "setting": f"BLOCK_N={bn} BLOCK_K={bk} warps={w} programs={tp}"}
             try:
                 with override(gemv=replace(current(GemvConfig), block_n=bn, block_k=bk, num_warps=w, target_programs=tp)):
-                    y = gemv_module.sparse_gemv_index(x, idx, w_t)
+                    y = kernels.sparse_gemv_index.triton(x, idx, w_t, workspace=workspace)
                     err = ((y.float() - ref).norm() / ref.norm()).item()
-                    us = common.graph_time_ms(lambda: gemv_module.sparse_gemv_index(x, idx, w_t)) * 1e3
+                    us = common.graph_time_ms(lambda: kernels.sparse_gemv_index.triton(x, idx, w_t, workspace=workspace)) * 1e3
                 row.update({"us": us, "TB/s": wbytes / (us * 1e-6) / 1e12, "rel_err": err})
                 print(f"gemvtune {label:<22} {row['setting']:<50} {us:7.1f} us {row['TB/s']:5.2f} TB/s err {err:.1e}", flush=True)
             except Exception as e:
@@ -215,9 +214,12 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
     thresholds where the group has several members), each member keeping about ``keep`` of every
     row's inputs. ``union`` is the fraction of weight rows some row keeps, what the kernel reads;
     TB/s counts those rows only."""
-    from policyzoo.kernels.dispatch import _gemv as gemv_module
-
     dev = common.DEVICE
+    workspace = kernels.Workspace(dev)  # the arrival counters, as a Decoder makes them
+
+    def gemv(x, t, w, seg):
+        return kernels.sparse_gemv_threshold.triton(x, t, w, None, seg, workspace=workspace)
+
     g = torch.Generator(device=dev).manual_seed(0)
     for label, (d_in, sizes) in GROUP_SHAPES.items():
         if dev == "cpu":  # smoke test: the same code at toy sizes
@@ -241,7 +243,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             union = kept_rows.float().mean().item()
             read = union * wbytes
             ref = kernels.reference.sparse_gemv_threshold(x.float(), t, ws[0].float(), None, seg)
-            y = gemv_module.sparse_gemv_threshold(x, t, ws[0], None, seg)
+            y = gemv(x, t, ws[0], seg)
             err = ((y.float() - ref).norm() / ref.norm()).item()
             dense_us = common.graph_time_ms(_rotating([lambda w=w: F.linear(x, w.t()) for w in ws])) * 1e3
             base = {"section": "gemvfused", "shape": label, "batch": b, "union": union, "cublas_us": dense_us,
@@ -252,10 +254,10 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
                 row = dict(base, setting=f"threshold GEMV {name}", config=c)
                 try:
                     with override(gemv=replace(current(GemvConfig), **c)):
-                        yc = gemv_module.sparse_gemv_threshold(x, t, ws[0], None, seg)
+                        yc = gemv(x, t, ws[0], seg)
                         e = ((yc.float() - ref).norm() / ref.norm()).item()
                         us = common.graph_time_ms(
-                            _rotating([lambda w=w: gemv_module.sparse_gemv_threshold(x, t, w, None, seg) for w in ws])) * 1e3
+                            _rotating([lambda w=w: gemv(x, t, w, seg) for w in ws])) * 1e3
                     row.update({"us": us, "TB/s": read / (us * 1e-6) / 1e12, "vs_cublas": dense_us / us, "rel_err": e})
                     print(f"gemvfused {label:<8} B={b:<3} union {union:.3f} {name:<46} {us:7.1f} us {row['TB/s']:5.2f} TB/s "
                           f"(cuBLAS {dense_us:6.1f} us {base['cublas_TB/s']:4.2f} TB/s) x{dense_us/us:4.2f} err {e:.1e}", flush=True)
@@ -313,7 +315,8 @@ def _attention_case(q, keys, values, start, length, sel):
     ref, _ = kernels.reference.decode_attention(q.float(), keys.float(), values.float(), sel, start, length, D**-0.5)
 
     def call():
-        return attn_module.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length, D**-0.5)
+        return torch.ops.policyzoo.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE, start, length,
+                                                    D**-0.5)
 
     def check():
         err = ((call()[0].float() - ref).norm() / ref.norm()).item()
@@ -329,16 +332,14 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
     """The alternatives a kernel's config offers, timed against each other and checked against the
     torch reference, and printed, so the defaults in `kernels.config` can follow the measurement;
     some are kept for the rest of the run: their overrides enter ``run``, which the sweep holds open
-    until it ends. The kernels' scratch buffers (histograms, arrival counters) are reserved once by
-    `sweep.main`, as a Decoder on CUDA reserves them."""
+    until it ends. The kernels' scratch buffers (histograms, arrival counters) are one `kernels.Workspace`,
+    as a Decoder on CUDA makes one."""
 
     def keep_for_run(**configs) -> None:
         run.enter_context(override(**configs))
 
-    from policyzoo.kernels.dispatch import _page as page_module
-    from policyzoo.kernels.dispatch import _select as select_module
-
     dev = common.DEVICE
+    workspace = kernels.Workspace(dev)
     small = dev == "cpu"  # smoke test: toy sizes
     # select_top's search and warps on rows of activations (bf16 |x|, keep 0.5) and of pages (fp32,
     # keep 0.1, 8 KV heads), one just over a power of two (tile and tail), one with forced pages.
@@ -359,10 +360,10 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
         want = kernels.reference.select_top(s, count, k, absolute)
 
         def check():
-            got = select_module.select_top(s, count, k, absolute)
+            got = kernels.select_top.triton(s, count, k, absolute, workspace=workspace)
             return "" if torch.equal(got, want) else f"{int((got != want).sum())} positions differ"
 
-        fn = lambda: select_module.select_top(s, count, k, absolute)  # noqa: E731
+        fn = lambda: kernels.select_top.triton(s, count, k, absolute, workspace=workspace)  # noqa: E731
         # The warps (by entries held, or fixed; 1-2 warps measured 1.7-4x slower on 4,096 entries).
         # The search interpolates: halving only measured slower on every row.
         counts = (0, 4) if small else (0, 4, 8) if n <= 4096 else (0, 8, 16)
@@ -408,11 +409,11 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
         want = kernels.reference.quest_page_bound_grouped(q, mn, mx, D**-0.5, "max")
 
         def check():
-            got = page_module.quest_page_bound(q, mn, mx, D**-0.5, "max")
+            got = kernels.quest_page_bound_grouped.triton(q, mn, mx, D**-0.5, "max")
             err = ((got - want).abs().max() / want.abs().max()).item()
             return "" if err < 1e-5 else f"max rel err {err:.1e}"
 
-        fn = lambda: page_module.quest_page_bound(q, mn, mx, D**-0.5, "max")  # noqa: E731
+        fn = lambda: kernels.quest_page_bound_grouped.triton(q, mn, mx, D**-0.5, "max")  # noqa: E731
         base = current(PageScoreConfig)
         tiles = {f"{m} BLOCK_P={bp} warps={w}": {"page_score": replace(base, method=m, block_p=bp, num_warps=w)}
                  for m in PageScoreConfig.METHODS for bp in (16, 32, 64) for w in (2, 4, 8)}
@@ -434,7 +435,7 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
         live = want.isfinite()
 
         def check():
-            got = page_module.sketch_page_bound(*args)
+            got = kernels.sketch_page_bound.triton(*args)
             if not torch.equal(got.isfinite(), live):
                 return "other pages are empty"
             over = (got - want)[live]
@@ -442,7 +443,7 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
                 return f"under the reference by {-over.min().item():.1e}"
             return "" if over.max().item() < 0.05 else f"over the reference by {over.max().item():.2f}"
 
-        fn = lambda: page_module.sketch_page_bound(*args)  # noqa: E731
+        fn = lambda: kernels.sketch_page_bound.triton(*args)  # noqa: E731
         base = current(SketchScoreConfig)
         tiles = {f"{m} BLOCK_P={bp} warps={w}": {"sketch_score": replace(base, method=m, block_p=bp, num_warps=w)}
                  for m in SketchScoreConfig.METHODS for bp in (2, 4, 8) for w in (2, 4, 8)}
@@ -474,8 +475,6 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
     # arrival counter), or by a launch of its own; the four Llama-8B shapes at keep 0.5. Reported
     # only: one shape's winner need not suit the others.
     if "epilogue" in groups:
-        from policyzoo.kernels.dispatch import _gemv as gemv_module
-
         base = current(GemvConfig)
         modes = {"epilogue in the last program": {"gemv": replace(base, fuse_epilogue=True, min_fused_split=2)},
                  "epilogue launch": {"gemv": replace(base, fuse_epilogue=False)}}
@@ -488,10 +487,11 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
             want = kernels.reference.sparse_gemv_index(x.float(), idx, w_t.float())
 
             def check(x=x, idx=idx, w_t=w_t, want=want):
-                err = ((gemv_module.sparse_gemv_index(x, idx, w_t).float() - want).norm() / want.norm()).item()
+                got = kernels.sparse_gemv_index.triton(x, idx, w_t, workspace=workspace)
+                err = ((got.float() - want).norm() / want.norm()).item()
                 return "" if err < 1e-2 else f"rel err {err:.1e}"
 
-            fn = lambda x=x, idx=idx, w_t=w_t: gemv_module.sparse_gemv_index(x, idx, w_t)  # noqa: E731
+            fn = lambda x=x, idx=idx, w_t=w_t: kernels.sparse_gemv_index.triton(x, idx, w_t, workspace=workspace)  # noqa: E731
             _pick(rows, "variants", f"sparse GEMV {label} keep 0.5", fn, check, modes)
 
     # The decode-step cache append (key, value, the touched page's summaries) as one kernel, checked
@@ -513,12 +513,12 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
                                     summaries=kept)
                 for a, b in zip(cache.tensors(), twin.tensors()):
                     b.copy_(a)
-                kernels.dispatch.cache_append(*args(cache))
+                kernels.cache_append.triton(*args(cache))
                 kernels.reference.cache_append(*args(twin))
                 problem = "" if all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)
                                     for a, b in zip(cache.tensors(), twin.tensors())) else "differs from the reference"
                 label = f"cache append page {page}, {len(kept)} summaries"
-                for name, fn in (("kernel", lambda: kernels.dispatch.cache_append(*args(cache))),
+                for name, fn in (("kernel", lambda: kernels.cache_append.triton(*args(cache))),
                                  ("torch reference (eager)", lambda: kernels.reference.cache_append(*args(twin)))):
                     us = common.graph_time_ms(fn) * 1e3
                     rows.append({"section": "variants", "shape": label, "setting": name, "us": us, "correct": not problem})
@@ -598,7 +598,7 @@ def section_select(contexts, rows, deadline: float, keep: float = 0.1, names: li
         if time.perf_counter() > deadline:
             raise common.Deadline
         cache = filled_cache(n)
-        state = KVState(cache, 0, D**-0.5)
+        state = KVState(cache, 0, D**-0.5, workspace=kernels.Workspace(dev))
         q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
         dense = _dense_selection(1, cache.num_pages, dev)
         dense.count = torch.full_like(dense.count, math.ceil(n / PAGE))

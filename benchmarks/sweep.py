@@ -401,7 +401,7 @@ def kernel_knobs() -> dict:
 
     from policyzoo.kernels import config
 
-    knobs = {name: dataclasses.asdict(config.current(kind)) for name, kind in config.KERNELS.items()}
+    knobs = {name: dataclasses.asdict(config.current(kind)) for name, kind in config.known_kernels().items()}
     return {**knobs, "overridden": sorted(config.active())}
 
 
@@ -491,8 +491,6 @@ def main(argv=None) -> None:
         meta["knobs"] = kernel_knobs()  # as they stand at this save (the variants section may change them)
         write_outputs(out, meta, rows)
 
-    if DEVICE == "cuda":  # the kernels' counters and histograms, as a Decoder on CUDA reserves them
-        kernels.scratch.reserve(DEVICE)
     bw = copy_bandwidth()
     meta["bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)

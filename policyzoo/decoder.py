@@ -128,8 +128,8 @@ class Decoder:
         if kv is not None:
             kv.attach(model)
             kv.to(device=self.device, dtype=self.dtype)  # learned parameters, if the policy has any
-        if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
-            kernels.scratch.reserve(self.device)
+        # The kernels' scratch for this device, made before any CUDA graph is recorded (`kernels.Workspace`).
+        self.workspace = kernels.Workspace(self.device) if self.device.type == "cuda" else None
         dense = Dense()  # the dense setting's policy: one instance, so a compiled step guards on it
         runtime = Runtime(policy=kv if kv is not None else dense)
         self._install(runtime, fuse=not offloaded)
@@ -300,8 +300,6 @@ class Decoder:
         if streamer is not None and (isinstance(streamer, type) or not all(callable(getattr(streamer, m, None)) for m in ("put", "end"))):
             raise TypeError(f"streamer must be an object with put() and end() (the HF streamer protocol) or None, got {streamer!r}")
         self._check_model_placement()
-        if self.device.type == "cuda":  # the kernels' counters, made before any CUDA graph is recorded
-            kernels.scratch.reserve(self.device)
         b, t = input_ids.shape
         eos = _eos_ids(self.model, eos_token_id, session.vocab_size)
         pad = _pad_id(self.model, pad_token_id, eos, session.vocab_size)

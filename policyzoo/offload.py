@@ -41,7 +41,6 @@ serves the tests).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
@@ -282,17 +281,21 @@ class PageCache:
         self._fetch(miss, pages, target, host_keys, host_values)
         return torch.where(hit, slot, torch.where(miss, target, 0)).to(torch.int32)
 
-    def prefetch(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor) -> None:
-        """`stage` page selection ``sel`` ahead of the layer's lookup, on the side stream (on CUDA;
-        inline elsewhere): the layer before calls it with this layer's predicted selection, and this
-        layer calls `wait_for_prefetch` before its own `stage`. One custom op, so that a compiled
-        step keeps it whole and its CUDA graph captures the fork and the join."""
-        torch.ops.policyzoo.prefetch_pages(sel.indices, sel.count, host_keys, host_values, length, *self._state(), self.page_size)
+    def prefetch(self, sel: Selection, host_keys: Tensor, host_values: Tensor, length: Tensor, *,
+                 workspace: kernels.Workspace | None = None) -> None:
+        """`stage` page selection ``sel`` ahead of the layer's lookup, on ``workspace``'s prefetch
+        stream (on CUDA; inline elsewhere, and without a workspace): the layer before calls it with
+        this layer's predicted selection, and this layer calls `wait_for_prefetch` before its own
+        `stage`. One custom op (`kernels.prefetch_pages_op`), so that a compiled step keeps it whole
+        and its CUDA graph captures the fork and the join."""
+        _prefetch_pages(sel.indices, sel.count, host_keys, host_values, length, *self._state(), self.page_size,
+                        workspace=workspace)
 
-    def wait_for_prefetch(self, after: Tensor) -> None:
-        """Make the current stream wait for this cache's `prefetch` (issued once ``after``, e.g.
-        the layer's query, exists, so that a compiler cannot move the wait up to the prefetch)."""
-        torch.ops.policyzoo.wait_for_prefetch(self.page_slot, after)
+    def wait_for_prefetch(self, after: Tensor, *, workspace: kernels.Workspace | None = None) -> None:
+        """Make the current stream wait for this cache's `prefetch` on ``workspace``'s stream (issued
+        once ``after``, e.g. the layer's query, exists, so that a compiler cannot move the wait up to
+        the prefetch)."""
+        kernels.wait_for_prefetch(self.page_slot, after, workspace=workspace)
 
     def _state(self) -> tuple[Tensor, ...]:
         return (self.keys, self.values, self.page_slot, self.slot_page, self.last_used, self.clock, self.fetched)
@@ -324,46 +327,15 @@ class PageCache:
         kernels.page_fetch(host_keys, host_values, self.keys, self.values, src_list, dst_list, flat.sum(), self.page_size)
 
 
-@functools.cache
-def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream prefetches run on, one per CUDA device."""
-    return torch.cuda.Stream(device=device)
-
-
-@torch.library.custom_op(
-    "policyzoo::prefetch_pages",
-    mutates_args=("keys", "values", "page_slot", "slot_page", "last_used", "clock", "fetched"),
-)
-def _prefetch_pages(indices: Tensor, count: Tensor, host_keys: Tensor, host_values: Tensor, length: Tensor,
-                    keys: Tensor, values: Tensor, page_slot: Tensor, slot_page: Tensor, last_used: Tensor,
-                    clock: Tensor, fetched: Tensor, page_size: int) -> None:
+def _stage_ahead(indices: Tensor, count: Tensor, host_keys: Tensor, host_values: Tensor, length: Tensor,
+                 keys: Tensor, values: Tensor, page_slot: Tensor, slot_page: Tensor, last_used: Tensor, clock: Tensor,
+                 fetched: Tensor, page_size: int) -> None:
+    """`PageCache.stage` ahead, over the page cache's tensors (as the prefetch op receives them)."""
     cache = PageCache._of(keys, values, page_slot, slot_page, last_used, clock, fetched, page_size)
-    sel = Selection(indices=indices, count=count, block=page_size)
-    if keys.device.type != "cuda":
-        cache.stage(sel, host_keys, host_values, length, ahead=True)
-        return
-    side = prefetch_stream(keys.device)
-    side.wait_stream(torch.cuda.current_stream(keys.device))
-    for t in (indices, count):  # made on the main stream, read on the side one: not reused before it is done
-        t.record_stream(side)
-    with torch.cuda.stream(side):
-        cache.stage(sel, host_keys, host_values, length, ahead=True)
+    cache.stage(Selection(indices=indices, count=count, block=page_size), host_keys, host_values, length, ahead=True)
 
 
-@_prefetch_pages.register_fake
-def _(indices, count, host_keys, host_values, length, keys, values, page_slot, slot_page, last_used, clock, fetched, page_size):
-    return None
+_prefetch_pages = kernels.prefetch_pages_op(_stage_ahead)
 
 
-@torch.library.custom_op("policyzoo::wait_for_prefetch", mutates_args=("page_slot",))
-def _wait_for_prefetch(page_slot: Tensor, after: Tensor) -> None:
-    if page_slot.device.type == "cuda":
-        torch.cuda.current_stream(page_slot.device).wait_stream(prefetch_stream(page_slot.device))
-
-
-@_wait_for_prefetch.register_fake
-def _(page_slot, after):
-    return None
-
-
-__all__ = ["Offload", "PageCache", "PageCounts", "host_tensor", "prefetch_stream"]
+__all__ = ["Offload", "PageCache", "PageCounts", "host_tensor"]

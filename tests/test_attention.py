@@ -157,9 +157,10 @@ def test_audit_measures_entmax_policies_against_dense_entmax(make_case):
 def test_entmax_dispatcher_routes_to_the_kernels_entmax_mode(monkeypatch):
     """With Triton in use, `kernels.decode_attention_entmax15` is the decode op in ``mode="entmax15"``."""
     from policyzoo import kernels
+    from policyzoo.kernels.ops import decode_attention as attention_op
 
     calls = []
-    monkeypatch.setattr(kernels.dispatch, "use_triton", lambda t: True)
-    monkeypatch.setattr(kernels.dispatch, "decode_attention", lambda *a, **kw: calls.append(kw) or ("out", "tau"))
+    monkeypatch.setattr(kernels.route, "use_triton", lambda t: True)
+    monkeypatch.setattr(attention_op, "_attend", lambda *a: calls.append(a[-2:]) or ("out", "tau"))
     assert kernels.decode_attention_entmax15(torch.zeros(1, 1, 4), None, None, None, None, None, 1.0) == ("out", "tau")
-    assert calls == [{"mode": "entmax15", "slots": None}]
+    assert calls == [("entmax15", None)]  # mode and slots

@@ -3,7 +3,7 @@
 The oracle of α-entmax attention is the ``entmax`` package's ``entmax15``, applied to the dense
 logits of the visible tokens in float64.
 
-The Triton kernel of the pooled threshold (`kernels/entmax_threshold.py`) is checked against its
+The Triton kernel of the pooled threshold (`kernels/ops/entmax_threshold/kernel.py`) is checked against its
 torch reference at the end. Without a GPU it runs in the Triton interpreter, which needs
 ``TRITON_INTERPRET=1`` before triton is first imported: set by conftest on CPU machines, and handled
 here as in ``test_kernels.py`` (a fresh interpreter re-runs the kernel tests when triton was loaded
@@ -38,8 +38,9 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from policyzoo import kernels  # noqa: E402
-from policyzoo.kernels import dispatch, reference  # noqa: E402
-from policyzoo.kernels.config import EntmaxThresholdConfig, override  # noqa: E402
+from policyzoo.kernels import reference, route  # noqa: E402
+from policyzoo.kernels import EntmaxThresholdConfig  # noqa: E402
+from policyzoo.kernels.config import override  # noqa: E402
 from policyzoo.kv import Dense, EntmaxKV, Quest  # noqa: E402
 from policyzoo.kv.entmax import censored_relu_sq, gaussian_entmax_threshold, gaussian_relu_sq  # noqa: E402
 
@@ -265,13 +266,13 @@ def test_entmaxkv_needs_matching_cache(make_case):
 # Kernel tests run in this process only when the kernel can run here (``threshold_kernel`` in their
 # names: the subprocess runner selects them by it).
 kernel_here = pytest.mark.skipif(
-    not dispatch.HAS_TRITON or MODE == "subprocess", reason="no triton, or run by test_threshold_kernel_in_fresh_interpreter"
+    not route.HAS_TRITON or MODE == "subprocess", reason="no triton, or run by test_threshold_kernel_in_fresh_interpreter"
 )
 KERNEL_DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 KERNEL_SETTINGS = settings(max_examples=20, deadline=None, database=None)
 
 
-@pytest.mark.skipif(not dispatch.HAS_TRITON or MODE != "subprocess", reason="the kernel runs in this process")
+@pytest.mark.skipif(not route.HAS_TRITON or MODE != "subprocess", reason="the kernel runs in this process")
 def test_threshold_kernel_in_fresh_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "threshold_kernel"]
@@ -283,9 +284,16 @@ def _poisoned_alloc(*shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def threshold_kernel():
+    """The threshold's Triton module (imported where triton is)."""
+    from policyzoo.kernels.ops.entmax_threshold import kernel
+
+    return kernel
+
+
 def poisoned():
     """The kernel's output starts as NaN, so an unwritten row fails the comparison."""
-    return mock.patch.object(dispatch._entmax, "_alloc", _poisoned_alloc)
+    return mock.patch.object(threshold_kernel(), "_alloc", _poisoned_alloc)
 
 
 @st.composite
@@ -340,7 +348,7 @@ def test_threshold_kernel_matches_reference(pool):
     m, s, n, cap, iters, block = pool
     cfg = EntmaxThresholdConfig(block_p=block) if block else EntmaxThresholdConfig()
     with poisoned(), override(entmax_threshold=cfg):
-        got = dispatch.gaussian_entmax_threshold(m, s, n, cap, iters)
+        got = kernels.gaussian_entmax_threshold.triton(m, s, n, cap, iters)
     want = reference.gaussian_entmax_threshold(m.cpu(), s.cpu(), n.cpu(), None if cap is None else cap.cpu(), iters)
     assert got.dtype == torch.float64 and got.shape == (*m.shape[:-1], 1)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-9)
@@ -354,9 +362,9 @@ def test_threshold_kernel_edge_cases():
     s = torch.rand(2, 3, 37, generator=g).to(KERNEL_DEVICE)
     n = torch.randint(0, 5, (2, 1, 37), generator=g).to(KERNEL_DEVICE).expand(2, 3, 37)
     with poisoned():
-        got = dispatch.gaussian_entmax_threshold(m, s, n, m + 1.0)
-        one = dispatch.gaussian_entmax_threshold(m[..., :1], s[..., :1] * 0, torch.ones_like(n[..., :1]))
-        empty = dispatch.gaussian_entmax_threshold(m, s, torch.zeros_like(n))
+        got = kernels.gaussian_entmax_threshold.triton(m, s, n, m + 1.0)
+        one = kernels.gaussian_entmax_threshold.triton(m[..., :1], s[..., :1] * 0, torch.ones_like(n[..., :1]))
+        empty = kernels.gaussian_entmax_threshold.triton(m, s, torch.zeros_like(n))
     torch.testing.assert_close(got.cpu(), reference.gaussian_entmax_threshold(m.cpu(), s.cpu(), n.cpu(), m.cpu() + 1.0), rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(one.cpu(), m[..., :1].double().cpu() - 1.0, rtol=1e-12, atol=1e-12)  # (x − τ)² = 1
     assert bool((empty == -torch.inf).all()) and empty.shape == (2, 3, 1)
@@ -372,10 +380,10 @@ def test_threshold_kernel_routing_defaults_to_the_reference(monkeypatch):
 
 @kernel_here
 def test_threshold_kernel_needs_the_interpreter_on_cpu(monkeypatch):
-    monkeypatch.setattr(dispatch._attn, "INTERPRET", False)
+    monkeypatch.setattr(route, "INTERPRET", False)
     x = torch.zeros(1, 4)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        dispatch._entmax.gaussian_entmax_threshold(x, x, x)
+        kernels.gaussian_entmax_threshold.triton(x, x, x)
 
 
 @kernel_here
@@ -390,8 +398,8 @@ def test_threshold_kernel_selects_like_the_reference(data, cases, args):
         mp.delenv("POLICYZOO_TRITON", raising=False)
         want = policy.select(case.state(), case.q)
         calls = []
-        launch = dispatch._entmax.gaussian_entmax_threshold
-        mp.setattr(dispatch._entmax, "gaussian_entmax_threshold", lambda *a: calls.append(1) or launch(*a))
+        launch = threshold_kernel().gaussian_entmax_threshold
+        mp.setattr(threshold_kernel(), "gaussian_entmax_threshold", lambda *a: calls.append(1) or launch(*a))
         mp.setenv("POLICYZOO_TRITON", "1")
         with poisoned():
             got = policy.select(case.state(), case.q)

@@ -35,14 +35,13 @@ from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
 from policyzoo import kernels  # noqa: E402
-from policyzoo.kernels import dispatch  # noqa: E402
-from policyzoo.kernels import reference as ref  # noqa: E402
-from policyzoo.kernels.config import (  # noqa: E402
+from policyzoo.kernels import (  # noqa: E402
     AttentionConfig,
     AttentionEdgesConfig,
     GatheredLogitsConfig,
@@ -50,25 +49,38 @@ from policyzoo.kernels.config import (  # noqa: E402
     PageScoreConfig,
     SketchScoreConfig,
     SelectTopConfig,
-    override,
+    route,
 )
+from policyzoo.kernels import reference as ref  # noqa: E402
+from policyzoo.kernels.config import override  # noqa: E402
+from policyzoo.kernels.ops import select_top as select_op  # noqa: E402
 from policyzoo.selection import Selection  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dispatch.HAS_TRITON, reason="triton does not import here")
+pytestmark = pytest.mark.skipif(not route.HAS_TRITON, reason="triton does not import here")
 # Every test but the subprocess runner runs in this process only when the kernels can run here.
 here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_kernels_in_fresh_interpreter")
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 # (cache_append allocates nothing: its tests poison the summaries it writes.)
-KERNEL_MODULES = tuple(m for m in (dispatch._attn, dispatch._page, dispatch._gemv, dispatch._select, dispatch._edges) if m is not None)
+if route.HAS_TRITON:
+    from policyzoo.kernels.ops.attention_edges import kernel as edges_kernel  # noqa: E402
+    from policyzoo.kernels.ops.cache_append import kernel as append_kernel  # noqa: E402
+    from policyzoo.kernels.ops.decode_attention import kernel as attention_kernel  # noqa: E402
+    from policyzoo.kernels.ops.quest_page_bound import kernel as quest_kernel  # noqa: E402
+    from policyzoo.kernels.ops.select_top import kernel as select_kernel  # noqa: E402
+    from policyzoo.kernels.ops.sketch_page_bound import kernel as sketch_kernel  # noqa: E402
+    from policyzoo.kernels.ops.sparse_gemv import kernel as gemv_kernel  # noqa: E402
+
+    KERNEL_MODULES = (attention_kernel, quest_kernel, sketch_kernel, gemv_kernel, select_kernel, edges_kernel)
+# The kernels' histograms and arrival counters, as a Decoder on CUDA makes them: the tests that
+# pass it check that every launch leaves it zero.
+WORKSPACE = kernels.Workspace(DEVICE) if MODE != "subprocess" else None
+# The Triton path of each attention mode, by its name in the tests.
+ATTEND = {"softmax": kernels.decode_attention.triton, "entmax15": kernels.decode_attention_entmax15.triton}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def reserved_scratch():
-    """The kernels' histograms and arrival counters, reserved as a Decoder on CUDA reserves them (on
-    CUDA a kernel never makes them, and takes its path without them)."""
-    if MODE != "subprocess":
-        kernels.scratch.reserve(DEVICE)
+def workspace_is_zero() -> bool:
+    return all(int(b.abs().sum()) == 0 for b in WORKSPACE.buffers.values())
 
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
@@ -163,7 +175,7 @@ def run_attention(case, mode, cfg=None):
     """The kernels on ``case`` under ``cfg`` (default: the case's chunk), and the reference."""
     args = (case["q"], case["keys"], case["values"], case["sel"], case["start"], case["length"], case["scale"])
     with poisoned(), override(attention=cfg or AttentionConfig(chunk=case["chunk"])):
-        out, second = dispatch.decode_attention(*args, mode=mode)
+        out, second = ATTEND[mode](*args)
     reference = ref.decode_attention if mode == "softmax" else ref.decode_attention_entmax15
     ref_out, ref_second = reference(*args)
     return out, second, ref_out, ref_second
@@ -210,7 +222,7 @@ def test_decode_attention_empty(mode, block):
     start = torch.tensor([0, block + 1], device=DEVICE)
     length = torch.tensor(n, device=DEVICE)
     with poisoned(), override(attention=AttentionConfig(chunk=1)):
-        out, second = dispatch.decode_attention(q, keys, values, sel, start, length, d**-0.5, mode=mode)
+        out, second = ATTEND[mode](q, keys, values, sel, start, length, d**-0.5)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(second, torch.full_like(second, -torch.inf))
 
@@ -223,7 +235,7 @@ def test_entmax15_kernel_weights_sum_to_one(case):
     values = torch.ones_like(case["values"])
     args = (case["q"], case["keys"], values, case["sel"], case["start"], case["length"], case["scale"])
     with override(attention=AttentionConfig(chunk=case["chunk"])):
-        out, tau = dispatch.decode_attention(*args, mode="entmax15")
+        out, tau = ATTEND["entmax15"](*args)
     nonempty = torch.isfinite(tau)
     expected = torch.where(nonempty, 1.0, 0.0).unsqueeze(-1).expand_as(out)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -267,7 +279,7 @@ def test_decode_attention_reads_entries_from_their_slots(case, mode, extra):
     torch.testing.assert_close(ref_out, want_out)  # the reference's slots read the same values
     torch.testing.assert_close(ref_second, want_second)
     with poisoned(), override(attention=AttentionConfig(chunk=case["chunk"])):
-        out, second = dispatch.decode_attention(*paged, mode=mode, slots=slots)
+        out, second = ATTEND[mode](*paged, slots=slots)
     assert_close(out.float(), want_out.float(), case["dtype"])
     assert_close(second, want_second, torch.float32)
 
@@ -277,7 +289,7 @@ def test_decode_attention_reads_entries_from_their_slots(case, mode, extra):
 @given(seed=st.integers(0, 2**31 - 1), page=st.sampled_from([4, 16, 24]), d=st.sampled_from([32, 128]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), programs=st.sampled_from([1, 3, 32]))
 def test_page_fetch_copies_the_listed_pages_and_nothing_else(seed, page, d, dtype, programs):
-    from policyzoo.kernels.config import PageFetchConfig
+    from policyzoo.kernels import PageFetchConfig
 
     g_rand = gen(seed)
     b, h, n_pages, n_slots = 2, 2, 6, 4
@@ -294,7 +306,7 @@ def test_page_fetch_copies_the_listed_pages_and_nothing_else(seed, page, d, dtyp
     want_k, want_v = dst_k.clone(), dst_v.clone()
     ref.page_fetch(src_k, src_v, want_k, want_v, src, dst, count_t, page)
     with override(page_fetch=PageFetchConfig(programs=programs)):
-        dispatch.page_fetch(src_k, src_v, dst_k, dst_v, src, dst, count_t, page)
+        kernels.page_fetch.triton(src_k, src_v, dst_k, dst_v, src, dst, count_t, page)
     not_scratch = (torch.arange(n_slots + 1, device=DEVICE) != n_slots).repeat_interleave(page)
     torch.testing.assert_close(dst_k[:, :, not_scratch], want_k[:, :, not_scratch], rtol=0, atol=0)
     torch.testing.assert_close(dst_v[:, :, not_scratch], want_v[:, :, not_scratch], rtol=0, atol=0)
@@ -408,9 +420,9 @@ def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg, width, sum
     scale = d**-0.5
     with poisoned(), page_method(method):
         if agg == "none":
-            got = dispatch.quest_page_bound(q, page_min, page_max, scale)
+            got = kernels.quest_page_bound.triton(q, page_min, page_max, scale)
         else:
-            got = dispatch.quest_page_bound_grouped(q, page_min, page_max, scale, agg)
+            got = kernels.quest_page_bound_grouped.triton(q, page_min, page_max, scale, agg)
     if agg == "none":
         expected = ref.quest_page_bound(q, page_min, page_max, scale)
     else:
@@ -428,7 +440,7 @@ def test_quest_page_bound_grouped_negative(group, method):
     q = torch.rand(2, 2 * group, 64, device=DEVICE) + 0.1
     centre = -torch.rand(2, 2, 7, 64, device=DEVICE) - 0.1
     with poisoned(), page_method(method):
-        got = dispatch.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
+        got = kernels.quest_page_bound_grouped.triton(q, centre, centre, 0.125, "max")
     expected = ref.quest_page_bound_grouped(q, centre, centre, 0.125, "max")
     assert (expected < 0).all()
     assert_close(got, expected, torch.float32)
@@ -467,7 +479,7 @@ def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, blo
     scale = d**-0.5
     start, length = start.to(DEVICE), length.to(DEVICE)
     with poisoned(), override(sketch_score=SketchScoreConfig(method=method, block_p=block_p)):
-        got = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
+        got = kernels.sketch_page_bound.triton(q, codes, page_min, page_max, start, length, scale, agg)
     expected = ref.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert torch.equal(got.isneginf(), expected.isneginf())
@@ -527,8 +539,8 @@ def test_sketch_page_bound_listed(seed, d, h_kv, group, pages, listed, page, agg
     ids = torch.randint(-1, pages + 1, (b, h_kv, listed), generator=g_rand).to(DEVICE)  # -1 and P: no page
     start, length, scale = start.to(DEVICE), length.to(DEVICE), d**-0.5
     with poisoned(), override(sketch_score=SketchScoreConfig(method=method, block_p=4)):
-        full = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg)
-        got = dispatch.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, ids.int())
+        full = kernels.sketch_page_bound.triton(q, codes, page_min, page_max, start, length, scale, agg)
+        got = kernels.sketch_page_bound.triton(q, codes, page_min, page_max, start, length, scale, agg, ids.int())
     expected = ref.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, ids)
     rows = ids if agg == "max" else ids.repeat_interleave(group, dim=1)
     ok = (rows >= 0) & (rows < pages)
@@ -573,7 +585,7 @@ def test_gathered_logits(seed, dtype, d, b, h_kv, group, capacity, n, method, bl
     slots = torch.randint(capacity, (b, h_kv, n), generator=g_rand).to(DEVICE)
     scale = d**-0.5
     with poisoned(), override(gathered_logits=GatheredLogitsConfig(method=method, block_t=block_t)):
-        got = dispatch.gathered_logits(q, keys, slots, scale, agg)
+        got = kernels.gathered_logits.triton(q, keys, slots, scale, agg)
     expected = ref.gathered_logits(q, keys, slots, scale, agg)
     assert got.dtype == torch.float32 and got.shape == ((b, h_kv, group, n) if agg == "none" else (b, h_kv, n))
     # fp32 sums of exact (bf16 -> fp32) products, in another order.
@@ -607,7 +619,7 @@ def test_attention_edges(seed, dtype, d, h_kv, group, n, data, top, blocks):
     keys = randn(g_rand, h_kv, n, d, dtype=dtype)
     block_q, block_k = blocks
     with poisoned(), override(attention_edges=AttentionEdgesConfig(block_q=block_q, block_k=block_k)):
-        dst, p = dispatch.attention_edges(q, keys, first, d**-0.5, top)
+        dst, p = kernels.attention_edges.triton(q, keys, first, d**-0.5, top)
     want_dst, want_p = ref.attention_edges(q, keys, first, d**-0.5, top)
     assert dst.shape == p.shape == (h_kv * group, t, top) and dst.dtype == torch.int32
     edge = want_p > 0
@@ -641,11 +653,11 @@ def test_gathered_logits_max_ignores_the_padding_heads(method):
     keys = -torch.rand(1, 2, 9, 64, device=DEVICE) - 0.1
     slots = torch.arange(9, device=DEVICE).expand(1, 2, 9)
     with poisoned(), override(gathered_logits=GatheredLogitsConfig(method=method)):
-        got = dispatch.gathered_logits(q, keys, slots, 0.125, "max")
+        got = kernels.gathered_logits.triton(q, keys, slots, 0.125, "max")
     expected = ref.gathered_logits(q, keys, slots, 0.125, "max")
     assert (expected < 0).all()
     assert_close(got, expected, torch.float32)
-    for fn in (dispatch.gathered_logits, ref.gathered_logits):
+    for fn in (kernels.gathered_logits.triton, ref.gathered_logits):
         with pytest.raises(ValueError, match="agg must be"):
             fn(q, keys, slots, 0.125, "sum")
 
@@ -685,7 +697,7 @@ def epilogue(case):
     with override(gemv=GemvConfig(split=case["split"], fuse_epilogue=case["fuse"], min_fused_split=2,
                                   prefetch=case["prefetch"], tile_sum=case["tile_sum"], atomic_sum=case["atomic_sum"])):
         yield
-    for (name, _), buf in kernels.scratch.buffers().items():
+    for name, buf in WORKSPACE.buffers.items():
         assert int(buf.abs().sum()) == 0, f"{name} was left set"
 
 
@@ -703,7 +715,7 @@ def test_sparse_gemv_index(case, frac):
     k = round(frac * d_in)
     idx = torch.stack([torch.randperm(d_in, generator=case["g"])[:k] for _ in range(b)]).to(torch.int32).to(DEVICE)
     with poisoned(), epilogue(case):
-        got = dispatch.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"])
+        got = kernels.sparse_gemv_index.triton(case["x"], idx, case["w_t"], case["bias"], workspace=WORKSPACE)
     assert_gemv_close(got, ref.sparse_gemv_index(case["x"], idx, case["w_t"], case["bias"]), case)
 
 
@@ -729,7 +741,8 @@ def test_sparse_gemv_threshold(case, quantile, per):
         t_arg = t_arg[:, None] if per == "row" else t_arg.repeat_interleave(segment)[None, :]
         t = t_arg
     with poisoned(), epilogue(case):
-        got = dispatch.sparse_gemv_threshold(x, t_arg, w_t, case["bias"], segment if per == "column" else 0)
+        got = kernels.sparse_gemv_threshold.triton(x, t_arg, w_t, case["bias"], segment if per == "column" else 0,
+                                                   workspace=WORKSPACE)
     expected = ref.sparse_gemv_threshold(x, t, w_t, case["bias"], segment)
     assert_gemv_close(got, expected, case)
     if per != "one":  # the specification itself: each row / run against the one-threshold GEMV
@@ -745,9 +758,9 @@ def test_per_column_thresholds_need_aligned_runs():
     t = torch.ones(1, 48, device=DEVICE)
     for segment in (0, 8, 20, 32):  # none, not a multiple of 16, not dividing d_out
         with pytest.raises(ValueError, match="segment"):
-            dispatch.sparse_gemv_threshold(x, t, w_t, None, segment)
+            kernels.sparse_gemv_threshold.triton(x, t, w_t, None, segment)
     with pytest.raises(ValueError, match="scalar"):
-        dispatch.sparse_gemv_threshold(x, torch.ones(2, 48, device=DEVICE), w_t)
+        kernels.sparse_gemv_threshold.triton(x, torch.ones(2, 48, device=DEVICE), w_t)
 
 
 @here
@@ -759,9 +772,10 @@ def test_sparse_linear_mask(case, p_keep):
     weight = w_t.t()  # nn.Linear layout [d_out, d_in]
     with poisoned(), epilogue(case):
         if case["split"] == 0:  # through sparse_linear: x [B, 1, d_in] and the nn.Linear weight
-            got = dispatch.sparse_linear(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1)).squeeze(1)
+            got = kernels.sparse_linear.triton(x.unsqueeze(1), weight, case["bias"], keep.unsqueeze(1),
+                                               workspace=WORKSPACE).squeeze(1)
         else:
-            got = dispatch.sparse_gemv_mask(x, keep, w_t, case["bias"])
+            got = kernels.sparse_gemv_mask.triton(x, keep, w_t, case["bias"], workspace=WORKSPACE)
     assert_gemv_close(got, ref.sparse_linear(x, weight, case["bias"], keep), case)
 
 
@@ -811,7 +825,7 @@ def test_cache_append(case):
     """Key and value land at slot length - 1; the touched page's kept summaries equal the reference
     (min and max exactly: they are key values), every other page and slot is left alone."""
     got, want = _clone(case), _clone(case)
-    dispatch.cache_append(*_append_args(got))
+    kernels.cache_append.triton(*_append_args(got))
     ref.cache_append(*_append_args(want))
     assert torch.equal(got["keys"], want["keys"]) and torch.equal(got["values"], want["values"])
     for i, (a, e) in enumerate(zip(got["summaries"], want["summaries"])):
@@ -831,11 +845,11 @@ def test_cache_append_refuses_unpaired_summaries_and_bad_shapes():
     pages = torch.zeros(1, 2, 2, 4, device=DEVICE)
     start, length = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.tensor(3, device=DEVICE)
     with pytest.raises(ValueError, match="min and max together"):
-        dispatch._append.cache_append(k, k, keys, keys.clone(), (pages, None, None, None), start, length, 4)
+        append_kernel.cache_append(k, k, keys, keys.clone(), (pages, None, None, None), start, length, 4)
     with pytest.raises(ValueError, match="summaries must be"):
-        dispatch._append.cache_append(k, k, keys, keys.clone(), (pages, pages.clone(), None, None), start, length, 2)
+        append_kernel.cache_append(k, k, keys, keys.clone(), (pages, pages.clone(), None, None), start, length, 2)
     with pytest.raises(ValueError, match="expected k, v"):
-        dispatch._append.cache_append(k[:, :1], k, keys, keys.clone(), (None,) * 4, start, length, 4)
+        append_kernel.cache_append(k[:, :1], k, keys, keys.clone(), (None,) * 4, start, length, 4)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -858,11 +872,24 @@ def small_attention_args(seed=0, block=1):
 def test_use_triton_switch(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv("POLICYZOO_TRITON", raising=False)
-    assert dispatch.use_triton(cpu) is False  # the CPU default stays on the references
+    assert route.use_triton(cpu) is False  # the CPU default stays on the references
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
-    assert dispatch.use_triton(cpu) is True
-    monkeypatch.setattr(dispatch, "HAS_TRITON", False)
-    assert dispatch.use_triton(cpu) is False
+    assert route.use_triton(cpu) is True
+    monkeypatch.setattr(route, "HAS_TRITON", False)
+    assert route.use_triton(cpu) is False
+
+
+class OpLog(TorchDispatchMode):
+    """Records the ``policyzoo`` custom ops called inside it (their names), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "policyzoo":
+            self.calls.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
 
 
 @here
@@ -878,12 +905,11 @@ def test_ops_route_through_kernels(monkeypatch):
     if DEVICE.type == "cpu":  # the default path is the reference, bit for bit
         torch.testing.assert_close(kernels.decode_attention(*args), ref.decode_attention(*args), rtol=0, atol=0)
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
-    calls = []
-    monkeypatch.setattr(dispatch, "_need_triton", lambda: calls.append(1))  # counts custom-op calls
-    out, lse = kernels.decode_attention(*args)
-    bound = kernels.quest_page_bound(q, page_min, page_max, 0.125)
-    y = kernels.sparse_linear(x, weight, bias, keep)
-    assert len(calls) == 3
+    with OpLog() as log:
+        out, lse = kernels.decode_attention(*args)
+        bound = kernels.quest_page_bound(q, page_min, page_max, 0.125)
+        y = kernels.sparse_linear(x, weight, bias, keep)
+    assert log.calls == ["decode_attention", "quest_page_bound", "sparse_gemv_mask"]
     torch.testing.assert_close((out, lse), ref.decode_attention(*args), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(bound, ref.quest_page_bound(q, page_min, page_max, 0.125), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y, ref.sparse_linear(x, weight, bias, keep), rtol=1e-4, atol=1e-4)
@@ -1010,13 +1036,13 @@ def test_select_top(seed, rows, n, dtype, absolute, ties, infinities, data):
         count = torch.minimum(count, (s > -torch.inf).sum(-1))
     want = ref.select_top(s, count, k_max, absolute)
     with override(select_top=SelectTopConfig(method="program")), poisoned():
-        got = dispatch.select_top(s, count, k_max, absolute)
+        got = kernels.select_top.triton(s, count, k_max, absolute, workspace=WORKSPACE)
     assert torch.equal(got, want), "program"
     if dtype == torch.bfloat16:
         with override(select_top=SelectTopConfig(method="histogram", hist_chunk=64)), poisoned():
-            got = dispatch.select_top(s, count, k_max, absolute)
+            got = kernels.select_top.triton(s, count, k_max, absolute, workspace=WORKSPACE)
         assert torch.equal(got, want), "histogram"
-        assert all(int(b.abs().sum()) == 0 for b in kernels.scratch.buffers().values())
+        assert workspace_is_zero()
 
 
 @here
@@ -1024,7 +1050,7 @@ def test_select_top_auto_picks_the_method_by_row_length():
     """``method="auto"``: bf16 rows of `hist_min_n` entries or more by histograms, shorter bf16 rows
     and every fp32 row by one program; the same positions either way."""
     calls = []
-    by_histograms = dispatch._select._select_by_histograms
+    by_histograms = select_kernel.select_by_histograms
 
     def spy(scores, *args):
         calls.append(scores.shape[-1])
@@ -1032,12 +1058,12 @@ def test_select_top_auto_picks_the_method_by_row_length():
 
     g = gen(11)
     rule = SelectTopConfig(method="auto", hist_min_n=200, hist_chunk=64)
-    with override(select_top=rule), mock.patch.object(dispatch._select, "_select_by_histograms", spy):
+    with override(select_top=rule), mock.patch.object(select_kernel, "select_by_histograms", spy):
         for n, dtype in ((199, torch.bfloat16), (200, torch.bfloat16), (300, torch.float32)):
             s = torch.randn(2, n, generator=g).to(dtype).to(DEVICE)
             count = torch.tensor([5, n // 2], device=DEVICE)
             with poisoned():
-                got = dispatch._select.select_top(s, count, n // 2, True)
+                got = kernels.select_top.triton(s, count, n // 2, True, workspace=WORKSPACE)
             assert torch.equal(got, ref.select_top(s, count, n // 2, True)), (n, dtype)
     assert calls == [200]
 
@@ -1048,10 +1074,10 @@ def test_select_top_rows_longer_than_the_registers():
     rows to the reference."""
     s = torch.randn(2, 300).to(DEVICE)
     count = torch.tensor([0, 17], device=DEVICE)
-    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64):
+    with mock.patch.object(select_op, "MAX_BLOCK_N", 64):
         with pytest.raises(ValueError, match="at most 64 entries"):
-            dispatch._select.select_top(s, count, 20)
-        with mock.patch.object(dispatch, "use_triton", lambda t: True):
+            kernels.select_top.triton(s, count, 20)
+        with mock.patch.object(route, "use_triton", lambda t: True):
             assert torch.equal(kernels.select_top(s, count, 20), ref.select_top(s, count, 20))
 
 
@@ -1070,11 +1096,11 @@ def test_select_top_long_bf16_rows_by_histograms(seed, n, rows, absolute, chunk,
     s = s.to(torch.bfloat16).to(DEVICE)
     k_max = int(torch.randint(1, n + 1, (1,), generator=g))
     count = torch.randint(0, k_max + 1, (rows,), generator=g).to(DEVICE)
-    with mock.patch.object(dispatch._select, "MAX_BLOCK_N", 64), \
+    with mock.patch.object(select_op, "MAX_BLOCK_N", 64), \
             override(select_top=SelectTopConfig(method="program", hist_chunk=chunk)), poisoned():
-        got = dispatch._select.select_top(s, count, k_max, absolute)
+        got = kernels.select_top.triton(s, count, k_max, absolute, workspace=WORKSPACE)
     assert torch.equal(got, ref.select_top(s, count, k_max, absolute))
-    assert all(int(b.abs().sum()) == 0 for b in kernels.scratch.buffers().values())
+    assert workspace_is_zero()
 
 
 @here
@@ -1083,7 +1109,7 @@ def test_select_top_keeps_more_than_2_to_the_15_entries():
     must not be packed into 16 bits)."""
     s = torch.randn(1, 40000, generator=gen(4)).to(torch.bfloat16).to(DEVICE)
     count = torch.tensor([39000], device=DEVICE)
-    got = kernels.select_top(s, count, 39500) if DEVICE.type == "cuda" else dispatch._select.select_top(s, count, 39500)
+    got = kernels.select_top.triton(s, count, 39500)  # the histograms made for the call
     assert torch.equal(got, ref.select_top(s, count, 39500))
 
 
@@ -1111,7 +1137,7 @@ def test_select_top_search_paths(interp_steps, dtype):
     for k in (1, 5, 6, 350, 699, 700):
         count = torch.full((4,), k, device=DEVICE)
         with override(select_top=SelectTopConfig(method="program", interp_steps=interp_steps)), poisoned():
-            got = dispatch._select.select_top(s, count, k, absolute=absolute)
+            got = kernels.select_top.triton(s, count, k, absolute=absolute, workspace=WORKSPACE)
         assert torch.equal(got, ref.select_top(s, count, k, absolute=absolute)), (k, interp_steps)
 
 
@@ -1134,7 +1160,7 @@ def _bf16_keys(s, absolute):
 @triton.jit
 def _select_top_keys(s_ptr, out_ptr, n, n_out, ABS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, dispatch._select._keys(s_ptr, offs, n, ABS, BITS), mask=offs < n_out)
+    tl.store(out_ptr + offs, select_kernel._keys(s_ptr, offs, n, ABS, BITS), mask=offs < n_out)
 
 
 @here
@@ -1190,8 +1216,8 @@ def test_select_top_rows_of_bf16_patterns():
     for cfg in methods:
         for absolute in (False, True):
             with override(select_top=cfg), poisoned():
-                got = dispatch._select.select_top(s, count, 95, absolute)
-                got_nan = dispatch._select.select_top(nan.expand(3, -1), count, 95, absolute)
+                got = kernels.select_top.triton(s, count, 95, absolute, workspace=WORKSPACE)
+                got_nan = kernels.select_top.triton(nan.expand(3, -1), count, 95, absolute, workspace=WORKSPACE)
             assert torch.equal(got, ref.select_top(s, count, 95, absolute)), (cfg, absolute)
             keys = _bf16_keys(nan.cpu(), absolute).float().expand(3, -1)
             assert torch.equal(got_nan.cpu(), ref.select_top(keys, count.cpu(), 95)), (cfg, absolute)
@@ -1202,13 +1228,13 @@ def test_select_top_rows_of_bf16_patterns():
 def test_select_top_row_with_a_tail_tile(n):
     """A row just over a power of two is held as a tile and a small tail (`select_top.tiles`):
     the tail's keys are counted and emitted after the tile's, ties ranked across both."""
-    block, tail = dispatch._select.tiles(n)
+    block, tail = select_op.tiles(n)
     assert 0 < tail < block and n <= block + tail
     g = gen(n)
     s = ((torch.randn(2, n, generator=g) * 2).round() / 2).to(DEVICE)  # ties across the boundary
     count = torch.tensor([n // 3, n - 1], device=DEVICE)
     with poisoned():
-        got = dispatch._select.select_top(s, count, n)
+        got = kernels.select_top.triton(s, count, n, workspace=WORKSPACE)
     assert torch.equal(got, ref.select_top(s, count, n))
 
 

@@ -136,7 +136,7 @@ def test_choose_topk_ranks_rows_longer_than_one_program_in_bf16_exactly(monkeypa
     count = torch.tensor([40, 120])
     seen = []
     real = kernels.select_top
-    monkeypatch.setattr(kernels, "select_top", lambda s, *a: seen.append(s.dtype) or real(s, *a))
+    monkeypatch.setattr(kernels, "select_top", lambda s, *a, **kw: seen.append(s.dtype) or real(s, *a, **kw))
     short = choose_topk(scores, forced, 128, count)
     monkeypatch.setattr(kernels, "SELECT_TOP_ROW", 64)
     long = choose_topk(scores, forced, 128, count)

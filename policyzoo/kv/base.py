@@ -35,6 +35,8 @@ class KVState:
     scale: float
     store: dict = field(default_factory=dict)  # per-layer, kept across steps, owned by the policy
     contexts: ContextStore | None = field(default=None, repr=False)  # the session's; None: standalone
+    # The kernels' scratch buffers for this device (`kernels.Workspace`); None: each launch makes its own.
+    workspace: kernels.Workspace | None = field(default=None, repr=False)
 
     @property
     def context(self) -> StepContext:
@@ -448,7 +450,8 @@ def round_for_ranking(scores: Tensor) -> Tensor:
     return ((bits + 0x8000) & -0x10000).view(torch.float32)
 
 
-def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1) -> Selection:
+def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1, *,
+                workspace: kernels.Workspace | None = None) -> Selection:
     """Keep the forced entries plus the best-scoring others, at most ``count`` per row.
 
     Args:
@@ -457,6 +460,7 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
         k_max: static width of the selection.
         count: entries wanted, ``int64[B]`` per row or ``[B, H_kv]`` per KV head; raised to the
             number of forced entries, capped at ``k_max`` and at the number of valid entries.
+        workspace: the kernels' scratch (`KVState.workspace`); None: the kernel makes its own.
 
     The kept entries come in ascending position order (`kernels.select_top`: one threshold search
     instead of a sorted top-k; the reads then follow memory order).
@@ -477,7 +481,7 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
     n_valid = valid.sum(-1)
     want = torch.maximum(count if count.dim() == 2 else count[:, None], n_forced).clamp(max=k_max)
     kept = torch.minimum(want, n_valid).int()
-    idx = kernels.select_top(ranked.reshape(b * h_kv, n), kept.reshape(-1), k_max)
+    idx = kernels.select_top(ranked.reshape(b * h_kv, n), kept.reshape(-1), k_max, workspace=workspace)
     return Selection(indices=idx.view(b, h_kv, k_max), count=kept, block=block)
 
 
@@ -533,7 +537,7 @@ def rescore_pages(
         scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2).masked_fill(~valid, -torch.inf)
     # The step's own token is always kept, as a page policy always keeps the last page.
     forced = forced_at(state, slots, sinks, max(window, 1)) & valid
-    chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count)
+    chosen = choose_topk(scores, forced, min(k_max, slots.shape[-1]), count, workspace=state.workspace)
     return Selection(torch.gather(slots, 2, chosen.indices.long()).int(), chosen.count, block=1)
 
 
@@ -572,13 +576,13 @@ def nominate_pages(state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_
     ``factor × budget``, which is much weaker than ranking it in its top budget."""
     c = state.cache
     wide, wide_count = candidate_budget(k_max, count, factor, c.num_pages)
-    candidates = choose_topk(scores, forced, wide, wide_count, block=state.page_size)
+    candidates = choose_topk(scores, forced, wide, wide_count, block=state.page_size, workspace=state.workspace)
     listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)  # -1: the kernel's empty entry
     sketch = kernels.sketch_page_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer],
                                        c.start, c.length, state.scale, "max", listed)  # [B, H_kv, wide]
     forced = forced if forced.dim() == 3 else forced[:, None, :].expand_as(scores)
     forced_listed = torch.gather(forced, 2, listed.clamp(min=0).long()) & (listed >= 0)
-    chosen = choose_topk(sketch, forced_listed, min(k_max, wide), count)
+    chosen = choose_topk(sketch, forced_listed, min(k_max, wide), count, workspace=state.workspace)
     # Candidates ascend and so do the chosen entries: the kept page ids ascend too.
     return Selection(torch.gather(candidates.indices, 2, chosen.indices.long()), chosen.count, block=state.page_size)
 
@@ -597,7 +601,7 @@ def choose_pages(
     if nominate:
         pages = nominate_pages(state, q, scores, forced, k_pages, pages_count, nominate)
     else:
-        pages = choose_topk(scores, forced, k_pages, pages_count, block=page)
+        pages = choose_topk(scores, forced, k_pages, pages_count, block=page, workspace=state.workspace)
     if not rescore:
         return pages
     return rescore_pages(state, q, pages, count * page, k_max * page, sinks, window, aggregate)

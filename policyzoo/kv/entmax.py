@@ -13,7 +13,7 @@ summaries only (no key is read):
 ``mode="gaussian"``: pool the pages into a score distribution (page ``p`` weighs its ``n_p`` visible
 tokens, ``x = z/2 ~ N(m_p = μ_p/2, s_p² = σ_p²/4)`` censored at the hard bound ``b_p = u_p/2``) and
 solve the entmax normaliser of the pool, ``Σ_p n_p·E[(min(x, b_p) − τ̂)_+²] = 1`` (safeguarded
-Newton, `gaussian_entmax_threshold`; on Triton one kernel, ``kernels/entmax_threshold.py``), with
+Newton, `gaussian_entmax_threshold`; on Triton one kernel, ``kernels/ops/entmax_threshold/kernel.py``), with
 ``E[(x − τ)_+²] = (c² + s²)·Φ(c/s) + c·s·φ(c/s)`` (``c = m − τ``) and the censoring correction
 ``− E[(x − b)_+²] − 2(b − τ)·E[(x − b)_+]`` for ``τ < b`` (0 for ``τ ≥ b``). Censoring keeps
 Gaussian tails from claiming scores no key of the page can reach (and keeps ``τ̂ < max_p b_p``).

@@ -391,7 +391,7 @@ class Forecast(KVSelector):
         k_max = max(k_max, min(nb, n_forced))
         # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
         # ``indices[i]·block ..`` and skips those outside the row's visible span.
-        return choose_topk(scores, forced, k_max, count, block=self.block)
+        return choose_topk(scores, forced, k_max, count, block=self.block, workspace=state.workspace)
 
     # ---------------------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> Path:

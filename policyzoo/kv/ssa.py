@@ -265,10 +265,11 @@ class SSA(KVSelector):
         if self.rescore:  # both strata on the pages' log-mass: exact for the candidates
             m_max, m_count = self._widths(self.sample, unit, n_units, n_valid)
             wide, wide_count = candidate_budget(k_det + m_max, count_det + m_count, self.rescore, n_units)
-            candidates = choose_topk(group_page_bounds(state, q, self.bound), forced, wide, wide_count, block=unit)
+            candidates = choose_topk(group_page_bounds(state, q, self.bound), forced, wide, wide_count, block=unit,
+                                     workspace=state.workspace)
             raw = page_log_mass(state, q, raw, candidates)
             ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
-        det = choose_topk(ranking, forced, k_det, count_det, block=unit)
+        det = choose_topk(ranking, forced, k_det, count_det, block=unit, workspace=state.workspace)
         if self.sample == 0:
             return det
 

@@ -46,4 +46,4 @@ class AttentionTopK(KVSelector):
         scores = aggregate_groups(exact_scores(state, q), valid, state.keys.shape[1], self.aggregate)
         forced = forced_tokens(state, self.sinks, self.window)
         k_max = max(self._budget.k_max(state.cache.capacity), min(self.sinks + self.window, state.cache.capacity))
-        return choose_topk(scores, forced, k_max, self._budget.count(state.num_valid()))
+        return choose_topk(scores, forced, k_max, self._budget.count(state.num_valid()), workspace=state.workspace)

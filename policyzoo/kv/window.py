@@ -35,4 +35,4 @@ class Window(KVSelector):
         b, h_kv = q.shape[0], state.keys.shape[1]
         scores = torch.where(forced, 0.0, -torch.inf)[:, None, :].expand(b, h_kv, -1)
         k_max = min(self.sinks + self.window, state.cache.capacity)
-        return choose_topk(scores, forced, k_max, torch.zeros(b, dtype=torch.long, device=q.device))
+        return choose_topk(scores, forced, k_max, torch.zeros(b, dtype=torch.long, device=q.device), workspace=state.workspace)

@@ -67,32 +67,36 @@ class ProjectionSparsifier:
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         raise NotImplementedError  # abstract
 
-    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
-        """The sparse projection of ``x [B, d_in]`` through input-major ``w_t`` (the kernel path).
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None, *,
+                workspace: kernels.Workspace | None = None) -> Tensor:
+        """The sparse projection of ``x [B, d_in]`` through input-major ``w_t`` (the kernel path;
+        ``workspace``: the kernels' scratch, `kernels.Workspace`).
 
         Subclasses override it with a cheaper way to name the kept features (an index list, an
         in-kernel threshold); the default goes through the mask.
         """
         keep = self.keep_mask(name, x)
-        return kernels.sparse_linear(x, w_t.t(), bias, keep)
+        return kernels.sparse_linear(x, w_t.t(), bias, keep, workspace=workspace)
 
     def project_group(
-        self, names: Sequence[str], sizes: Sequence[int], x: Tensor, w_t: Tensor, bias: Tensor | None
+        self, names: Sequence[str], sizes: Sequence[int], x: Tensor, w_t: Tensor, bias: Tensor | None, *,
+        workspace: kernels.Workspace | None = None,
     ) -> Tensor | None:
         """The sparse projections ``names`` of one input ``x [B, d_in]`` in one pass over their
         concatenated input-major weights ``w_t [d_in, Σ sizes]``, or None where each member must run
         its own. Input-only sparsifiers share one kept set; others override this where they can."""
-        return self.project(names[0], x, w_t, bias) if self.input_only else None
+        return self.project(names[0], x, w_t, bias, workspace=workspace) if self.input_only else None
 
-    def install(self, model: nn.Module, runtime: "Runtime") -> None:
+    def install(self, model: nn.Module, runtime: "Runtime", workspace: kernels.Workspace | None = None) -> None:
         """Replace the target linears of every decoder layer by `SparseLinear` wrappers, and group
-        the projections of a shared input (`fuse_shared_inputs`)."""
-        for i, layer in enumerate(decoder_layers(model)):
-            _wrap(layer, i, self.targets, runtime, self)
-        fuse_shared_inputs(model, runtime)
+        the projections of a shared input (`fuse_shared_inputs`). The wrappers pass ``workspace``
+        (the kernels' scratch; on CUDA one made here when none is given) to the sparse GEMV."""
         param = next(model.parameters())
-        if param.is_cuda and kernels.dispatch.use_triton(param):  # eager, before any compiled step records a graph
-            kernels.scratch.reserve(param.device)
+        if workspace is None and param.is_cuda and kernels.use_triton(param):  # eager, before any graph is recorded
+            workspace = kernels.Workspace(param.device)
+        for i, layer in enumerate(decoder_layers(model)):
+            _wrap(layer, i, self.targets, runtime, self, workspace)
+        fuse_shared_inputs(model, runtime)
 
 
 def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
@@ -101,7 +105,7 @@ def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
     Projections not wrapped yet are wrapped dense (no sparsifier). A group forms only when its
     members share one sparsifier (or none): a projection sparsified alone keeps its own GEMV.
     """
-    if not kernels.dispatch.use_triton(next(model.parameters())):
+    if not kernels.use_triton(next(model.parameters())):
         return  # the reference path keeps the model's own linears
     for i, layer in enumerate(decoder_layers(model)):
         for group in SHARED_INPUT:
@@ -133,7 +137,8 @@ def _linear(layer: nn.Module, target: str) -> nn.Module:
 
 
 def _wrap(
-    layer: nn.Module, i: int, targets: Sequence[str], runtime: "Runtime", sparsifier: "ProjectionSparsifier | None"
+    layer: nn.Module, i: int, targets: Sequence[str], runtime: "Runtime", sparsifier: "ProjectionSparsifier | None",
+    workspace: kernels.Workspace | None = None,
 ) -> None:
     for target in targets:
         parent_name, linear_name = PROJECTIONS[target]
@@ -141,7 +146,7 @@ def _wrap(
         linear = getattr(parent, linear_name)
         if isinstance(linear, SparseLinear):
             linear = linear.linear
-        setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", sparsifier, runtime))
+        setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", sparsifier, runtime, workspace))
 
 
 def uninstall(model: nn.Module) -> None:
@@ -166,14 +171,16 @@ class SparseLinear(nn.Module):
     layout).
     """
 
-    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier | None, runtime: "Runtime") -> None:
+    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier | None, runtime: "Runtime",
+                 workspace: kernels.Workspace | None = None) -> None:
         super().__init__()
         self.linear = linear
         self.name = name
         self.sparsifier = sparsifier
         self.runtime = runtime
+        self.workspace = workspace  # the kernels' scratch for the sparse GEMV (None: made per call)
         w_t = None
-        if kernels.dispatch.use_triton(linear.weight):
+        if kernels.use_triton(linear.weight):
             w_t = linear.weight.detach().t().contiguous()  # no copy when the weight already is such a view
             linear.weight = nn.Parameter(w_t.t(), requires_grad=False)
         self.register_buffer("w_t", w_t, persistent=False)
@@ -193,11 +200,12 @@ class SparseLinear(nn.Module):
             self.runtime.audit.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
         if self.w_t is None:
             keep = self.sparsifier.keep_mask(self.name, x)
-            return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep)
+            return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep, workspace=self.workspace)
         if self.group is not None:
             y = self.group.output(self, x)
         else:
-            y = self.sparsifier.project(self.name, x.reshape(-1, x.shape[-1]), self.w_t, self.linear.bias)
+            y = self.sparsifier.project(self.name, x.reshape(-1, x.shape[-1]), self.w_t, self.linear.bias,
+                                        workspace=self.workspace)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -240,9 +248,11 @@ class SharedInput:
         if self._input is not x:
             first = self.members[0]
             if member.sparse_now():
-                y = first.sparsifier.project_group(self.names, self.sizes, x2, self.w_t, self.bias)
+                y = first.sparsifier.project_group(self.names, self.sizes, x2, self.w_t, self.bias,
+                                                   workspace=first.workspace)
                 if y is None:  # the sparsifier cannot serve the group in one pass
-                    return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias)
+                    return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias,
+                                                     workspace=member.workspace)
             else:
                 y = torch.nn.functional.linear(x2, self.w_t.t(), self.bias)
             self._input, self._outputs, self._pending = x, y.split(self.sizes, dim=-1), len(self.members)

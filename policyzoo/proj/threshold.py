@@ -52,11 +52,11 @@ class Threshold(ProjectionSparsifier):
         made, or (used outside a Decoder) one made now."""
         return self._device.scalar(name, device)
 
-    def install(self, model: nn.Module, runtime: "Runtime") -> None:
+    def install(self, model: nn.Module, runtime: "Runtime", workspace: kernels.Workspace | None = None) -> None:
         """Wrap the projections, then make every calibrated threshold (and each q|k|v or gate|up
         group's per-column thresholds) a device tensor, once; `calibrate` later updates them in place."""
         check_fits(self.thresholds, model, self.targets, "Threshold", "thresholds")
-        super().install(model, runtime)
+        super().install(model, runtime, workspace)
         groups = [(tuple(g.names), tuple(g.sizes)) for g in shared_groups(model, self)]
         self._device.install(next(model.parameters()).device, groups)
         self._groups = groups
@@ -64,15 +64,16 @@ class Threshold(ProjectionSparsifier):
     def keep_mask(self, name: str, x: Tensor) -> Tensor:
         return x.abs().float() >= self.threshold(name, x.device)
 
-    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
-        return kernels.sparse_gemv_threshold(x, self.threshold(name, x.device), w_t, bias)
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None, *,
+                workspace: kernels.Workspace | None = None) -> Tensor:
+        return kernels.sparse_gemv_threshold(x, self.threshold(name, x.device), w_t, bias, workspace=workspace)
 
-    def project_group(self, names, sizes, x, w_t, bias):
+    def project_group(self, names, sizes, x, w_t, bias, *, workspace=None):
         columns = self._device.columns(tuple(names))
         segment = group_segment(sizes)
         if columns is None or columns.device != x.device or segment % 16:
             return None  # each member runs its own GEMV
-        return kernels.sparse_gemv_threshold(x, columns, w_t, bias, segment)
+        return kernels.sparse_gemv_threshold(x, columns, w_t, bias, segment, workspace=workspace)
 
     @torch.no_grad()
     def calibrate(

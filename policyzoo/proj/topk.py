@@ -62,9 +62,9 @@ class TopK(ProjectionSparsifier):
             raise ValueError("ratios are the fast mode's: pass mode='fast'")
         self._device = DeviceScalars(self.ratios, "fast-TopK ratio", "call calibrate() or load() first")
 
-    def install(self, model: nn.Module, runtime: "Runtime") -> None:
+    def install(self, model: nn.Module, runtime: "Runtime", workspace: kernels.Workspace | None = None) -> None:
         check_fits(self.ratios, model, self.targets, "TopK(mode='fast')", "ratios")
-        super().install(model, runtime)
+        super().install(model, runtime, workspace)
         self._shard = shard_of(model)
         if self.mode == "fast":
             self._device.install(next(model.parameters()).device)
@@ -93,19 +93,20 @@ class TopK(ProjectionSparsifier):
         best = concat_over_ranks(mags.topk(min(k, mags.shape[-1]), dim=-1).values, self._shard)
         return best.topk(k, dim=-1).values[..., -1:]
 
-    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None) -> Tensor:
+    def project(self, name: str, x: Tensor, w_t: Tensor, bias: Tensor | None, *,
+                workspace: kernels.Workspace | None = None) -> Tensor:
         if self.mode == "fast" or is_row_parallel(self._shard, name):
-            return kernels.sparse_gemv_threshold(x, self._shard_threshold(name, x), w_t, bias)
+            return kernels.sparse_gemv_threshold(x, self._shard_threshold(name, x), w_t, bias, workspace=workspace)
         # The kept features in ascending order (one threshold search, not a sorted top-k), so the
         # GEMV reads the weight rows in memory order.
         k = kept_features(self.keep, x.shape[-1])
         count = torch.full((x.shape[0],), k, dtype=torch.int32, device=x.device)
-        idx = kernels.select_top(x, count, k, absolute=True)
+        idx = kernels.select_top(x, count, k, absolute=True, workspace=workspace)
         if x.shape[0] == 1:
-            return kernels.sparse_gemv_index(x, idx, w_t, bias)
+            return kernels.sparse_gemv_index(x, idx, w_t, bias, workspace=workspace)
         # Rows of a batch: one read of each weight row for the union of their kept sets.
         keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx.long(), True)
-        return kernels.sparse_linear(x, w_t.t(), bias, keep)
+        return kernels.sparse_linear(x, w_t.t(), bias, keep, workspace=workspace)
 
     @torch.no_grad()
     def calibrate(

@@ -1,13 +1,12 @@
 """Page fetch (Triton): copy listed pages of a cache into the slots of a page cache; spec:
-`reference.page_fetch`.
+`reference.page_fetch`, beside this file.
 
 An offloaded layer's keys and values live in pinned host memory (`offload.host_tensor`); its page
 cache (`offload.PageCache`) keeps device copies of the pages it fetched. This kernel makes the
-copies. Copy engines move one transfer per page (4 KB at page 16, head dim 128, bf16): on an H200
-that ran at 0.21 GB/s, a transfer's fixed cost. Loads by SMs from the pinned memory's unified
-address run at the link's rate instead (50 GB/s), even for pages of 4 KB, so the copies are a kernel.
+copies: copy engines pay a fixed cost per transfer, far too much for pages of a few KB, while loads
+by SMs from the pinned memory's unified address run at the host link's rate even for small pages.
 
-The programs are persistent (`config.PageFetchConfig.programs`): program ``i`` copies list entries
+The programs are persistent (`PageFetchConfig.programs`): program ``i`` copies list entries
 ``i, i + programs, ..`` below ``count``, read on the device, so one launch serves any number of
 misses and the step stays the same CUDA graph. The list holds flat page numbers: source page ``p``
 is rows ``p·page .. p·page + page - 1`` of the source viewed as ``[rows, D]``, and the same for
@@ -16,12 +15,9 @@ destination slots.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from .config import PageFetchConfig, current
 
 
 @triton.jit
@@ -43,20 +39,16 @@ def _page_fetch_kernel(
 
 def page_fetch(
     src_keys: Tensor, src_values: Tensor, dst_keys: Tensor, dst_values: Tensor,
-    src_pages: Tensor, dst_pages: Tensor, count: Tensor, page_size: int,
+    src_pages: Tensor, dst_pages: Tensor, count: Tensor, page_size: int, cfg,
 ) -> None:
-    """Launch the kernel; arguments as `reference.page_fetch`."""
+    """Launch the kernel with ``cfg`` (a `PageFetchConfig`); arguments as `reference.page_fetch`."""
     for name, t in (("src_keys", src_keys), ("src_values", src_values), ("dst_keys", dst_keys), ("dst_values", dst_values)):
         if not t.is_contiguous():
             raise ValueError(f"page_fetch needs contiguous keys and values; {name} is not")
     d = src_keys.shape[-1]
-    cfg = current(PageFetchConfig)
     programs = max(1, min(cfg.programs, src_pages.numel()))
     _page_fetch_kernel[(programs,)](
         src_keys, src_values, dst_keys, dst_values, src_pages, dst_pages, count.reshape(1),
         D=d, D_PAD=triton.next_power_of_2(d), PAGE=page_size, PAGE_PAD=triton.next_power_of_2(page_size),
         num_warps=cfg.num_warps,
     )
-
-
-__all__ = ["page_fetch"]

@@ -1,6 +1,7 @@
-"""Top-``count`` selection by threshold search and compaction (Triton); spec: `reference.select_top`.
+"""Top-``count`` selection by threshold search and compaction (Triton); spec: `reference.select_top`,
+beside this file.
 
-``torch.topk`` on a GPU costs 20–50 µs per call at decode sizes (a radix select over several
+``torch.topk`` on a GPU costs tens of µs per call at decode sizes (a radix select over several
 launches, plus a sort when the order matters), more than the reads it saves for a keep-0.5
 projection or a page selection. Here one program per row does it in one launch, the whole row held
 in registers:
@@ -8,56 +9,34 @@ in registers:
 1. Map each score to an ``int32`` key with the same order (a float's bits, negatives flipped), so
    ties are exact. A bf16 score's key comes from its own 16 bits, sign-extended: the same keys as
    its fp32 bits shifted right by 16, without the round trip through fp32 (the kernel is
-   issue-bound: on an H200, 14,336 entries took 18.5 µs with 8 or 16 warps alike). fp32 and fp16
-   scores go through fp32 (fp16 does not order like a truncated fp32).
+   issue-bound). fp32 and fp16 scores go through fp32 (fp16 does not order like a truncated fp32).
 2. Search a bracket ``[lo, hi)`` of keys with ``#{key >= lo} >= count > #{key >= hi}`` (`_search`),
    starting from the row's smallest and largest keys. Each step counts the keys at or above a probe
    and snaps the moved end to the nearest key, in one three-value reduction; the probe interpolates
-   on the counts. It stops when one distinct key is left in the bracket or all of it is wanted.
-   In simulation that took 6–9 steps on average (13 at most) on activations and page bounds,
-   against the 15–32 halvings of a plain bisection over the key range, and on an H200 it measured
-   faster than bisection (8.25 → 7.5 µs for 4,096 bf16 entries, 18.8 → 18.5 µs for 14,336,
-   18.2 → 13.6–14.5 µs for 8 rows of 8,192 fp32).
+   on the counts. It stops when one distinct key is left in the bracket or all of it is wanted:
+   on activations and page bounds, about half the steps of a plain bisection over the key range.
    Snapping keeps forced ``+inf`` pages and rows with few distinct keys from slowing the
    interpolation; after `SelectTopConfig.interp_steps` steps it halves instead, which bounds the
-   search. Other searches measured slower: 8 bits per 256-bin ``tl.histogram`` pass, and 3 bits
-   per step from 7 packed counts.
+   search.
 3. Keep every key ``>= hi`` and the first ``count − #{key >= hi}`` keys of the bracket by position,
    and write their positions in ascending order, zeros after ``count``: one prefix sum of two packed
    flags gives each kept key its output slot (`_emit`).
 
 Long bf16 rows (`SelectTopConfig.hist_min_n` entries and more: the down projection's 14,336 inputs)
-are instead spread over several programs: two 256-bin histograms of their 16-bit keys give the exact
-threshold, in four launches (`_select_by_histograms`). One SM holding the whole row was the
-bottleneck there: on an H200, 17.9 µs in one program, 10.8 by histograms. `select_top_config`
-chooses the method and the warps per call.
+are instead spread over several programs, since one SM holding the whole row is their bottleneck:
+two 256-bin histograms of their 16-bit keys give the exact threshold, in four launches
+(`select_by_histograms`), the histograms in a zeroed buffer they leave zero.
 
-Rows of up to 16384 entries (`MAX_BLOCK_N`: every activation vector and the pages of a 256K context)
-are held as a power-of-two tile and a smaller power-of-two tail (`tiles`): a row just over a power of
-two would otherwise double the tile (8,203 pages in one 16,384-entry tile measured 39–46 µs against
-18 µs for 8,192). Longer bf16 rows, up to `MAX_HIST_N` entries (a two-stage policy's candidate
-tokens), always take the histograms (`takes`); other rows are refused, and `kernels.select_top` sends
-them to the torch reference, a sort (on an H200 the sorts cost about 135 µs per layer for 8 rows of
-39,322 candidate tokens).
+A row held by one program is a power-of-two tile and a smaller power-of-two tail (`tiles`, chosen
+by the op): a row just over a power of two would otherwise double the tile and the time.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from . import scratch
-from .config import SelectTopConfig, current
-
-MAX_BLOCK_N = 16384  # entries a row may have to stay in registers (and counts fit 16 bits in `_emit`)
-# Entries of a bf16 row by histograms: each program of the emit launch reads every earlier chunk's
-# counts, a few KB at this length (a two-stage policy's candidate tokens: 39,322 at keep 0.1 of 128K).
-MAX_HIST_N = 1 << 18
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -219,8 +198,8 @@ def _select_top_kernel(
 # ------------------------------------------------------------------------------ by histograms
 # A bf16 key has 16 bits: two 256-bin histograms find the count-th largest exactly. Each launch
 # spreads the row over programs of `hist_chunk` entries, so a long row is not one SM's work, at the
-# price of four launches. The histograms live in a reserved buffer, `[R, 512]` (high byte, then low
-# byte), zero between calls.
+# price of four launches. The histograms live in a zeroed buffer, `[R, 512]` (high byte, then low
+# byte), which they leave zero.
 
 
 @triton.jit
@@ -307,7 +286,7 @@ def _hist_emit_kernel(s_ptr, cnt_ptr, hist_ptr, part_ptr, idx_ptr, n, k_max, s_r
         tl.store(hist_ptr + row * 512 + tl.arange(0, 512), tl.zeros((512,), tl.int32))
 
 
-def _select_by_histograms(
+def select_by_histograms(
     scores: Tensor, count: Tensor, k_max: int, absolute: bool, hist: Tensor, idx: Tensor, chunk: int
 ) -> None:
     """The histogram method on bf16 ``scores [R, N]`` into ``idx``, ``chunk`` entries per program;
@@ -325,73 +304,23 @@ def _select_by_histograms(
                             CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)), **meta)
 
 
-def takes(n: int, dtype: torch.dtype) -> bool:
-    """Whether `select_top` takes rows of ``n`` entries of ``dtype``: up to `MAX_BLOCK_N`, held by one
-    program, and bf16 rows up to `MAX_HIST_N` by histograms."""
-    return n <= MAX_BLOCK_N or (dtype == torch.bfloat16 and n <= MAX_HIST_N)
+def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool, cfg, hist: Tensor | None,
+               tiles: tuple[int, int]) -> Tensor:
+    """``int32[R, k_max]``: per row of ``scores [R, N]``, the positions of its ``count[r]`` largest
+    entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros (`reference.select_top`).
 
-
-def tiles(n: int) -> tuple[int, int]:
-    """``(BLOCK_N, TAIL)`` for a row of ``n <= MAX_BLOCK_N`` entries: the largest power of two up to
-    ``n`` (16 at least), then the smallest power of two covering the rest (0 if none), so a row just
-    over a power of two costs a few more lanes, not twice as many (8,203 pages: 8,192 + 16, not 16,384)."""
-    block = max(16, 1 << (max(n, 1).bit_length() - 1))
-    if block >= n:
-        return block, 0
-    tail = max(16, triton.next_power_of_2(n - block))
-    return (2 * block, 0) if tail == block else (block, tail)
-
-
-def select_top_config(n: int, dtype: torch.dtype) -> SelectTopConfig:
-    """The launch parameters of a call on rows of ``n`` entries of ``dtype``: the config in force
-    (`config.current`) with its method settled (``"auto"``: histograms for bf16 rows of `hist_min_n`
-    entries or more; histograms only for bf16 rows, whose keys have 16 bits) and its warps chosen by
-    the entries held where it leaves them 0."""
-    return _choose(current(SelectTopConfig), n, dtype)
-
-
-@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: SelectTopConfig, n: int, dtype: torch.dtype) -> SelectTopConfig:
-    bf16 = dtype == torch.bfloat16
-    method = cfg.method
-    if method == "auto":
-        method = "histogram" if bf16 and n >= cfg.hist_min_n else "program"
-    elif method == "histogram" and not bf16:
-        method = "program"
-    block, tail = tiles(n)
-    return dataclasses.replace(cfg, method=method, num_warps=cfg.num_warps or (4 if block + tail < 4096 else 8))
-
-
-def select_top(scores: Tensor, count: Tensor, k_max: int, absolute: bool = False) -> Tensor:
-    """``int32[R, k_max]``: per row of ``scores [R, N]`` (`takes`), the positions of its
-    ``count[r]`` largest entries (of ``|scores|`` with ``absolute``) in ascending order, then zeros
-    (`reference.select_top`). Launch parameters: `select_top_config`."""
-    from .decode_attention import INTERPRET
-
-    if scores.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
-    if scores.dim() != 2 or count.shape != scores.shape[:1]:
-        raise ValueError(f"expected scores [R, N] and count [R], got {tuple(scores.shape)} and {tuple(count.shape)}")
+    ``cfg``: the `SelectTopConfig` for the call; ``hist``: the zeroed ``[R * 512]`` buffer to take the
+    histogram method with (None: one program per row, holding ``tiles = (BLOCK_N, TAIL)`` entries)."""
     r, n = scores.shape
-    if not takes(n, scores.dtype):
-        raise ValueError(f"select_top takes rows of at most {MAX_BLOCK_N} entries ({MAX_HIST_N} in bf16), got {n} "
-                         f"{scores.dtype} (kernels.select_top sends longer rows to the torch reference)")
     idx = _alloc(r, k_max, dtype=torch.int32, device=scores.device)
     if r == 0 or k_max == 0:
         return idx
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     count = count.contiguous()
-    cfg = select_top_config(n, scores.dtype)
-    if cfg.method == "histogram" or n > MAX_BLOCK_N:
-        hist = scratch.zeroed("select_histograms", r * 512, scores.device)
-        if hist is not None:  # else (none reserved, or too many rows): one program per row
-            _select_by_histograms(scores, count, k_max, absolute, hist, idx, cfg.hist_chunk)
-            return idx
-        if n > MAX_BLOCK_N:  # too long for one program
-            from .reference import select_top as by_sorting
-
-            return by_sorting(scores, count, k_max, absolute)
-    block, tail = tiles(n)
+    if hist is not None:
+        select_by_histograms(scores, count, k_max, absolute, hist, idx, cfg.hist_chunk)
+        return idx
+    block, tail = tiles
     bf16 = scores.dtype == torch.bfloat16
     _select_top_kernel[(r,)](
         scores.view(torch.int16) if bf16 else scores, count, idx, n, k_max, scores.stride(0), idx.stride(0),

@@ -3,32 +3,26 @@ given cache slots, the second stage of a two-stage page policy.
 
 ``out[b, kv, g, n] = scale · q[b, kv·G + g] · keys[b, kv, slots[b, kv, n]]`` in fp32, or with
 ``agg="max"`` its maximum over the group, ``[B, H_kv, N]`` (specification:
-`reference.gathered_logits`), which is what a KV-head-level choice by the group's best logit needs.
-Each key row (``D`` contiguous values) is read once for the G query heads of its GQA group, and
-nothing else is written: in torch the same result took a gather that
-copied the keys, an fp32 copy of that copy and a batched matmul, four passes over the candidates'
-keys.
+`reference.gathered_logits`, beside this file), which is what a KV-head-level choice by the group's
+best logit needs. Each key row (``D`` contiguous values) is read once for the G query heads of its
+GQA group, and nothing else is written: in torch the same result took a gather that copied the keys,
+an fp32 copy of that copy and a batched matmul, four passes over the candidates' keys.
 
 Grid ``(cdiv(N, block_t), H_kv, B)``: a program scores ``block_t`` slots of one KV head for its G
 query heads, with ``tl.dot`` (the G heads padded to 16 rows; bf16 products are exact in the fp32
 accumulator), or a loop over the heads for head dims under 16, which tl.dot cannot take. Launch
-parameters: `config.GatheredLogitsConfig`, chosen per call by `gathered_logits_config`. The slots
-must lie in ``[0, capacity)``: they are not checked here.
+parameters: the `GatheredLogitsConfig` the op chose for the call (`gathered_logits_config`). The
+slots must lie in ``[0, capacity)``: they are not checked here.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .config import GatheredLogitsConfig, current
-
-INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
+from ... import route
 
 
 @triton.jit
@@ -79,27 +73,13 @@ def _gathered_logits_kernel(
             tl.store(out_group + offs_t, best, mask=t_mask)
 
 
-def gathered_logits_config(d: int) -> GatheredLogitsConfig:
-    """The launch parameters of a call with head dim ``d``: the config in force (`config.current`),
-    with the loop where tl.dot cannot serve (head dims under 16) and tiles of 16 slots at least for
-    the dot."""
-    return _choose(current(GatheredLogitsConfig), d)
-
-
-@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: GatheredLogitsConfig, d: int) -> GatheredLogitsConfig:
-    if cfg.method == "dot" and triton.next_power_of_2(d) >= 16:
-        return dataclasses.replace(cfg, block_t=max(16, cfg.block_t))
-    return dataclasses.replace(cfg, method="loop")
-
-
-def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: str = "none") -> Tensor:
-    """``float32[B, H_kv, G, N]`` (``agg="none"``) or ``[B, H_kv, N]`` (``"max"``) from ``q [B, H, D]``,
-    ``keys [B, H_kv, capacity, D]`` and ``slots int[B, H_kv, N]`` (each in ``[0, capacity)``)."""
+def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: str, cfg) -> Tensor:
+    """With ``cfg`` (a `GatheredLogitsConfig` for this head dim): ``float32[B, H_kv, G, N]``
+    (``agg="none"``) or ``[B, H_kv, N]`` (``"max"``) from ``q [B, H, D]``, ``keys [B, H_kv, capacity,
+    D]`` and ``slots int[B, H_kv, N]`` (each in ``[0, capacity)``)."""
     if agg not in ("none", "max"):
         raise ValueError(f"agg must be 'none' or 'max', got {agg!r}")
-    if q.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    route.check_device(q)
     b, h, d = q.shape
     h_kv, n = keys.shape[1], slots.shape[-1]
     if q.dim() != 3 or keys.dim() != 4 or slots.shape[:2] != (b, h_kv) or keys.shape[-1] != d or h % h_kv:
@@ -110,7 +90,6 @@ def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: s
     out = torch.empty(b, h_kv, *((g,) if agg == "none" else ()), n, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
-    cfg = gathered_logits_config(d)
     _gathered_logits_kernel[(triton.cdiv(n, cfg.block_t), h_kv, b)](
         q, keys, slots, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), slots.stride(0), slots.stride(1),
@@ -118,11 +97,7 @@ def gathered_logits(q: Tensor, keys: Tensor, slots: Tensor, scale: float, agg: s
         n, float(scale),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=triton.next_power_of_2(d),
         BLOCK_T=cfg.block_t, DOT=cfg.method == "dot", MAX=agg == "max",
-        # fp32 dots where a dtype is fp32 or they differ, and under the interpreter, whose tl.dot
-        # multiplies bf16 operands as raw bits (see decode_attention.INTERPRET).
-        IEEE=INTERPRET or q.dtype != keys.dtype or keys.dtype == torch.float32, num_warps=cfg.num_warps,
+        # fp32 dots where a dtype is fp32 or they differ, and under the interpreter (`route.INTERPRET`).
+        IEEE=route.INTERPRET or q.dtype != keys.dtype or keys.dtype == torch.float32, num_warps=cfg.num_warps,
     )
     return out
-
-
-__all__ = ["gathered_logits", "gathered_logits_config", "INTERPRET"]

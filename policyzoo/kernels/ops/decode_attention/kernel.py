@@ -1,7 +1,7 @@
 """Split-K decode attention over a `Selection`, softmax or 1.5-entmax (Triton).
 
 One query token per batch row attends to the cache entries a KV policy selected; the specification is
-`reference.decode_attention` (softmax) and `reference.decode_attention_entmax15`.
+`reference.decode_attention` (softmax) and `reference.decode_attention_entmax15`, beside this file.
 
 Softmax, two launches:
 
@@ -36,28 +36,17 @@ With ``slots`` (an offloaded layer's page cache, `offload.PageCache`), ``keys`` 
 cache's slots and a token is loaded from row ``slots[f // block]·block + f % block``; its position,
 and so its masking, is still the one ``indices`` gives.
 
-Launch parameters: `config.AttentionConfig`, chosen per call by `attention_config`.
+Launch parameters: the `AttentionConfig` the op chose for the call (`attention_config`).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .config import AttentionConfig, current
-
-# The interpreter runs these kernels on CPU tensors when TRITON_INTERPRET=1 was set before triton was
-# first imported (triton.jit reads it as each kernel, its own standard library's included, is
-# defined). Its tl.dot multiplies bfloat16 operands as their raw uint16 bits (triton 3.9), so under
-# the interpreter the operands are widened to fp32 first: bf16 products are exact in fp32, so this is
-# the same arithmetic as a bf16 tensor-core dot with fp32 accumulation. (Its fp32 -> bf16 casts also
-# truncate instead of rounding to nearest: a bf16 output can differ from the GPU's by one ulp.)
-INTERPRET = bool(triton.knobs.runtime.interpret)
+from ... import route
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -387,29 +376,6 @@ def _entmax_out_kernel(
     )
 
 
-def attention_config(k_max: int, block: int, rows: int) -> AttentionConfig:
-    """The launch parameters of a call over ``k_max`` selection entries of ``block`` tokens for
-    ``rows`` (batch rows x KV heads): the config in force (`config.current`) with `chunk` and
-    `block_c` chosen where it leaves them 0. Chunks: enough programs to fill a GPU
-    (`target_programs`), `min_chunk_tokens` tokens per program at least. Merge steps: every chunk
-    partial in one step, up to `max_block_c`.
-
-    Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
-    """
-    return _choose(current(AttentionConfig), k_max, block, rows)
-
-
-@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int) -> AttentionConfig:
-    chunk = cfg.chunk
-    if chunk == 0:
-        splits = min(triton.cdiv(k_max * block, cfg.min_chunk_tokens), triton.cdiv(cfg.target_programs, max(rows, 1)))
-        chunk = max(1, triton.cdiv(k_max, max(1, splits)))
-    n_chunks = max(1, triton.cdiv(k_max, chunk))
-    block_c = cfg.block_c or min(cfg.max_block_c, max(16, triton.next_power_of_2(n_chunks)))
-    return dataclasses.replace(cfg, chunk=chunk, block_c=block_c)
-
-
 def decode_attention(
     q: Tensor,
     keys: Tensor,
@@ -421,18 +387,19 @@ def decode_attention(
     start: Tensor,
     length: Tensor,
     scale: float,
-    mode: str = "softmax",
-    slots: Tensor | None = None,
+    mode: str,
+    slots: Tensor | None,
+    cfg,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the kernels; arguments as `reference.decode_attention` with the Selection unpacked.
+    """Launch the kernels with ``cfg`` (an `AttentionConfig` with its chunk and merge step chosen);
+    arguments as `reference.decode_attention` with the Selection unpacked.
 
     ``mode`` is ``"softmax"`` (returns ``(out, lse)``) or ``"entmax15"`` (returns ``(out, tau)``).
-    ``slots``: as in `reference.decode_attention`. Launch parameters: `attention_config`.
+    ``slots``: as in `reference.decode_attention`.
     """
     if mode not in ("softmax", "entmax15"):
         raise ValueError(f"mode must be 'softmax' or 'entmax15', got {mode!r}")
-    if q.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    route.check_device(q)
     b, h, d = q.shape
     _, h_kv, n, _ = keys.shape
     if slots is not None:
@@ -440,82 +407,78 @@ def decode_attention(
             raise ValueError(f"slots must be shaped as the selection's indices {tuple(indices.shape)}, got {tuple(slots.shape)}")
         n = 2**31 - 1  # keys are slots of a page cache, not positions: only start and length bound a position
     g = h // h_kv
-    k_max = indices.shape[-1]
     # The kernels index the head dim with unit stride.
     q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
-    cfg = attention_config(k_max, block, b * h_kv)
-    chunk = cfg.chunk
-    n_chunks = max(1, triton.cdiv(k_max, chunk))
-    has_lw = log_weight is not None
-    lw = log_weight if has_lw else indices  # dummy pointer, never read when HAS_LW is False
-    has_slots = slots is not None
-    slot = slots if has_slots else indices  # the same: never read without HAS_SLOTS
-    length = length.reshape(())
-    dtype_precision = "ieee" if keys.dtype == torch.float32 or INTERPRET else "tf32"
-    upcast = INTERPRET and keys.dtype == torch.bfloat16
+    has_lw, has_slots = log_weight is not None, slots is not None
+    selection = dict(
+        indices=indices, count=count, start=start, length=length.reshape(()),
+        lw=log_weight if has_lw else indices,  # a dummy pointer, never read when HAS_LW is False
+        slot=slots if has_slots else indices,  # the same: never read without HAS_SLOTS
+        n=n, k_max=indices.shape[-1], chunk=cfg.chunk, n_chunks=max(1, triton.cdiv(indices.shape[-1], cfg.chunk)),
+    )
     common = dict(
         G=g, G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot wants M >= 16
         D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK=block, BLOCK_T=cfg.block_t, HAS_SLOTS=has_slots, UPCAST=upcast, PRECISION=dtype_precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK=block, BLOCK_T=cfg.block_t, HAS_SLOTS=has_slots,
+        UPCAST=route.INTERPRET and keys.dtype == torch.bfloat16,  # the interpreter's tl.dot takes bf16 as raw bits
+        PRECISION="ieee" if keys.dtype == torch.float32 or route.INTERPRET else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    grid = (n_chunks, h_kv, b)
     out = _alloc(b, h, d, dtype=q.dtype, device=q.device)
     second = _alloc(b, h, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, second
-    o_part = _alloc(b, h, n_chunks, d, dtype=torch.float32, device=q.device)
-
-    if mode == "softmax":
-        m_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
-        l_part = _alloc(b, h, n_chunks, dtype=torch.float32, device=q.device)
-        _softmax_chunk_kernel[grid](
-            q, keys, values, indices, slot, count, lw, start, length,
-            m_part, l_part, o_part,
-            q.stride(0), q.stride(1),
-            keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2),
-            indices.stride(0), indices.stride(1), indices.stride(2),
-            slot.stride(0), slot.stride(1), slot.stride(2),
-            count.stride(0), count.stride(1),
-            lw.stride(0), lw.stride(1), lw.stride(2),
-            n, k_max, chunk, n_chunks, float(scale),
-            HAS_LW=has_lw, **common,
-        )
-        _merge_kernel[(h, b)](
-            m_part, l_part, o_part, out, second,
-            out.stride(0), out.stride(1), n_chunks,
-            D=d, D_PAD=common["D_PAD"], BLOCK_C=cfg.block_c, num_warps=cfg.merge_warps,
-        )
-        return out, second
-
-    x = _alloc(b, h, k_max * block, dtype=torch.float32, device=q.device)
-    _entmax_logits_kernel[grid](
-        q, keys, indices, slot, count, lw, start, length, x,
-        q.stride(0), q.stride(1),
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        indices.stride(0), indices.stride(1), indices.stride(2),
-        slot.stride(0), slot.stride(1), slot.stride(2),
-        count.stride(0), count.stride(1),
-        lw.stride(0), lw.stride(1), lw.stride(2),
-        n, k_max, chunk, float(scale),
-        HAS_LW=has_lw, **common,
-    )
-    _entmax_tau_kernel[(h, b)](
-        x, count, second, count.stride(0), count.stride(1), k_max,
-        G=g, BLOCK=block, BLOCK_M=cfg.block_m, N_BISECT=cfg.n_bisect, num_warps=cfg.tau_warps,
-    )
-    _entmax_out_kernel[grid](
-        values, indices, slot, count, start, length, x, second, o_part,
-        values.stride(0), values.stride(1), values.stride(2),
-        indices.stride(0), indices.stride(1), indices.stride(2),
-        slot.stride(0), slot.stride(1), slot.stride(2),
-        count.stride(0), count.stride(1),
-        n, k_max, chunk, n_chunks,
-        **common,
-    )
-    out.copy_(o_part.sum(2))
+    launch = _softmax if mode == "softmax" else _entmax15
+    launch(q, keys, values, float(scale), has_lw, selection, common, cfg, out, second)
     return out, second
 
 
-__all__ = ["decode_attention", "attention_config", "INTERPRET"]
+def _strides(t: Tensor, dims: int) -> tuple[int, ...]:
+    return tuple(t.stride(i) for i in range(dims))
+
+
+def _softmax(q, keys, values, scale, has_lw, s, common, cfg, out, lse) -> None:
+    """Chunk partials, then their log-sum-exp merge into ``out`` and ``lse``."""
+    b, h, d = q.shape
+    o_part = _alloc(b, h, s["n_chunks"], d, dtype=torch.float32, device=q.device)
+    m_part = _alloc(b, h, s["n_chunks"], dtype=torch.float32, device=q.device)
+    l_part = _alloc(b, h, s["n_chunks"], dtype=torch.float32, device=q.device)
+    _softmax_chunk_kernel[(s["n_chunks"], keys.shape[1], b)](
+        q, keys, values, s["indices"], s["slot"], s["count"], s["lw"], s["start"], s["length"],
+        m_part, l_part, o_part,
+        *_strides(q, 2), *_strides(keys, 3), *_strides(values, 3), *_strides(s["indices"], 3), *_strides(s["slot"], 3),
+        *_strides(s["count"], 2), *_strides(s["lw"], 3),
+        s["n"], s["k_max"], s["chunk"], s["n_chunks"], scale,
+        HAS_LW=has_lw, **common,
+    )
+    _merge_kernel[(h, b)](
+        m_part, l_part, o_part, out, lse,
+        out.stride(0), out.stride(1), s["n_chunks"],
+        D=d, D_PAD=common["D_PAD"], BLOCK_C=cfg.block_c, num_warps=cfg.merge_warps,
+    )
+
+
+def _entmax15(q, keys, values, scale, has_lw, s, common, cfg, out, tau) -> None:
+    """Halved logits into a scratch row, the threshold ``tau``, then ``Σ p·v`` per chunk, summed."""
+    b, h, d = q.shape
+    grid = (s["n_chunks"], keys.shape[1], b)
+    o_part = _alloc(b, h, s["n_chunks"], d, dtype=torch.float32, device=q.device)
+    x = _alloc(b, h, s["k_max"] * common["BLOCK"], dtype=torch.float32, device=q.device)
+    _entmax_logits_kernel[grid](
+        q, keys, s["indices"], s["slot"], s["count"], s["lw"], s["start"], s["length"], x,
+        *_strides(q, 2), *_strides(keys, 3), *_strides(s["indices"], 3), *_strides(s["slot"], 3),
+        *_strides(s["count"], 2), *_strides(s["lw"], 3),
+        s["n"], s["k_max"], s["chunk"], scale,
+        HAS_LW=has_lw, **common,
+    )
+    _entmax_tau_kernel[(h, b)](
+        x, s["count"], tau, *_strides(s["count"], 2), s["k_max"],
+        G=common["G"], BLOCK=common["BLOCK"], BLOCK_M=cfg.block_m, N_BISECT=cfg.n_bisect, num_warps=cfg.tau_warps,
+    )
+    _entmax_out_kernel[grid](
+        values, s["indices"], s["slot"], s["count"], s["start"], s["length"], x, tau, o_part,
+        *_strides(values, 3), *_strides(s["indices"], 3), *_strides(s["slot"], 3), *_strides(s["count"], 2),
+        s["n"], s["k_max"], s["chunk"], s["n_chunks"],
+        **common,
+    )
+    out.copy_(o_part.sum(2))

@@ -1,7 +1,7 @@
 """Each query's most attended keys under causal attention (Triton): the edge search of an attention
 graph, without writing a logit.
 
-Specification: `reference.attention_edges`. Grid ``(cdiv(T, block_q), H)``: a program takes
+Specification: `reference.attention_edges`, beside this file. Grid ``(cdiv(T, block_q), H)``: a program takes
 ``block_q`` queries of one head, walks the key tiles they see with ``tl.dot`` (as flash attention
 does), and keeps per query a running log-sum-exp and an unordered list of its ``top`` best logits and
 their key positions. A tile touches the lists only where one of its logits beats a query's current
@@ -11,7 +11,7 @@ one or none). The lists are sorted once, after the kernel. Memory traffic is the
 and the keys, once per query tile: the quadratic work stays on chip, where the torch reference
 writes and rereads every logit.
 
-Launch parameters: `config.AttentionEdgesConfig`. Ties between equal logits go to the earlier key.
+Launch parameters: an `AttentionEdgesConfig`. Ties between equal logits go to the earlier key.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .config import AttentionEdgesConfig, current
-
-INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
+from ... import route
 
 
 @triton.jit
@@ -94,24 +92,22 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.empty(*shape, dtype=dtype, device=device)  # the tests poison it
 
 
-def attention_edges(q: Tensor, keys: Tensor, first: int, scale: float, top: int) -> tuple[Tensor, Tensor]:
+def attention_edges(q: Tensor, keys: Tensor, first: int, scale: float, top: int, cfg) -> tuple[Tensor, Tensor]:
     """``(dst int32[H, T, top], p float32[H, T, top])`` from ``q [H, T, D]`` and ``keys [H_kv, n, D]``
-    (`reference.attention_edges`)."""
+    (`reference.attention_edges`), with ``cfg`` (an `AttentionEdgesConfig`)."""
     h, t, d = q.shape
     h_kv, n = keys.shape[0], keys.shape[1]
     if h % h_kv or first < 0 or first + t > n:
         raise ValueError(f"attention_edges: {h} query heads over {h_kv} KV heads, queries {first}..{first + t} over {n} keys")
-    if q.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    route.check_device(q)
     q, keys = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys))
-    cfg = current(AttentionEdgesConfig)
     dst = _alloc(h, t, top, dtype=torch.int32, device=q.device)
     p = _alloc(h, t, top, dtype=torch.float32, device=q.device)
     if t == 0:
         return dst, p
-    # fp32 dots where a dtype is fp32, and under the interpreter, whose tl.dot multiplies bf16
-    # operands as raw bits (see decode_attention.INTERPRET); else q in the keys' 16-bit dtype.
-    ieee = INTERPRET or q.dtype == torch.float32 or keys.dtype == torch.float32
+    # fp32 dots where a dtype is fp32, and under the interpreter (`route.INTERPRET`); else q in the
+    # keys' 16-bit dtype.
+    ieee = route.INTERPRET or q.dtype == torch.float32 or keys.dtype == torch.float32
     if not ieee:
         q = q.to(keys.dtype)
     grid = (triton.cdiv(t, cfg.block_q), h)

@@ -1,4 +1,5 @@
-"""Pooled Gaussian entmax threshold (Triton); spec: `reference.gaussian_entmax_threshold`.
+"""Pooled Gaussian entmax threshold (Triton); spec: `reference.gaussian_entmax_threshold`,
+beside this file.
 
 `EntmaxKV` (``mode="gaussian"``) solves, per row of ``[B, H]`` pages, the entmax normaliser of a pool
 of censored Gaussians: ``f(τ) = Σ_p n_p·E[(min(x_p, cap_p) − τ)_+²] − 1 = 0``, ``x_p ~ N(m_p, s_p²)``,
@@ -6,10 +7,11 @@ by a safeguarded Newton iteration in float64 (``iters`` steps, each a full pass 
 torch reference is a chain of elementwise ops and last-dim sums; under `torch.compile` Inductor fuses
 it into one persistent reduction over all pages, which Triton 3.6 fails to compile for 8192 pages (a
 128K context; ``PassManager::run failed`` in make_ttgir). This kernel is the same algorithm as one
-opaque custom op (`dispatch.gaussian_entmax_threshold`), so Inductor never generates that reduction.
+opaque custom op (``policyzoo::gaussian_entmax_threshold``), so Inductor never generates that
+reduction.
 
 One program per row (the leading dims flattened); the row is walked in blocks of pages per pass
-(`config.EntmaxThresholdConfig`, chosen per call by `entmax_threshold_config`), so any number of
+(the `EntmaxThresholdConfig` the op chose for the call, `entmax_threshold_config`), so any number of
 pages works:
 
 1. one pass for the bracket and the start: ``lo = max_p (m_p − 8·s_p) − 1``,
@@ -30,8 +32,6 @@ for bit.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
 import torch
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .config import EntmaxThresholdConfig, current
+from ... import route
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -150,26 +150,11 @@ def _entmax_threshold_kernel(
     tl.store(out_ptr + row, tl.where(empty, float("-inf"), tau))
 
 
-def entmax_threshold_config(p: int) -> EntmaxThresholdConfig:
-    """The launch parameters of a call on rows of ``p`` pages: the config in force
-    (`config.current`), its block cut to next_pow2(p) pages (32 at least) and its warps to one per
-    128 pages of the block (1 at least)."""
-    return _choose(current(EntmaxThresholdConfig), p)
-
-
-@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: EntmaxThresholdConfig, p: int) -> EntmaxThresholdConfig:
-    block = min(cfg.block_p, max(triton.next_power_of_2(p), 32))
-    return dataclasses.replace(cfg, block_p=block, num_warps=max(1, min(cfg.num_warps, block // 128)))
-
-
-def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12) -> Tensor:
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int, config_for) -> Tensor:
     """``float64[..., 1]``: `reference.gaussian_entmax_threshold` of ``m, s, n, cap [..., P]`` (broadcast
-    together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page."""
-    from .decode_attention import INTERPRET
-
-    if m.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page. ``config_for``:
+    the rule that gives the `EntmaxThresholdConfig` for rows of ``P`` pages."""
+    route.check_device(m)
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
     tensors = (m, s, n) if cap is None else (m, s, n, cap)
@@ -184,12 +169,9 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     # Rows of P contiguous pages (an expanded n, e.g. page counts shared by the heads, is copied).
     m, s, n = (t.expand(shape).contiguous().view(r, p) for t in (m, s, n))
     c = m if cap is None else cap.expand(shape).contiguous().view(r, p)  # c: a dummy without caps
-    cfg = entmax_threshold_config(p)
+    cfg = config_for(p)
     _entmax_threshold_kernel[(r,)](
         m, s, n, c, out, p, int(iters),
         HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps,
     )
     return out
-
-
-__all__ = ["gaussian_entmax_threshold", "entmax_threshold_config"]

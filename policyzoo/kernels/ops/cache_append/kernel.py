@@ -1,23 +1,22 @@
 """Decode-step cache append (Triton): write one token's key and value and refresh the summaries of
-the page that holds it, in one launch; spec: `reference.cache_append`.
+the page that holds it, in one launch; spec: `reference.cache_append`, beside this file.
 
 In a compiled decode step the torch version is three or four kernels per layer (the key's copy, the
 value's copy, the touched page's statistics), each moving a few kilobytes: their cost is launches,
-not bytes (about 1-2 µs each on an H200). Here one program per (batch row, KV head)
-stores the key and value at slot ``length - 1`` and re-summarises the page over its visible slots,
-with the new key taken from registers (so no program reads memory another one is writing). Only
-the summaries the cache keeps are computed (``MINMAX``, ``MOMENTS``): a `Dense` decode keeps none.
-``length`` and ``start`` are read on the device, so the launch is the same at every step.
+not bytes. Here one program per (batch row, KV head) stores the key and value at slot
+``length - 1`` and re-summarises the page over its visible slots, with the new key taken from
+registers (so no program reads memory another one is writing). Only the summaries the cache keeps
+are computed (``MINMAX``, ``MOMENTS``): a `Dense` decode keeps none. ``length`` and ``start`` are
+read on the device, so the launch is the same at every step.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-INTERPRET = bool(triton.knobs.runtime.interpret)  # set when TRITON_INTERPRET=1 (CPU tensors)
+from ... import route
 
 
 @triton.jit
@@ -76,8 +75,7 @@ def cache_append(
 ) -> None:
     """`reference.cache_append` in one launch. Min and max are kept together or not at all, and so
     are mean and std (the cache keeps them in pairs)."""
-    if keys.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first imported")
+    route.check_device(keys)
     b, h, n, d = keys.shape
     if k.shape != (b, h, 1, d) or v.shape != (b, h, 1, d) or values.shape != keys.shape:
         raise ValueError(f"expected k, v [B, H_kv, 1, D] for a cache {tuple(keys.shape)}, got {tuple(k.shape)}, "
@@ -103,6 +101,3 @@ def cache_append(
         D=d, D_PAD=triton.next_power_of_2(d), PAGE=page_size, PAGE_PAD=triton.next_power_of_2(page_size),
         MINMAX=kmin is not None, MOMENTS=mean is not None, num_warps=1 if page_size * d <= 2048 else 4,
     )
-
-
-__all__ = ["cache_append", "INTERPRET"]

@@ -1,0 +1,94 @@
+"""The key-sketch page bound: the op ``policyzoo::sketch_page_bound``, an upper bound of each page's
+best logit from the 4-bit key sketch, of every page or of listed pages.
+
+Specification (and the sketch's encoding): ``reference.py``; kernel: ``kernel.py``. The kernel tiles
+a page as a power of two: other page sizes take the reference. Launch parameters:
+`SketchScoreConfig`, completed per call by `sketch_score_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ...config import LaunchConfig, current, one_of, powers_of_two
+from ...route import HAS_TRITON, need_triton, routed
+from . import reference
+
+if HAS_TRITON:
+    from . import kernel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SketchScoreConfig(LaunchConfig):
+    """Launch parameters of the key-sketch page bound: a program holds ``block_p`` pages of codes."""
+
+    keyword = "sketch_score"
+    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys")
+
+    method: str = "sum"
+    """``"sum"``: the products summed on CUDA cores; ``"dot"``: a batched tl.dot per page of the codes
+    (fp16, exact) with the page's weights ``q·step`` in fp16, their rounding added back (pages of 16
+    or more; smaller ones take the sum); ``"keys"``: the sketch's keys decoded in fp16 and one tl.dot
+    of the program's tokens with the group's queries in fp16, the roundings' worst case added back
+    (``block_p·page`` of 16 or more; else the sum)."""
+    block_p: int = 4
+    """Pages per program."""
+    num_warps: int = 4
+    """Warps per program."""
+
+    def __post_init__(self) -> None:
+        one_of(self, "method", self.METHODS)
+        powers_of_two(self, "block_p", "num_warps")
+
+
+def sketch_score_config(page: int) -> SketchScoreConfig:
+    """The launch parameters of a call on pages of ``page`` tokens: the config in force
+    (`config.current`), its method the sum where tl.dot would get fewer than 16 token rows."""
+    return _choose(current(SketchScoreConfig), page)
+
+
+@functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
+def _choose(cfg: SketchScoreConfig, page: int) -> SketchScoreConfig:
+    rows = {"sum": 16, "dot": page, "keys": page * cfg.block_p}[cfg.method]
+    return cfg if rows >= 16 else dataclasses.replace(cfg, method="sum")
+
+
+@torch.library.custom_op("policyzoo::sketch_page_bound", mutates_args=())
+def _sketch_page_bound_op(
+    q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
+    agg: str = "none", pages: Tensor | None = None,
+) -> Tensor:
+    need_triton()
+    cfg = sketch_score_config(codes.shape[2] // page_min.shape[2])
+    return kernel.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages, cfg)
+
+
+@_sketch_page_bound_op.register_fake
+def _(q, codes, page_min, page_max, start, length, scale, agg="none", pages=None):
+    b, h, _ = q.shape
+    _, h_kv, p, _ = page_min.shape
+    return q.new_empty(b, h if agg == "none" else h_kv, p if pages is None else pages.shape[-1], dtype=torch.float32)
+
+
+def _power_of_two_page(q, codes, page_min, *args, **kwargs) -> bool:
+    page = codes.shape[2] // page_min.shape[2]
+    return page & (page - 1) == 0  # the kernel tiles a page as a power of two
+
+
+@routed(reference.sketch_page_bound, takes=_power_of_two_page)
+def sketch_page_bound(
+    q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
+    agg: str = "none", pages: Tensor | None = None,
+) -> Tensor:
+    """Upper bound of each page's best logit from the 4-bit key sketch → ``float32[B, H, P]`` (or the
+    group's max ``[B, H_kv, P]`` with ``agg="max"``), or of the listed ``pages int[B, H_kv, K]`` only;
+    see `reference.sketch_page_bound`."""
+    return torch.ops.policyzoo.sketch_page_bound(q, codes, page_min, page_max, start, length, float(scale), agg, pages)
+
+
+__all__ = ["SketchScoreConfig", "sketch_score_config", "sketch_page_bound"]
