@@ -941,6 +941,15 @@ def test_custom_ops_opcheck():
         test_utils=checks,
     )
     torch.library.opcheck(torch.ops.policyzoo.sparse_gemv_mask.default, (x, x > 0, w_t, None), test_utils=checks)
+    # With a workspace's buffers, which a launch leaves as it found them (zero): not a mutation.
+    with override(gemv=GemvConfig(split=3, min_fused_split=2, block_k=16)):
+        torch.library.opcheck(torch.ops.policyzoo.sparse_gemv_mask.default,
+                              (x, x > 0, w_t, None, WORKSPACE.gemv_counters, WORKSPACE.gemv_sums), test_utils=checks)
+    s = torch.randn(2, 100, device=DEVICE).to(torch.bfloat16)
+    with override(select_top=SelectTopConfig(method="histogram", hist_chunk=64)):
+        torch.library.opcheck(torch.ops.policyzoo.select_top.default,
+                              (s, torch.tensor([3, 40], device=DEVICE), 40, True, WORKSPACE.select_histograms),
+                              test_utils=checks)
     keys = torch.randn(2, 2, 8, 16, device=DEVICE)
     mn, mean = torch.randn(2, 2, 2, 16, device=DEVICE), torch.randn(2, 2, 2, 16, device=DEVICE)
     torch.library.opcheck(
@@ -968,6 +977,31 @@ def test_torch_compile_traces_through(monkeypatch):
     got = compiled(q, keys, values, sel.indices, sel.count, sel.log_weight, start, length)
     out, lse = ref.decode_attention(*args)
     torch.testing.assert_close(got, (out * 2, lse), rtol=1e-4, atol=1e-4)
+
+
+@here
+def test_torch_compile_traces_a_workspace_through(monkeypatch):
+    """A compiled step that hands the ops a `Workspace` traces without graph breaks (fullgraph),
+    computes what the eager calls compute and leaves the workspace zero."""
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    g = gen(9)
+    s, count = randn(g, 3, 300, dtype=torch.bfloat16), torch.tensor([5, 50, 100], device=DEVICE)
+    x, w_t = randn(g, 2, 96), randn(g, 96, 64)
+    keep = torch.stack([torch.randperm(96, generator=g)[:40] for _ in range(2)]).int().to(DEVICE)
+
+    def step(s, count, x, w_t, keep):
+        idx = kernels.select_top(s, count, 100, absolute=True, workspace=WORKSPACE)
+        return idx, kernels.sparse_gemv_threshold(x, 0.5, w_t, workspace=WORKSPACE), \
+            kernels.sparse_gemv_index(x, keep, w_t, workspace=WORKSPACE)
+
+    torch._dynamo.reset()
+    with override(select_top=SelectTopConfig(method="histogram", hist_chunk=64),
+                  gemv=GemvConfig(split=3, min_fused_split=2, block_k=16)):  # both take the workspace's buffers
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(s, count, x, w_t, keep)
+        want = step(s, count, x, w_t, keep)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1:], want[1:], rtol=1e-5, atol=1e-5)
+    assert workspace_is_zero()
 
 
 @here

@@ -359,3 +359,20 @@ def test_the_byte_account_counts_the_offloaded_layers_selected_kv_over_the_link(
         acct.host_bytes(n, keep, host_layers=acct.layers + 1)
     with pytest.raises(ValueError, match="bandwidth"):
         acct.offload_floor_ms(n, gpu, 0.0, 1)
+
+
+def test_the_prefetch_ops_declare_what_they_mutate():
+    """``policyzoo::prefetch_pages`` and ``policyzoo::wait_for_prefetch`` (`kernels.ops.prefetch`):
+    schemas and fakes, with and without a workspace's stream (none off CUDA: staged inline)."""
+    from policyzoo import kernels
+
+    keys, values = host_layer(3)
+    pc = PageCache(2, 2, keys.shape[-1], PAGES, 8, PAGE, keys.dtype, "cpu")
+    sel = Selection(torch.tensor([[[0, 2], [1, 3]], [[4, 0], [2, 1]]], dtype=torch.int32),
+                    torch.tensor([[2, 1], [1, 2]], dtype=torch.int32), block=PAGE)
+    length = torch.tensor(PAGES * PAGE)
+    checks = ("test_schema", "test_faketensor")
+    stream = kernels.Workspace("cpu").prefetch_stream_ids or ()
+    torch.library.opcheck(torch.ops.policyzoo.prefetch_pages.default,
+                          (sel.indices, sel.count, keys, values, length, *pc._state(), PAGE, stream), test_utils=checks)
+    torch.library.opcheck(torch.ops.policyzoo.wait_for_prefetch.default, (pc.page_slot, keys, stream), test_utils=checks)

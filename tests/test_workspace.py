@@ -3,6 +3,8 @@ caller and made eagerly; without one, an op makes what it needs per call."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,19 +18,20 @@ def test_a_workspace_holds_every_buffer_zeroed():
     assert set(ws.buffers) == set(SIZES)
     for name, buf in ws.buffers.items():
         assert buf.dtype == torch.int32 and buf.numel() == SIZES[name] and int(buf.abs().sum()) == 0
+        assert getattr(ws, name) is buf  # a plain attribute, which a compiled step reads as such
     assert ws.prefetch_stream is None and ws.prefetch_stream_ids is None  # no side stream off CUDA
-    assert buffer(ws, "select_histograms") is ws.buffers["select_histograms"] and buffer(None, "gemv_sums") is None
+    assert buffer(ws, "select_histograms") is ws.select_histograms and buffer(None, "gemv_sums") is None
 
 
-def test_a_workspace_is_never_reassigned():
+def test_a_workspace_is_a_value():
     ws = Workspace("cpu", sizes={"gemv_counters": 8})
-    with pytest.raises(TypeError):
-        ws.buffers["gemv_counters"] = torch.zeros(16, dtype=torch.int32)  # a read-only mapping
-    assert ws.buffer("select_histograms") is None  # a smaller workspace: the ops make theirs per call
-    with pytest.raises(KeyError):
-        ws.buffer("histograms")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ws.gemv_counters = torch.zeros(16, dtype=torch.int32)
+    assert ws.select_histograms is None and buffer(ws, "select_histograms") is None  # the ops make theirs per call
+    assert set(ws.buffers) == {"gemv_counters"}
     with pytest.raises(ValueError, match="unknown workspace buffers"):
         Workspace("cpu", sizes={"histograms": 8})
+    assert Workspace("cpu") != Workspace("cpu")  # each owns its buffers: equal only to itself
 
 
 def test_zeroed_takes_the_workspace_buffer_when_it_is_large_enough():

@@ -17,6 +17,7 @@ another on one stream, and a CUDA graph captured from one stream keeps that orde
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -38,44 +39,54 @@ def _device(device: torch.device | str) -> torch.device:
     return device
 
 
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class Workspace:
     """Zeroed int32 buffers (`SIZES`, or ``sizes``) and the prefetch stream of one ``device`` (CUDA
     only; `kernels.prefetch_pages_op`).
 
-    Nothing in it is reassigned after it is made: the kernels write its buffers and leave them zero.
-    A call that needs more than a buffer holds makes its own for that call (`zeroed`)."""
+    A value: nothing in it is reassigned after it is made (the kernels write its buffers and leave
+    them zero). A buffer ``sizes`` leaves out is None, and a call that needs more than a buffer holds
+    makes its own for that call (`zeroed`). Its parts are plain attributes, which a compiled step
+    reads without a graph break."""
+
+    device: torch.device
+    gemv_counters: Tensor | None
+    gemv_sums: Tensor | None
+    select_histograms: Tensor | None
+    prefetch_stream: torch.cuda.Stream | None
+    prefetch_stream_ids: tuple[int, int, int] | None
+    """The prefetch stream as an op argument names it (a custom op takes no stream object)."""
 
     def __init__(self, device: torch.device | str, sizes: Mapping[str, int] = SIZES) -> None:
-        self.device = _device(device)
+        device = _device(device)
         unknown = set(sizes) - set(SIZES)
         if unknown:
             raise ValueError(f"unknown workspace buffers {sorted(unknown)}; known: {sorted(SIZES)}")
-        self.buffers: Mapping[str, Tensor] = MappingProxyType(
-            {name: torch.zeros(n, dtype=torch.int32, device=self.device) for name, n in sizes.items()}
-        )
-        self.prefetch_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        # How an op argument names the stream (a custom op takes no stream object): plain ints.
-        self.prefetch_stream_ids: tuple[int, int, int] | None = None
-        if self.prefetch_stream is not None:
-            s = self.prefetch_stream
-            self.prefetch_stream_ids = (s.stream_id, s.device_index, s.device_type)
-        if self.device.type == "cuda":
-            for buf in self.buffers.values():  # fixed addresses: a compiled step reads them in its graph
-                torch._dynamo.mark_static_address(buf)
+        cuda = device.type == "cuda"
+        parts: dict[str, object] = {"device": device}
+        for name in SIZES:
+            buf = torch.zeros(sizes[name], dtype=torch.int32, device=device) if name in sizes else None
+            if buf is not None and cuda:
+                torch._dynamo.mark_static_address(buf)  # fixed addresses: a compiled step reads them in its graph
+            parts[name] = buf
+        stream = torch.cuda.Stream(device=device) if cuda else None
+        parts["prefetch_stream"] = stream
+        parts["prefetch_stream_ids"] = None if stream is None else (stream.stream_id, stream.device_index, stream.device_type)
+        for name, value in parts.items():
+            object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return f"Workspace({self.device}, {dict((k, v.numel()) for k, v in self.buffers.items())})"
 
-    def buffer(self, name: str) -> Tensor | None:
-        """Buffer ``name`` (`SIZES`), or None when this workspace has none."""
-        if name not in SIZES:
-            raise KeyError(f"unknown workspace buffer {name!r}; known: {sorted(SIZES)}")
-        return self.buffers.get(name)
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        """Its buffers by name (`SIZES`), those it has."""
+        return {name: getattr(self, name) for name in SIZES if getattr(self, name) is not None}
 
 
 def buffer(workspace: Workspace | None, name: str) -> Tensor | None:
-    """``workspace``'s buffer ``name``, or None without a workspace."""
-    return None if workspace is None else workspace.buffer(name)
+    """``workspace``'s buffer ``name`` (`SIZES`), or None without a workspace or that buffer."""
+    return None if workspace is None else getattr(workspace, name)
 
 
 def zeroed(buf: Tensor | None, n: int, device: torch.device) -> Tensor:
