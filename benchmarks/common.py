@@ -19,6 +19,7 @@ import inspect
 
 from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, Offload, PrHS, Quest, Threshold, TopK, Window
 from policyzoo.bytes import BUILTIN
+from policyzoo.synthetic import fill_random
 from policyzoo.timing import time_ms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,12 +191,12 @@ def community_report(dec: Decoder) -> dict:
     wall time the session waited for them after the forward), and ``r_select`` as read: every
     unit's padded table of centroids in the cache's dtype (half a token's key and value bytes per
     community), which decode scores, against the cache's keys and values. Empty for other policies."""
-    policy = dec.session.runtime.policy
+    policy = dec.session.policy
     if not isinstance(policy, CommunityKV):
         return {}
     c = policy.clustering
     per = 1000 / max(c.tokens, 1)
-    store, cache = dec.session.runtime.states[0].store, dec.session.cache
+    store, cache = dec.session.backends[0].state.store, dec.session.cache
     _, units, slots, _ = store["centroid_key"].shape
     n = int(cache.length - cache.start.max())
     per_centroid = store["centroid_key"].element_size() / (2 * cache.keys[0].element_size())  # of a token's key and value
@@ -266,10 +267,10 @@ def llama8b(device: str = DEVICE, layers: int | None = None, tiny: bool = False)
 
 def fill_cache(dec: Decoder, batch: int, n: int, capacity: int, generator: torch.Generator | None = None) -> None:
     """Start ``dec``'s session from ``n`` random keys and values per row in a cache of exactly
-    ``capacity`` tokens (`DecodeSession.fill_random`). Exactly: the kernels' grids follow the
+    ``capacity`` tokens (`synthetic.fill_random`). Exactly: the kernels' grids follow the
     capacity (empty pages still cost programs), so a short context timed on a cache left by a longer
     one would read slow."""
-    dec.session.fill_random(n, batch=batch, capacity=capacity, generator=generator)
+    fill_random(dec.session, n, batch=batch, capacity=capacity, generator=generator)
 
 
 def sync() -> None:

@@ -95,6 +95,7 @@ def measure(name: str, *, shape: str, context: int, new_tokens: int, layers: int
     from torch._dynamo.utils import counters
 
     from policyzoo import Decoder
+    from policyzoo.timing import time_step
 
     from . import common, e2e
 
@@ -114,9 +115,9 @@ def measure(name: str, *, shape: str, context: int, new_tokens: int, layers: int
         common.sync()
         times.append(time.perf_counter() - t0)
     row.update({"first_s": times[0], "steady_s": times[1], "compile_s": times[0] - times[1]})
-    if step_ms:  # the compiled step alone at the prompt's end, as `DecodeSession.time_step` times it
+    if step_ms:  # the compiled step alone at the prompt's end, as `timing.time_step` times it
         dec.session.rewind(context)
-        row["step_ms"] = dec.session.time_step(calls=max(1, new_tokens - 2), reps=3)
+        row["step_ms"] = time_step(dec.session, calls=max(1, new_tokens - 2), reps=3)
     row.update(_phases())
     row["graphs"] = counters["stats"]["unique_graphs"]
     row["fx_calls"] = counters["stats"]["calls_captured"]

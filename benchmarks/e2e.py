@@ -2,7 +2,7 @@
 
 A user's `generate` has an EOS id set and a streamer attached; the figure is the per-token time
 between the streamer's deliveries, after the first few (the prefill and the pipeline's start are
-excluded). Beside it, the same session's step timed alone (`DecodeSession.time_step`: CUDA events,
+excluded). Beside it, the same session's step timed alone (`timing.time_step`: CUDA events,
 no host in the loop) at the same context. When `generate` keeps up with the device, the two agree.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from policyzoo import Decoder
 from policyzoo.decoder import dynamic_capacity_refused
+from policyzoo.timing import time_step
 
 SKIP = 4  # deliveries left out at the start: the prefill, and steps enqueued before the first read
 
@@ -92,7 +93,7 @@ def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_c
     prefill_s = setup.times[1] - t0 if len(setup.times) > 1 else float("nan")
     gen = time_generate(dec, ids, new_tokens, eos)
     dec.session.rewind(context)  # the step alone from the prompt's end, in the room generate had
-    step_ms = dec.session.time_step(calls=min(step_calls, new_tokens - 1), reps=step_reps)
+    step_ms = time_step(dec.session, calls=min(step_calls, new_tokens - 1), reps=step_reps)
     return {
         "generate_ms": gen.mean_ms,
         "generate_median_ms": gen.median_ms,

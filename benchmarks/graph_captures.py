@@ -40,7 +40,10 @@ def main(argv=None) -> None:
     p.add_argument("--kernels", type=int, default=600)
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--keep", action="store_true", help="keep every graph alive (default: each freed before the next)")
+    p.add_argument("--streams", action="store_true", help="capture and replay each graph on a stream of its own")
+    p.add_argument("--pool", action="store_true", help="capture every graph into one shared memory pool")
     args = p.parse_args(argv)
+    pool = torch.cuda.graph_pool_handle() if args.pool else None
     w = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(args.size, device="cuda", dtype=torch.bfloat16)
     kept = []
@@ -48,10 +51,12 @@ def main(argv=None) -> None:
         chain(x, w, args.kernels)  # warm-up
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        stream = torch.cuda.Stream() if args.streams else torch.cuda.current_stream()
+        with torch.cuda.graph(graph, pool=pool, stream=stream if args.streams else None):
             chain(x, w, args.kernels)
-        replay_ms(graph, 5)
-        print(f"capture {k}: replay {replay_ms(graph):.4f} ms", flush=True)
+        with torch.cuda.stream(stream):
+            replay_ms(graph, 5)
+            print(f"capture {k}: replay {replay_ms(graph):.4f} ms", flush=True)
         if args.keep:
             kept.append(graph)
         del graph

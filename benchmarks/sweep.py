@@ -33,7 +33,7 @@ Sections (each writes its rows into one JSON and one markdown table, plus PNG pl
   variants, tune, gemv, gemvtune, gemvfused, select, profile   the probes of `benchmarks.probes` (kernel launch
              configs, the projection branch's pieces, per-policy selection cost, per-kernel profile)
 
-Step rows start from random keys and values (`DecodeSession.fill_random`: no prefill; timing does not
+Step rows start from random keys and values (`synthetic.fill_random`: no prefill; timing does not
 depend on the values at fixed budgets); generate rows prefill a random prompt, as users do.
 """
 
@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from policyzoo import Offload, kernels
+from policyzoo import Offload, kernels, timing
 from policyzoo.bytes import BUILTIN, ByteAccount
 from policyzoo.decoder import dynamic_capacity_refused
 from policyzoo.proj.base import uninstall as uninstall_projections
@@ -91,8 +91,8 @@ def host_link_bandwidth() -> float:
 def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind: bool = True,
               backend: str = "inductor") -> tuple[float, float, float | None]:
     """(ms per decode step, seconds spent compiling and capturing, page-cache hit rate of the timed
-    steps or None) at context ``n``, as `DecodeSession.time_step` times it (CUDA events);
-    ``rewind=False``: the timed steps follow each other, as `DecodeSession.time_step` says (offload's
+    steps or None) at context ``n``, as `timing.time_step` times it (CUDA events);
+    ``rewind=False``: the timed steps follow each other, as `timing.time_step` says (offload's
     page caches see consecutive steps).
 
     ``graph``: the eager step's kernels captured in a CUDA graph (torch.compile's ``eager``
@@ -116,7 +116,7 @@ def time_step(dec, batch: int, n: int, steps: int, reps: int, mode: str, rewind:
     if DEVICE == "cpu":
         ms = cuda_time_ms(session.step)
     else:
-        ms = session.time_step(calls=steps, reps=reps, warmup=1, rewind=rewind)
+        ms = timing.time_step(session, calls=steps, reps=reps, warmup=1, rewind=rewind)
     timed = session.cache.page_cache_counts() - before
     return ms, setup_s, timed.hit_rate if timed.lookups else None
 
@@ -228,7 +228,7 @@ def section_step(model, contexts, names, rows, bw, acct, save, deadline, batch=1
 def prefetched(dec) -> bool:
     """Whether ``dec``'s offloaded layers have their pages fetched ahead by the layer below."""
     cache = dec.session.cache
-    return cache.prefetch and any(dec.session.runtime.policy.predicts_layer(layer) for layer in cache.page_caches)
+    return cache.prefetch and any(dec.session.policy.predicts_layer(layer) for layer in cache.page_caches)
 
 
 def compiled_items(spec: str, known: set[str], flag: str = "--compiled") -> list[tuple[str, int, int]]:

@@ -1,13 +1,15 @@
-"""The attention function policyzoo registers with transformers' `AttentionInterface`.
+"""The attention function policyzoo registers with transformers' `AttentionInterface`, and the
+dense prefill attention it uses.
 
-HF attention modules compute q, k, v (RoPE and Qwen3's q/k norms included) and hand them to this
-function; it writes k, v into the paged cache and attends: densely with SDPA during prefill, through
-the KV policy's `Selection` during decode. A model with 1.5-entmax attention (its KV policy says
-``attention="entmax"``, `Runtime.attention`) attends with entmax in both: `prefill_attention_entmax15`,
-then the decode kernel's entmax mode (`kernels.decode_attention_entmax15`). The Decoder attaches
-``module._policyzoo = (runtime, layer)`` to each attention module and selects this implementation
-only while it decodes, so the wrapped model stays a plain HF model otherwise. No HF mask is built
-for it (the implementation has no mask function registered): the cache knows each row's padding.
+HF attention modules compute q, k, v (RoPE and Qwen3's q/k norms included) and hand them to the
+registered function together with the keyword arguments of the model's forward. A policyzoo session
+passes `ForwardArgs` among them (``policyzoo=...``): the function finds its layer's backend there
+(`policyzoo.backend`), which writes k, v into the paged cache and attends, densely with SDPA during
+prefill and through the KV policy's `Selection` during decode. A model with 1.5-entmax attention
+attends with entmax in both (`prefill_attention_entmax15`, then the decode kernel's entmax mode).
+The session selects this implementation only while it drives a forward, so the wrapped model stays
+a plain HF model otherwise. No HF mask is built for it (the implementation has no mask function
+registered): the cache knows each row's padding.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from . import kernels
-from .kv.base import KVSelector, KVState
-from .kv.dense import Dense
-from .selection import Selection
+from .forward import KWARG, ForwardArgs
 
 ATTN_IMPLEMENTATION = "policyzoo"
-_DENSE = Dense()
 
 
 def prefill_mask(start: Tensor, t: int) -> Tensor:
@@ -107,30 +106,6 @@ def prefill_attention_entmax15(
     return out.view(b, h, t, d).to(q.dtype)
 
 
-def fetched_ahead(runtime: Any, policy: KVSelector, layer: int) -> bool:
-    """Whether layer ``layer``'s page cache is filled by the layer below during a decode step (the
-    policy makes its selection there, `KVSelector.predicts_layer`): the fork and the join of the
-    prefetch both decide by this, so they always pair."""
-    cache = runtime.cache
-    return (runtime.phase == "decode" and cache.prefetch and cache.page_cache(layer) is not None
-            and policy.predicts_layer(layer))
-
-
-def prefetch_next_layer(runtime: Any, layer: int, policy: KVSelector, state: KVState, sel: Selection) -> None:
-    """Start fetching the next layer's pages where they are fetched ahead (`fetched_ahead`): on a
-    side stream, while this layer attends and runs its MLP (`offload.PageCache.prefetch`)."""
-    if not fetched_ahead(runtime, policy, layer + 1):
-        return
-    cache = runtime.cache
-    nxt = policy.next_layer_selection(state, sel)
-    if nxt is None:
-        raise RuntimeError(f"{type(policy).__name__}.predicts_layer({layer + 1}) is true, but next_layer_selection "
-                           f"gave no selection at layer {layer}")
-    if nxt.block % cache.page_size == 0:
-        nxt = nxt.split(cache.page_size)
-        cache.page_cache(layer + 1).prefetch(nxt, cache.keys[layer + 1], cache.values[layer + 1], cache.length)
-
-
 def policyzoo_attention(
     module: nn.Module,
     query: Tensor,
@@ -139,61 +114,29 @@ def policyzoo_attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    handle = getattr(module, "_policyzoo", None)
-    if handle is None:
-        raise RuntimeError("attention implementation 'policyzoo' is only usable through policyzoo.Decoder")
-    runtime, layer = handle
-    if runtime.phase == "idle":
+    """The attention of one decoder layer in a forward a policyzoo session drives: the session passes
+    `ForwardArgs` as the forward's ``policyzoo=`` keyword argument, and the layer's backend
+    (`policyzoo.backend`) does the work: ``query [B, H, T, D]``, ``key, value [B, H_kv, T, D]`` →
+    ``[B, T, H, D]``."""
+    args = kwargs.get(KWARG)
+    if not isinstance(args, ForwardArgs):
         raise RuntimeError(
-            "attention implementation 'policyzoo' runs only inside a Decoder's generate or session steps; "
-            "the model's config still names it (set model.config._attn_implementation back, e.g. to 'sdpa')"
+            "attention implementation 'policyzoo' runs only inside a Decoder's generate or session steps, which pass "
+            "the model's forward policyzoo=ForwardArgs(...); the model's config still names it (set "
+            "model.config._attn_implementation back, e.g. to 'sdpa')"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    cache, state = runtime.cache, runtime.states[layer]
-    entmax = runtime.attention == "entmax"
-    if runtime.phase == "prefill":
-        base, offset = runtime.prompt_slot, runtime.prefill_offset
-        cache.write_prefill(layer, key, value, base + offset)
-        if offset:  # a later chunk of an unpadded prompt: it attends to the chunks before it too
-            end = base + offset + query.shape[2]
-            out = prefill_attention_chunk(query, state.keys[:, :, base:end], state.values[:, :, base:end], scale)
-        elif entmax:
-            out = prefill_attention_entmax15(query, key, value, cache.start - base, scale)
-        else:
-            out = prefill_attention(query, key, value, cache.start - base, scale, runtime.prefill_padded)
-        runtime.policy.prefill(state, query, key, value)
-        if runtime.prefill_last and runtime.contexts.keep_previous:  # step 0's "previous": the prompt's last token's
-            runtime.policy.finish_prefill([state])
-            runtime.contexts.seed_previous(layer, runtime.policy.select(state, query[:, :, -1]))
-        return out.transpose(1, 2), None
+    backend = args.backend(module)
+    if args.phase == "prefill":
+        return backend.prefill(args, query, key, value, scale).transpose(1, 2), None
     if query.shape[2] != 1:
         raise RuntimeError(f"decode expects one token per row, got {query.shape[2]}")
-    cache.write(layer, key, value)
-    policy = runtime.policy if runtime.phase == "decode" else _DENSE
-    policy.append(state, key, value)
-    q = query[:, :, 0]
-    sel = policy.select(state, q)
-    if runtime.phase == "decode":  # a dense reference pass leaves the policy's record alone
-        runtime.contexts.record(layer, sel)
-    attend = kernels.decode_attention_entmax15 if entmax else kernels.decode_attention
-    page_cache = cache.page_cache(layer)
-    # An offloaded layer's page selection goes through its page cache; a dense pass (every page) and a
-    # token selection read the host in place.
-    if page_cache is not None and sel.block % cache.page_size == 0 and not isinstance(policy, Dense):
-        if fetched_ahead(runtime, policy, layer):
-            page_cache.wait_for_prefetch(q)
-        sel = sel.split(cache.page_size)
-        slots = page_cache.stage(sel, state.keys, state.values, cache.length)
-        prefetch_next_layer(runtime, layer, policy, state, sel)  # after this layer's fetch: they would share the link
-        out, _ = attend(q, page_cache.keys, page_cache.values, sel, cache.start, cache.length, scale, slots)
-    else:
-        prefetch_next_layer(runtime, layer, policy, state, sel)
-        out, _ = attend(q, state.keys, state.values, sel, cache.start, cache.length, scale)
-    if runtime.audit is not None:
-        runtime.audit.record_attention(layer, q, cache, sel, out, scale, attention=runtime.attention)
-    return out.unsqueeze(1), None
+    return backend.decode(args, query[:, :, 0], key, value, scale).unsqueeze(1), None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, policyzoo_attention)
+def register() -> None:
+    """Register `policyzoo_attention` with transformers' `AttentionInterface` under
+    `ATTN_IMPLEMENTATION` (a Decoder does this when it wraps a model; registering again is harmless)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, policyzoo_attention)

@@ -21,14 +21,25 @@ milliseconds on an 8B model. Every run is a real step: nothing is run twice or r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from . import inductor_compat
+from .regional import RegionalStep, call_layer
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .cache import PagedKVCache
+    from .forward import ForwardArgs
+    from .kv.context import ContextStore
 
 WARMUP_STEPS = 2  # compiled runs of a new key before its CUDA graph is captured
 WATCHED_CALLS = 3  # calls of a new compiled step watched for a fallback to eager (compiles happen there)
@@ -165,4 +176,74 @@ class CompiledSteps:
         return sum(entry.graph is not None for entry in self._steps.values())
 
 
-__all__ = ["CompileFallbackWarning", "CompiledSteps", "WARMUP_STEPS", "fallback_watch", "own_code"]
+def compile_steps(
+    step: types.MethodType,
+    model: nn.Module,
+    layer_args: Callable[[], "Sequence[ForwardArgs]"] | None,
+    *,
+    name: str,
+    mode: str | None,
+    dynamic_capacity: bool,
+    cuda_graphs: bool,
+    backend: str,
+) -> CompiledSteps:
+    """The compiled steps of a session whose step is the bound method ``step``: the whole step
+    compiled, or, given ``layer_args`` (each layer's decode arguments, `regional.LayerRegions`), one
+    decoder layer of ``model`` compiled for every layer around an eager rest of the step."""
+    if backend == "inductor":
+        inductor_compat.apply()
+    if dynamic_capacity:
+        # Inductor's rewrite of a scatter into a zero tensor as a pointwise select gave `SSA` a
+        # wrong selection with symbolic sizes (a sampled page lost on caches of up to 8 pages;
+        # aot_eager and this build match eager). `options` replaces `mode`: same settings.
+        modal = torch._inductor.list_mode_options(mode) if mode else {}
+        options = {**modal, "optimize_scatter_upon_const_tensor": False} if backend == "inductor" else None
+        compile_fn = partial(torch.compile, backend=backend, options=options, dynamic=None)
+    else:
+        compile_fn = partial(torch.compile, backend=backend, mode=mode, dynamic=False)
+
+    def build(label: str) -> Step:
+        if layer_args is not None:
+            return RegionalStep(model, layer_args, step, compile_fn(own_code(call_layer, label)))
+        return compile_fn(types.MethodType(own_code(step.__func__, label), step.__self__))
+
+    return CompiledSteps(build, name=name, cuda_graphs=cuda_graphs, dynamic_capacity=dynamic_capacity, regional=layer_args is not None)
+
+
+def mark_capacity_dynamic(cache: "PagedKVCache") -> None:
+    """Trace the cache's capacity as a symbol (``dynamic_capacity``)."""
+    # maybe_: a value the code specialises on recompiles instead of raising.
+    for t in cache.tensors():
+        if t.dim() == 4:  # keys/values [B, H_kv, capacity, D], summaries [B, H_kv, pages, D]
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+
+
+def policy_state_layout(backends: "Sequence[Backend]", contexts: "ContextStore | None") -> tuple:
+    """Where the policy's per-request tensors live: ``(address, shape, dtype)`` of every tensor in the
+    layers' stores and the policy's request state (nested dicts, lists, tuples and dataclass fields
+    included), in a fixed order. Equal for two requests exactly when a graph recorded on one reads
+    the other's."""
+    out: list = []
+
+    def visit(value: object) -> None:
+        if isinstance(value, Tensor):
+            out.append((value.data_ptr(), tuple(value.shape), value.dtype))
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                visit(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name))
+
+    visit([backend.state.store for backend in backends])
+    visit(contexts.request if contexts is not None else None)
+    return tuple(out)
+
+
+__all__ = [
+    "CompileFallbackWarning", "CompiledSteps", "WARMUP_STEPS", "compile_steps", "fallback_watch", "mark_capacity_dynamic",
+    "own_code", "policy_state_layout",
+]

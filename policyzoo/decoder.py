@@ -11,6 +11,7 @@ registered attention function, which asks the KV policy for a `Selection` and at
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import nullcontext
 from functools import partial
 from typing import Any, Protocol
@@ -20,15 +21,17 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import _compat, kernels
+from .attention import register as register_attention
+from .backend import ATTENTIONS
 from .distributed import shard_of
+from .forward import KWARG, ForwardArgs
 from .kv.base import KVSelector, check_count
 from .kv.context import check_parts
 from .kv.dense import Dense
 from .offload import Offload
-from .proj.base import ProjectionSparsifier, fuse_shared_inputs
+from .proj.base import ProjectionSparsifier, ProjectionSwitch, fuse_shared_inputs
 from .proj.base import uninstall as uninstall_projections
 from .regional import layer_invariant
-from .runtime import Runtime
 from .sampling import check_settings, is_token
 from .session import DecodeSession
 from .streaming import TokenOutbox
@@ -131,12 +134,14 @@ class Decoder:
         # The kernels' scratch for this device, made before any CUDA graph is recorded (`kernels.Workspace`).
         self.workspace = kernels.Workspace(self.device) if self.device.type == "cuda" else None
         dense = Dense()  # the dense setting's policy: one instance, so a compiled step guards on it
-        runtime = Runtime(policy=kv if kv is not None else dense)
-        self._install(runtime, fuse=not offloaded)
+        register_attention()
+        self.switch = ProjectionSwitch()
         self.session = DecodeSession(
-            model, runtime, kv=kv, proj=proj is not None, dense=dense, page_size=self.page_size, dtype=self.dtype, device=self.device,
-            offload=offload,
-        )
+            model, kv=kv, proj=proj is not None, dense=dense, switch=self.switch,
+            attention=attention_of(kv) if kv is not None else "softmax", page_size=self.page_size, dtype=self.dtype,
+            device=self.device, offload=offload, workspace=self.workspace,
+        )  # fmt: skip
+        self._install(fuse=not offloaded)
         self.last_choice: str | None = None
         if gate is not None:
             gate.warn_if_mismatched(kv, proj, self.device)
@@ -146,35 +151,24 @@ class Decoder:
         if compile:
             self.compile()
 
-    def _install(self, runtime: Runtime, fuse: bool = True) -> None:
-        """Point the model's attention modules, projection wrappers and layer hooks at ``runtime``
-        (``fuse``: group q/k/v and gate/up weights when there is no sparsifier; not for offloaded weights).
-
-        A Decoder that wrapped this model before no longer drives it: its cache is freed now rather
-        than when the cycle collector finds it (a 128K cache is 17 GB on an 8B model)."""
+    def _install(self, fuse: bool = True) -> None:
+        """Take the model over: retire the session of a Decoder that wrapped it before (its cache, CUDA
+        graphs and compiled steps are freed now rather than when the cycle collector finds them: a
+        128K cache is 17 GB on an 8B model), install this Decoder's projection wrappers (``fuse``:
+        group q/k/v and gate/up weights when there is no sparsifier; not for offloaded weights) and,
+        where the policy reads them, the hooks that hand each layer's input to the step context."""
         model = self.model
-        for layer, (block, attn) in enumerate(zip(_compat.decoder_layers(model), _compat.attention_modules(model))):
-            previous = getattr(attn, "_policyzoo", None)
-            if previous is not None:  # its session now refuses to decode (`DecodeSession._need_active`)
-                old = previous[0].owner() if previous[0].owner is not None else None
-                if old is not None:
-                    old.retire()
-                previous[0].cache, previous[0].states, previous[0].contexts = None, [], None
-                previous[0].active = False
-            attn._policyzoo = (runtime, layer)
-            hook = getattr(block, "_policyzoo_hook", None)
-            if hook is not None:
-                hook.remove()
-                del block._policyzoo_hook
-            if self.kv is not None and {"hidden", "rotary"} & set(self.kv.step_context):
-                # The hidden state entering the layer and its rotary embedding (`StepContext.hidden`,
-                # `.rotary`); only where a policy reads them, so that other models keep no hook.
-                block._policyzoo_hook = block.register_forward_pre_hook(partial(_record_hidden, runtime, layer), with_kwargs=True)
+        ModelLease.take(model, self.session)
+        if self.kv is not None and {"hidden", "rotary"} & set(self.kv.step_context):
+            # The hidden state entering the layer and its rotary embedding (`StepContext.hidden`,
+            # `.rotary`); only where a policy reads them, so that other models keep no hook.
+            for layer, block in enumerate(_compat.decoder_layers(model)):
+                block.register_forward_pre_hook(partial(_record_hidden, layer), with_kwargs=True)
         uninstall_projections(model)  # a model re-wrapped by a new Decoder drops the old wrappers
         if self.proj is not None:
-            self.proj.install(model, runtime)
+            self.proj.install(model, self.switch, self.workspace)
         elif fuse:  # fusing copies the weights: not offloaded ones
-            fuse_shared_inputs(model, runtime)  # q/k/v and gate/up as one GEMM each (kernel path)
+            fuse_shared_inputs(model, self.switch)  # q/k/v and gate/up as one GEMM each (kernel path)
 
     @classmethod
     def from_pretrained(
@@ -356,16 +350,54 @@ class Decoder:
             )
 
 
-def _record_hidden(runtime: Runtime, layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _record_hidden(layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of decoder layer ``layer``: hand the hidden state entering it, and the rotary
-    embedding it receives, to the step context (kept only while the policy in use reads them)."""
-    contexts = runtime.contexts
-    if contexts is None or runtime.phase == "idle":
+    embedding it receives, to the step context of the session driving the forward (kept only while
+    the policy in use reads them)."""
+    forward = kwargs.get(KWARG)
+    if not isinstance(forward, ForwardArgs) or forward.single:
         return
+    contexts = forward.layers[layer].contexts
     if contexts.keep_hidden:
         contexts.record_hidden(layer, args[0] if args else kwargs["hidden_states"])
     if contexts.keep_rotary and layer == 0:  # every layer receives the same
         contexts.record_rotary(kwargs.get("position_embeddings"))
+
+
+class ModelLease:
+    """Which session drives a model: a forward pre-hook on the model, so a later Decoder finds it
+    there (`take`). Its forwards need nothing from it; it exists to be found and revoked. It names
+    its model too: a copy of the model (``copy.deepcopy``) carries a copy of the lease, which must
+    not retire the original's session."""
+
+    def __init__(self, model: nn.Module, session: DecodeSession) -> None:
+        self.model, self.session = weakref.ref(model), weakref.ref(session)
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        return None
+
+    @classmethod
+    def take(cls, model: nn.Module, session: DecodeSession) -> None:
+        """Give ``model`` to ``session``: the lease before goes with the layer hooks its Decoder
+        registered, and its session, if it still exists, retires (frees its cache, graphs and
+        compiled steps, and refuses to decode from then on)."""
+        for key, hook in list(model._forward_pre_hooks.items()):
+            if isinstance(hook, cls):
+                _remove_hook(model, key)
+                old = hook.session() if hook.model() is model else None
+                if old is not None:
+                    old.retire()
+        for block in _compat.decoder_layers(model):
+            for key, hook in list(block._forward_pre_hooks.items()):
+                if isinstance(hook, partial) and hook.func is _record_hidden:
+                    _remove_hook(block, key)
+        model.register_forward_pre_hook(cls(model, session))
+
+
+def _remove_hook(module: nn.Module, key: int) -> None:
+    """Remove forward pre-hook ``key`` of ``module`` (what its `RemovableHandle` would do)."""
+    module._forward_pre_hooks.pop(key, None)
+    module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def _resolve_page_size(page_size: int | None, kv: KVSelector | None) -> int:
@@ -455,3 +487,11 @@ def _pad_id(model: nn.Module, pad_token_id: int | None, eos: list[int], vocab: i
         raise ValueError(f"{where}: {pad} is outside the vocabulary (0..{vocab - 1})")
     return pad
 
+
+
+def attention_of(policy: KVSelector) -> str:
+    """The attention of the model a KV policy serves (`KVSelector.attention`), checked."""
+    attention = policy.attention
+    if attention not in ATTENTIONS:
+        raise ValueError(f"{type(policy).__name__}.attention must be 'softmax' or 'entmax', got {attention!r}")
+    return attention

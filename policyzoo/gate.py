@@ -41,6 +41,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .bytes import SETTINGS, format_context
+from .synthetic import fill_random
+from .timing import time_step
 
 FORMAT = "policyzoo-gate/1"
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
@@ -427,10 +429,10 @@ class Gate:
         """Measure step-time curves on the model's device with a short timing sweep.
 
         For each context and setting the Decoder's session starts a sequence batch of random keys
-        and values (`DecodeSession.fill_random`: timing does not depend on their values for fixed
+        and values (`synthetic.fill_random`: timing does not depend on their values for fixed
         budgets; a policy that builds state in its own prefill gets it from random queries), then
         times ``reps`` times ``steps`` decode steps from that context after ``warmup`` steps
-        (`DecodeSession.time_step`: the shared timer, CUDA events on CUDA, the wall clock
+        (`timing.time_step`: the shared timer, CUDA events on CUDA, the wall clock
         elsewhere); the curve point is the median of the per-step means. The steps run the way a
         gated `Decoder` runs them: one Decoder with ``kv`` and ``proj`` installed, switched per
         setting with `Decoder.use`; with ``compile=True``, through the compiled step as `generate`
@@ -480,8 +482,8 @@ class Gate:
                     bar.set_postfix_str(f"{s} @ {format_context(n)}")
                     session.use(s)
                     # One cache for every context: a compiled step captured on it is replayed at each.
-                    session.fill_random(n, batch=batch, capacity=contexts[-1] + margin, generator=gen)
-                    curves[s][n] = session.time_step(calls=steps, reps=reps, warmup=warmup)
+                    fill_random(session, n, batch=batch, capacity=contexts[-1] + margin, generator=gen)
+                    curves[s][n] = time_step(session, calls=steps, reps=reps, warmup=warmup)
                     bar.update(1)
         finally:
             bar.close()

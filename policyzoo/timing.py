@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from .session import DecodeSession
 
 
 def time_ms(
@@ -55,3 +58,25 @@ def time_ms(
                 fn()
             times.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(times)
+
+
+def time_step(session: "DecodeSession", *, calls: int = 8, reps: int = 3, warmup: int = 2, rewind: bool = True) -> float:
+    """Milliseconds per decode step of ``session`` at its current context, the step as `generate`
+    runs it (compiled and replayed when the session is compiled), by `time_ms`: the median over
+    ``reps`` of ``calls`` steps, every rep from the current length, or with ``rewind=False`` each rep
+    going on from the last (the context grows by the steps taken; offload's page caches then see
+    consecutive steps, as in generation, not the same steps again). A compiled session first takes
+    the steps that compile and capture it."""
+    from .compiled import WARMUP_STEPS
+
+    cache = session.cache
+    if cache is None:
+        raise RuntimeError("no sequence batch: call prefill(), load_prefix() or synthetic.fill_random() first")
+    length = int(cache.length)
+    if session.compiled:
+        warmup = max(warmup, WARMUP_STEPS + 1)
+    steps = max(calls, warmup) if rewind else warmup + calls * reps
+    if length + steps > cache.capacity:
+        raise ValueError(f"the cache holds {cache.capacity} tokens: no room for {steps} steps after {length}")
+    setup = (lambda: session.rewind(length)) if rewind else None
+    return time_ms(session.step, calls=calls, reps=reps, warmup=warmup, setup=setup, device=session.device)

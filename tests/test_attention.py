@@ -78,7 +78,7 @@ def test_dense_setting_of_an_entmax_decoder_attends_with_entmax():
     model = tiny_model("llama")
     ids, mask = padded_batch(2, 21)
     dec = Decoder(model, kv=EntmaxKV(budget=4, attention="entmax", page=4)).use("dense")
-    assert dec.session.runtime.attention == "entmax"
+    assert dec.session.attention == "entmax"
     seq, logits = dec.generate(ids, NEW, attention_mask=mask, output_logits=True)
     torch.testing.assert_close(logits, oracle_logits(copy.deepcopy(model), seq, mask), atol=2e-4, rtol=1e-4)
 

@@ -146,7 +146,7 @@ def test_appends_keep_every_centroid_the_mean_of_its_keys(graph):
     dec = Decoder(model, kv=policy)
     dec.generate(ids, 12, attention_mask=mask)
     cache = dec.session.cache
-    for layer, state in enumerate(dec.session.runtime.states):
+    for layer, state in enumerate(b.state for b in dec.session.backends):
         centroid, size = state.store["centroid"], state.store["size"]
         per_kv = centroid.shape[1] // cache.num_kv_heads
         for r in range(cache.batch):
@@ -229,7 +229,7 @@ def test_worker_processes_make_the_communities_this_process_makes():
     runs = []
     for policy in (inline, pooled):
         dec = Decoder(copy.deepcopy(model), kv=policy)
-        runs.append((dec.generate(ids, 10, attention_mask=mask), [dict(s.store) for s in dec.session.runtime.states]))
+        runs.append((dec.generate(ids, 10, attention_mask=mask), [dict(b.state.store) for b in dec.session.backends]))
     assert torch.equal(runs[0][0], runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         for name in ("order", "offset", "size", "room", "centroid"):
@@ -247,7 +247,7 @@ def test_wrapping_policies_finish_its_prefill(wrap):
     ids, mask = padded_batch(2, 40)
     dec = Decoder(model, kv=wrap(CommunityKV(0.3, **SMALL)))
     dec.session.prefill(ids, mask, capacity=50)  # no step yet: only finish_prefill lays them out
-    for state in dec.session.runtime.states:
+    for state in (b.state for b in dec.session.backends):
         assert "order" in state.store and not any(key.endswith(".jobs") for key in state.store)
 
 

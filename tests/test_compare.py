@@ -36,7 +36,7 @@ def test_compare_leaves_the_decoder_usable_and_dense_history_intact():
     dec = Decoder(model, kv=Window(sinks=1, window=3), proj=TopK(0.5))
     audit = compare(dec, ids, 4, attention_mask=mask)
     assert audit.mean("proj_keep") == pytest.approx(0.5, abs=0.02)
-    assert dec.session.runtime.phase == "idle" and dec.session.runtime.audit is None
+    assert not dec.session.switch.sparse and dec.session.switch.recorder is None
     # The cache now holds the dense trajectory: generating again works and is deterministic.
     a = dec.generate(ids, 4, attention_mask=mask)
     b = dec.generate(ids, 4, attention_mask=mask)

@@ -395,7 +395,7 @@ def test_calibrate_a_decoder_keeps_it_wrapped_and_restores_its_setting():
     gate = Gate.calibrate(dec, contexts=[32, 64], steps=1, reps=1, warmup=0, progress=False)
     assert gate.settings == ("dense", "proj", "kv", "both") and gate.proj_spec == repr(TopK(0.5))
     assert gate.meta["compile"] is False and gate.meta["warmup"] == 0
-    assert dec.setting == "kv" and dec.session.runtime.policy is dec.kv and not dec.session.runtime.sparse_proj
+    assert dec.setting == "kv" and dec.session.policy is dec.kv and not dec.session.sparse_proj
     ids, _ = padded_batch(1, 20)
     dec.generate(ids, 3, audit=True)
     assert dec.last_audit.proj_keep == {} and dec.last_choice == "kv"

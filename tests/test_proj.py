@@ -140,11 +140,10 @@ def test_shared_input_groups_decode_like_separate_projections(monkeypatch, famil
 
 def test_shared_input_leaves_nothing_pending_and_recomputes_for_another_input(monkeypatch):
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
-    from policyzoo.kv import Dense
-    from policyzoo.runtime import Runtime
+    from policyzoo.proj.base import ProjectionSwitch
 
     model = tiny_model("llama")
-    TopK(0.5).install(model, Runtime(policy=Dense(), phase="decode"))  # the wrappers alone, in a decode step
+    TopK(0.5).install(model, ProjectionSwitch(sparse=True))  # the wrappers alone, in a decode step
     attn = model.model.layers[0].self_attn
     group = attn.q_proj.group
     x, other = torch.randn(2, 1, model.config.hidden_size), torch.randn(2, 1, model.config.hidden_size)

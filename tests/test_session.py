@@ -15,6 +15,8 @@ from tiny_models import BUILTIN_POLICIES, padded_batch, tiny_model
 
 from policyzoo import SSA, AttentionTopK, Certified, CommunityKV, Decoder, EntmaxKV, Forecast, PrHS, Quest, Window
 from policyzoo.eval.audit import Audit
+from policyzoo.synthetic import fill_random
+from policyzoo.timing import time_step
 
 
 def hf_logits(model, seq, mask):
@@ -84,36 +86,36 @@ def test_load_prefix_refuses_a_policy_that_needs_its_own_prefill():
 
 def test_fill_random_gives_an_exact_capacity_and_consistent_summaries():
     session = Decoder(tiny_model("llama"), kv=Quest(0.5, page=4)).session
-    session.fill_random(30, batch=2, capacity=50, generator=torch.Generator().manual_seed(0))
+    fill_random(session, 30, batch=2, capacity=50, generator=torch.Generator().manual_seed(0))
     cache = session.cache
     assert cache.capacity == 52 and int(cache.length) == 30 and cache.batch == 2  # whole pages
     page_min = cache.page_min[1].clone()
     cache.summarise(1, slice(0, cache.num_pages))
     assert torch.equal(cache.page_min[1], page_min)
-    session.fill_random(20, batch=2, capacity=60)  # another exact capacity: another cache
+    fill_random(session, 20, batch=2, capacity=60)  # another exact capacity: another cache
     assert session.cache.capacity == 60 and session.cache is not cache
     with pytest.raises(ValueError, match="must hold the 20 filled tokens"):
-        session.fill_random(20, capacity=10)
+        fill_random(session, 20, capacity=10)
 
 
 def test_rewind_and_time_step_time_the_same_context_again():
     session = Decoder(tiny_model("llama")).session
-    session.fill_random(16, capacity=32)
-    ms = session.time_step(calls=4, reps=2, warmup=1)
+    fill_random(session, 16, capacity=32)
+    ms = time_step(session, calls=4, reps=2, warmup=1)
     assert ms > 0 and int(session.cache.length) == 20  # the last rep started again from 16
     session.rewind(16)
     assert int(session.cache.length) == 16
     with pytest.raises(ValueError, match="no room for 40 steps"):
-        session.time_step(calls=40)
+        time_step(session, calls=40)
 
 
 def test_time_step_without_rewind_takes_consecutive_steps():
     session = Decoder(tiny_model("llama")).session
-    session.fill_random(16, capacity=32)
-    assert session.time_step(calls=4, reps=2, warmup=1, rewind=False) > 0
+    fill_random(session, 16, capacity=32)
+    assert time_step(session, calls=4, reps=2, warmup=1, rewind=False) > 0
     assert int(session.cache.length) == 16 + 1 + 4 * 2  # warm-up, then every rep after the last
     with pytest.raises(ValueError, match="no room for 9 steps"):
-        session.time_step(calls=4, reps=2, warmup=1, rewind=False)
+        time_step(session, calls=4, reps=2, warmup=1, rewind=False)
 
 
 def test_audit_records_steps_in_its_block_only_and_restores_the_previous_recorder():
@@ -125,7 +127,7 @@ def test_audit_records_steps_in_its_block_only_and_restores_the_previous_recorde
         session.step()
         session.step()
     session.step()
-    assert isinstance(audit, Audit) and len(audit.dropped_mass[0]) == 2 and session.runtime.audit is None
+    assert isinstance(audit, Audit) and len(audit.dropped_mass[0]) == 2 and session.switch.recorder is None
     assert audit.mean("dropped_mass") > 0  # a window of 5 tokens drops mass
 
 
@@ -203,7 +205,7 @@ def test_a_long_prompt_prefilled_in_chunks_leaves_what_one_forward_leaves(monkey
     for name in names:
         for layer in range(2):
             torch.testing.assert_close(getattr(chunked.cache, name)[layer], getattr(whole.cache, name)[layer], atol=1e-5, rtol=1e-5)
-    assert int(chunked.cache.length) == chunked.prompt_slot(45) + 45 and chunked.runtime.prefill_offset == 0
+    assert int(chunked.cache.length) == chunked.prompt_slot(45) + 45
     token = torch.tensor([3, 4])
     torch.testing.assert_close(chunked.step(token), whole.step(token), atol=1e-4, rtol=1e-4)
 
@@ -337,7 +339,7 @@ def test_recorded_graphs_are_dropped_when_a_request_remakes_the_policys_tensors(
     """A CUDA graph reads the store's tensors where they were when it was recorded: a request whose
     policy made new ones (CommunityKV remakes its layout) drops the graphs; one that keeps them
     (a policy with no store) keeps them."""
-    from policyzoo.session import policy_state_layout
+    from policyzoo.compiled import policy_state_layout
 
     model = tiny_model("llama", layers=2)
     ids, mask = padded_batch(2, 30)
@@ -345,11 +347,11 @@ def test_recorded_graphs_are_dropped_when_a_request_remakes_the_policys_tensors(
         session = Decoder(copy.deepcopy(model), kv=policy).compile(backend="eager").session
         session.choose(session.prefill(ids, mask, capacity=40)[:, -1])
         session.step()
-        before = policy_state_layout(session.runtime)
+        before = policy_state_layout(session.backends, session.contexts)
         for entry in session.compiled_steps._steps.values():
             entry.graph = ("recorded", None)  # as a CUDA capture leaves it
         session.prefill(ids, mask, capacity=40)
-        assert (policy_state_layout(session.runtime) == before) == kept
+        assert (policy_state_layout(session.backends, session.contexts) == before) == kept
         assert (session.compiled_steps.graphs == 1) == kept
 
 

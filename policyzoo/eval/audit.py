@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..attention import entmax15
-from ..runtime import Attention
+from ..backend import Attention
 from ..cache import PagedKVCache
 from ..kv.base import KVState
 from ..kv.certified import certified_dropped_mass

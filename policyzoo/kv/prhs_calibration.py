@@ -57,7 +57,7 @@ class _Seen:
 
 
 class _Observer:
-    """A `runtime.Recorder` that measures what the calibration needs at every (step, layer)."""
+    """A `backend.Recorder` that measures what the calibration needs at every (step, layer)."""
 
     def __init__(self, budget: Budget | None, windows: Sequence[int], mass: float, max_group: int, max_lag: int) -> None:
         self.budget, self.windows, self.mass, self.max_group, self.max_lag = budget, tuple(windows), mass, max_group, max_lag

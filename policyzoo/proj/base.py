@@ -15,7 +15,8 @@ without a sparsifier too), and one sparse GEMV computes them in sparse decoding
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -23,10 +24,21 @@ from torch import Tensor, nn
 from .. import kernels
 from .._compat import PROJECTIONS, SHARED_INPUT, decoder_layers
 
-if TYPE_CHECKING:
-    from ..runtime import Runtime
-
 ALL_TARGETS = tuple(PROJECTIONS)
+
+
+@dataclass
+class ProjectionSwitch:
+    """What the projection wrappers of one Decoder read as a forward runs: whether this forward
+    computes the sparse projections (``sparse``: a decode step of a setting with sparse projections)
+    and the audit recorder, if any (``recorder``, with a ``record_projection(name, keep)`` method).
+
+    The Decoder makes one and hands it to the wrappers it installs (`ProjectionSparsifier.install`);
+    its session is the one writer, and sets it only around the forwards it drives, so the wrappers
+    compute dense projections whenever no policyzoo decode step is running."""
+
+    sparse: bool = False
+    recorder: Any = None
 
 
 def check_keep(keep: object, name: str = "keep") -> float:
@@ -87,7 +99,7 @@ class ProjectionSparsifier:
         its own. Input-only sparsifiers share one kept set; others override this where they can."""
         return self.project(names[0], x, w_t, bias, workspace=workspace) if self.input_only else None
 
-    def install(self, model: nn.Module, runtime: "Runtime", workspace: kernels.Workspace | None = None) -> None:
+    def install(self, model: nn.Module, switch: ProjectionSwitch, workspace: kernels.Workspace | None = None) -> None:
         """Replace the target linears of every decoder layer by `SparseLinear` wrappers, and group
         the projections of a shared input (`fuse_shared_inputs`). The wrappers pass ``workspace``
         (the kernels' scratch; on CUDA one made here when none is given) to the sparse GEMV."""
@@ -95,11 +107,11 @@ class ProjectionSparsifier:
         if workspace is None and param.is_cuda and kernels.use_triton(param):  # eager, before any graph is recorded
             workspace = kernels.Workspace(param.device)
         for i, layer in enumerate(decoder_layers(model)):
-            _wrap(layer, i, self.targets, runtime, self, workspace)
-        fuse_shared_inputs(model, runtime)
+            _wrap(layer, i, self.targets, switch, self, workspace)
+        fuse_shared_inputs(model, switch)
 
 
-def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
+def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch) -> None:
     """Group q/k/v and gate/up of every layer into `SharedInput`s on the kernel path.
 
     Projections not wrapped yet are wrapped dense (no sparsifier). A group forms only when its
@@ -109,7 +121,7 @@ def fuse_shared_inputs(model: nn.Module, runtime: "Runtime") -> None:
         return  # the reference path keeps the model's own linears
     for i, layer in enumerate(decoder_layers(model)):
         for group in SHARED_INPUT:
-            _wrap(layer, i, [t for t in group if not isinstance(_linear(layer, t), SparseLinear)], runtime, None)
+            _wrap(layer, i, [t for t in group if not isinstance(_linear(layer, t), SparseLinear)], switch, None)
             members = [_linear(layer, t) for t in group]
             same = all(m.sparsifier is members[0].sparsifier for m in members)
             if same and all(m.w_t is not None and m.group is None for m in members):
@@ -137,7 +149,7 @@ def _linear(layer: nn.Module, target: str) -> nn.Module:
 
 
 def _wrap(
-    layer: nn.Module, i: int, targets: Sequence[str], runtime: "Runtime", sparsifier: "ProjectionSparsifier | None",
+    layer: nn.Module, i: int, targets: Sequence[str], switch: ProjectionSwitch, sparsifier: "ProjectionSparsifier | None",
     workspace: kernels.Workspace | None = None,
 ) -> None:
     for target in targets:
@@ -146,7 +158,7 @@ def _wrap(
         linear = getattr(parent, linear_name)
         if isinstance(linear, SparseLinear):
             linear = linear.linear
-        setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", sparsifier, runtime, workspace))
+        setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", sparsifier, switch, workspace))
 
 
 def uninstall(model: nn.Module) -> None:
@@ -171,13 +183,13 @@ class SparseLinear(nn.Module):
     layout).
     """
 
-    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier | None, runtime: "Runtime",
+    def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier | None, switch: ProjectionSwitch,
                  workspace: kernels.Workspace | None = None) -> None:
         super().__init__()
         self.linear = linear
         self.name = name
         self.sparsifier = sparsifier
-        self.runtime = runtime
+        self.switch = switch
         self.workspace = workspace  # the kernels' scratch for the sparse GEMV (None: made per call)
         w_t = None
         if kernels.use_triton(linear.weight):
@@ -188,7 +200,7 @@ class SparseLinear(nn.Module):
 
     def sparse_now(self) -> bool:
         """Whether this call computes the sparse projection (decode, with sparse projections on)."""
-        return self.sparsifier is not None and self.runtime.phase == "decode" and self.runtime.sparse_proj
+        return self.sparsifier is not None and self.switch.sparse
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.sparse_now():
@@ -196,8 +208,8 @@ class SparseLinear(nn.Module):
                 y = self.group.output(self, x)
                 return y.view(*x.shape[:-1], y.shape[-1])
             return self.linear(x)
-        if self.runtime.audit is not None:
-            self.runtime.audit.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
+        if self.switch.recorder is not None:
+            self.switch.recorder.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
         if self.w_t is None:
             keep = self.sparsifier.keep_mask(self.name, x)
             return kernels.sparse_linear(x, self.linear.weight, self.linear.bias, keep, workspace=self.workspace)

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .. import kernels
-from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, group_segment, shared_groups
+from .base import ALL_TARGETS, ProjectionSparsifier, ProjectionSwitch, check_keep, check_targets, group_segment, shared_groups
 from .calibration import DeviceScalars, check_fits, check_values, collect_inputs, read_values, save_values
-
-if TYPE_CHECKING:
-    from ..runtime import Runtime
 
 _SAMPLES_PER_PROJECTION = 1 << 18  # enough for a stable quantile, small enough for any model
 
@@ -52,11 +49,11 @@ class Threshold(ProjectionSparsifier):
         made, or (used outside a Decoder) one made now."""
         return self._device.scalar(name, device)
 
-    def install(self, model: nn.Module, runtime: "Runtime", workspace: kernels.Workspace | None = None) -> None:
+    def install(self, model: nn.Module, switch: ProjectionSwitch, workspace: kernels.Workspace | None = None) -> None:
         """Wrap the projections, then make every calibrated threshold (and each q|k|v or gate|up
         group's per-column thresholds) a device tensor, once; `calibrate` later updates them in place."""
         check_fits(self.thresholds, model, self.targets, "Threshold", "thresholds")
-        super().install(model, runtime, workspace)
+        super().install(model, switch, workspace)
         groups = [(tuple(g.names), tuple(g.sizes)) for g in shared_groups(model, self)]
         self._device.install(next(model.parameters()).device, groups)
         self._groups = groups

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .. import kernels
 from ..distributed import concat_over_ranks, is_row_parallel, shard_of, sum_over_ranks
-from .base import ALL_TARGETS, ProjectionSparsifier, check_keep, check_targets, kept_features, topk_mask
+from .base import ALL_TARGETS, ProjectionSparsifier, ProjectionSwitch, check_keep, check_targets, kept_features, topk_mask
 from .calibration import DeviceScalars, check_fits, check_values, collect_inputs, read_values, save_values
-
-if TYPE_CHECKING:
-    from ..runtime import Runtime
 
 MODES = ("exact", "fast")
 _KIND = "topk-fast"  # the metadata kind of a file of fast-mode ratios
@@ -62,9 +59,9 @@ class TopK(ProjectionSparsifier):
             raise ValueError("ratios are the fast mode's: pass mode='fast'")
         self._device = DeviceScalars(self.ratios, "fast-TopK ratio", "call calibrate() or load() first")
 
-    def install(self, model: nn.Module, runtime: "Runtime", workspace: kernels.Workspace | None = None) -> None:
+    def install(self, model: nn.Module, switch: ProjectionSwitch, workspace: kernels.Workspace | None = None) -> None:
         check_fits(self.ratios, model, self.targets, "TopK(mode='fast')", "ratios")
-        super().install(model, runtime, workspace)
+        super().install(model, switch, workspace)
         self._shard = shard_of(model)
         if self.mode == "fast":
             self._device.install(next(model.parameters()).device)
