@@ -224,7 +224,7 @@ class Offloaded(BackendWrapper):
         if sel.block % page != 0 or isinstance(args.policy, Dense):
             return self.inner.fetch(args, q, sel)
         if self.prefetched and fetched_ahead(args, self.layer):
-            self.page_cache.wait_for_prefetch(q)
+            self.page_cache.wait_for_prefetch(q, workspace=self.state.workspace)
         sel = sel.split(page)
         slots = self.page_cache.stage(sel, self.state.keys, self.state.values, self.cache.length)
         return Fetched(self.page_cache.keys, self.page_cache.values, sel, slots)
@@ -251,7 +251,8 @@ class Prefetching(BackendWrapper):
                 raise RuntimeError(f"{type(args.policy).__name__}.predicts_layer({self.layer + 1}) is true, but "
                                    f"next_layer_selection gave no selection at layer {self.layer}")
             if nxt.block % self.cache.page_size == 0:
-                self.next_cache.prefetch(nxt.split(self.cache.page_size), self.next_keys, self.next_values, self.cache.length)
+                self.next_cache.prefetch(nxt.split(self.cache.page_size), self.next_keys, self.next_values, self.cache.length,
+                                         workspace=self.state.workspace)  # its stream: the session's Workspace
         return fetched
 
     def view(self) -> Backend:

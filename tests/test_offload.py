@@ -70,7 +70,7 @@ def test_bad_layers_are_refused_by_name(layers, exc):
 
 
 def test_prefetch_off_fetches_at_the_lookup_only(monkeypatch):
-    monkeypatch.setattr(PageCache, "prefetch", lambda *a: pytest.fail("prefetched with prefetch=False"))
+    monkeypatch.setattr(PageCache, "prefetch", lambda *a, **kw: pytest.fail("prefetched with prefetch=False"))
     ids, mask = padded_batch(2, 150, seed=1)
     want = Decoder(llama(), kv=Forecast(0.3, **FORECAST)).generate(ids, 6, attention_mask=mask)
     dec = Decoder(llama(), kv=Forecast(0.3, **FORECAST), offload=Offload(2, cache=0.7, prefetch=False))
@@ -148,7 +148,7 @@ def test_a_policy_that_predicts_the_next_layer_has_its_pages_fetched_ahead(kv, m
     want = Decoder(llama(), kv=make()).generate(ids, 12, attention_mask=mask)
     calls = []
     prefetch = PageCache.prefetch
-    monkeypatch.setattr(PageCache, "prefetch", lambda self, *a: calls.append(self) or prefetch(self, *a))
+    monkeypatch.setattr(PageCache, "prefetch", lambda self, *a, **kw: calls.append(self) or prefetch(self, *a, **kw))
     dec = Decoder(llama(), kv=make(), offload=Offload(2, cache=0.7))
     assert torch.equal(dec.generate(ids, 12, attention_mask=mask), want)
     cache = dec.session.cache
