@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from policyzoo import Offload, kernels, timing
+from policyzoo import Offload, timing
 from policyzoo.bytes import BUILTIN, ByteAccount
 from policyzoo.decoder import dynamic_capacity_refused
 from policyzoo.proj.base import uninstall as uninstall_projections
