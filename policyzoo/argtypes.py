@@ -18,3 +18,11 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def index_list(text: str) -> list[int]:
+    """Comma-separated whole numbers >= 0 (layer or head indices): ``"3,14"`` -> ``[3, 14]``."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isascii() and t.isdigit() for t in items):
+        raise argparse.ArgumentTypeError(f"must be comma-separated indices (whole numbers >= 0) such as 3,14, got {text!r}")
+    return [int(t) for t in items]

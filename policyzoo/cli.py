@@ -403,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bytes_parser(sub)
     _add_calibrate_parser(sub)
     _add_eval_parser(sub)
+    from .eval.show_cli import add_parser as add_show_parser  # `policyzoo show`: a picture of a KV policy
+    add_show_parser(sub, check_output_file)
     return parser
 
 
