@@ -7,6 +7,7 @@
 
 from .cache import PagedKVCache
 from .decoder import Decoder
+from .hf import apply
 from .kv import SSA, AttentionTopK, Certified, CommunityKV, Dense, DepthSchedule, EntmaxKV, Forecast, KVSelector, KVState, PrHS, Quest, Window
 from .kv.context import StepContext
 from .offload import Offload
@@ -39,4 +40,5 @@ __all__ = [
     "Threshold",
     "TopK",
     "Window",
+    "apply",
 ]

@@ -8,6 +8,7 @@ reaches it). Projection names map onto the standard Llama-family module names.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -97,6 +98,25 @@ def head_dims(model: nn.Module) -> tuple[int, int, int]:
     c = model.config
     h = c.num_attention_heads
     return h, getattr(c, "num_key_value_heads", None) or h, getattr(c, "head_dim", None) or c.hidden_size // h
+
+
+def cache_kwarg(model: nn.Module, kwargs: dict) -> str:
+    """The name under which a forward receives its cache: ``cache`` since transformers 5.2x,
+    ``past_key_values`` before (the name this call used, else the one the model's forward takes)."""
+    for name in ("cache", "past_key_values"):
+        if name in kwargs:
+            return name
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def static_cache_size(cache: object) -> int | None:
+    """The tokens per row a Hugging Face static cache was made for (``max_cache_len``), or None for
+    any other cache."""
+    size = getattr(cache, "max_cache_len", None)
+    layers = getattr(cache, "layers", None)
+    if size is None and layers:
+        size = getattr(layers[0], "max_cache_len", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 @contextmanager

@@ -170,6 +170,14 @@ class Decoder:
         elif fuse:  # fusing copies the weights: not offloaded ones
             fuse_shared_inputs(model, self.switch)  # q/k/v and gate/up as one GEMM each (kernel path)
 
+    def detach(self) -> None:
+        """Give the model back: remove this Decoder's hooks and projection wrappers (the linears come
+        back with their weights in their own layout) and retire its session. A detached Decoder
+        refuses to decode."""
+        ModelLease.release(self.model, self.session)
+        uninstall_projections(self.model)
+        self.session.retire()
+
     @classmethod
     def from_pretrained(
         cls,
@@ -381,17 +389,28 @@ class ModelLease:
         """Give ``model`` to ``session``: the lease before goes with the layer hooks its Decoder
         registered, and its session, if it still exists, retires (frees its cache, graphs and
         compiled steps, and refuses to decode from then on)."""
+        old = cls.release(model)
+        if old is not None:
+            old.retire()
+        model.register_forward_pre_hook(cls(model, session))
+
+    @classmethod
+    def release(cls, model: nn.Module, session: DecodeSession | None = None) -> DecodeSession | None:
+        """Remove ``model``'s lease (only ``session``'s, when given) and the layer hooks of its
+        Decoder; returns the session that held it, if it still exists."""
+        held = None
         for key, hook in list(model._forward_pre_hooks.items()):
             if isinstance(hook, cls):
+                owner = hook.session() if hook.model() is model else None
+                if session is not None and owner is not session:
+                    return None
                 _remove_hook(model, key)
-                old = hook.session() if hook.model() is model else None
-                if old is not None:
-                    old.retire()
+                held = owner
         for block in _compat.decoder_layers(model):
             for key, hook in list(block._forward_pre_hooks.items()):
                 if isinstance(hook, partial) and hook.func is _record_hidden:
                     _remove_hook(block, key)
-        model.register_forward_pre_hook(cls(model, session))
+        return held
 
 
 def _remove_hook(module: nn.Module, key: int) -> None:

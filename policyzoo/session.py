@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -44,6 +45,23 @@ from .sampling import Sampler, is_token
 # prefilled in chunks, so its activations stay a few GB (one forward over 16 rows of 32K tokens
 # would hold 60 GB of MLP activations on an 8B model).
 PREFILL_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt a session is prefilling (`DecodeSession.open_prompt`): its checked ids and RoPE
+    positions ``[B, T]``, the cache slot of its position 0, whether any row is padded, and the
+    positions one forward takes (`chunk`)."""
+
+    input_ids: Tensor
+    positions: Tensor
+    slot: int
+    padded: bool
+    chunk: int
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
 
 
 class DecodeSession:
@@ -263,6 +281,25 @@ class DecodeSession:
         ``capacity`` is the tokens per row the cache must hold (prompt plus new tokens; default the
         prompt). Returns the logits of the last ``keep_logits`` prompt positions, ``[B, keep, V]``.
         """
+        prompt = self.open_prompt(input_ids, attention_mask, capacity=capacity, keep_logits=keep_logits)
+        with self._phase("prefill"):
+            for first in range(0, prompt.length, prompt.chunk):
+                last = min(prompt.length, first + prompt.chunk)
+                out = self.model(
+                    input_ids=prompt.input_ids[:, first:last], position_ids=prompt.positions[:, first:last], use_cache=False,
+                    logits_to_keep=keep_logits if last == prompt.length else 1, **{KWARG: self.prompt_args(prompt, first, last)},
+                )  # fmt: skip
+            self.close_prompt()
+        return out.logits
+
+    def open_prompt(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, capacity: int | None = None, keep_logits: int = 1,
+        chunks: bool = True,
+    ) -> "Prompt":
+        """Start a sequence batch for a prompt that forwards of the model will prefill (`prefill`
+        runs them; `policyzoo.hf` lets Hugging Face's ``generate`` run them): the inputs checked, a
+        cache for ``capacity`` tokens per row begun, and where the prompt goes. ``chunks``: whether
+        a long unpadded prompt may be prefilled by several forwards (`PREFILL_TOKENS`)."""
         input_ids, mask = self.check_inputs(input_ids, attention_mask)
         b, t = input_ids.shape
         if capacity is not None:
@@ -275,22 +312,21 @@ class DecodeSession:
             raise ValueError(f"keep_logits ({keep_logits}) must be at most the prompt's {t} tokens")
         start = (mask == 0).sum(1)
         base = self.prompt_slot(t)
-        cache = self._begin(b, max(capacity or t, t) + base, start + base, t + base)
+        self._begin(b, max(capacity or t, t) + base, start + base, t + base)
         positions = (torch.arange(t, device=input_ids.device)[None, :] - start[:, None]).clamp(min=0)
         padded = bool(start.any())
-        chunk = self._prefill_chunk(b, t, keep_logits, padded)
-        with self._phase("prefill"):
-            for first in range(0, t, chunk):
-                last = min(t, first + chunk)
-                cache.length.fill_(base + last)  # what the chunk's summaries and the policy see
-                args = ForwardArgs("prefill", self.policy, self.backends, PromptChunk(base, padded, first, last == t))
-                out = self.model(
-                    input_ids=input_ids[:, first:last], position_ids=positions[:, first:last], use_cache=False,
-                    logits_to_keep=keep_logits if last == t else 1, **{KWARG: args},
-                )  # fmt: skip
-            self.policy.finish_prefill([backend.state for backend in self.backends])
+        chunk = self._prefill_chunk(b, t, keep_logits, padded) if chunks else t
+        return Prompt(input_ids, positions, base, padded, chunk)
+
+    def prompt_args(self, prompt: "Prompt", first: int, last: int) -> ForwardArgs:
+        """The arguments of the forward that prefills prompt positions ``first .. last - 1``."""
+        self.cache.length.fill_(prompt.slot + last)  # what the chunk's summaries and the policy see
+        return ForwardArgs("prefill", self.policy, self.backends, PromptChunk(prompt.slot, prompt.padded, first, last == prompt.length))
+
+    def close_prompt(self) -> None:
+        """After the prompt's forwards: the policy completes its prefill (`KVSelector.finish_prefill`)."""
+        self.policy.finish_prefill([backend.state for backend in self.backends])
         self._drop_graphs_of_old_state()
-        return out.logits
 
     def prompt_slot(self, t: int) -> int:
         """The cache slot of position 0 of a ``t``-token prompt: the prompt is placed to end on a
@@ -393,22 +429,17 @@ class DecodeSession:
         on, the eager step. A CUDA graph's outputs are overwritten by the next step: copy what must
         outlive it.
         """
-        self._need_cache()
-        if self._room <= 0:
-            raise RuntimeError(f"the cache is full ({self.cache.capacity} tokens a row): start the sequence batch "
-                               "with a larger capacity (prefill(..., capacity=prompt + tokens to decode))")
+        self._take_room()
         if tokens is not None:
             self._feed(tokens)
         self.sampler.draw()
         with self._phase("decode"):
-            if self._recorder is not None:
-                audited = tuple(Audited(backend, self._recorder) for backend in self.backends)
-                logits, token = self._advance(ForwardArgs("decode", self.policy, audited))
+            args = self._step_args()  # made here, eagerly: a compiled step only reads it
+            if self._compiled is None or self._recorder is not None:
+                logits, token = self._advance(args)
             else:
-                self._args()  # made here, eagerly: the compiled step only reads it
-                logits, token = self._decode_step() if self._compiled is None else self._compiled(self.step_key())
+                logits, token = self._compiled(self.step_key())
         self.last_token = token
-        self._room -= 1
         return logits
 
     @torch.no_grad()
@@ -419,7 +450,9 @@ class DecodeSession:
         self._need_cache()
         self._feed(tokens)
         with self._phase("dense_decode"):
-            return self._forward(ForwardArgs("dense_decode", self._dense, self.backends))
+            logits = self._forward(ForwardArgs("dense_decode", self._dense, self.backends))
+        self.contexts.end_step()
+        return logits
 
     @contextmanager
     def audit(self, recorder: Recorder | None = None) -> Iterator[Recorder]:
@@ -441,6 +474,14 @@ class DecodeSession:
         self._need_active()
         if self.cache is None:
             raise RuntimeError("no sequence batch: call prefill(), load_prefix() or a benchmark's fill first")
+
+    def _take_room(self) -> None:
+        """Count one more decode step against the cache's room, or refuse it when the cache is full."""
+        self._need_cache()
+        if self._room <= 0:
+            raise RuntimeError(f"the cache is full ({self.cache.capacity} tokens a row): start the sequence batch "
+                               "with a larger capacity (prefill(..., capacity=prompt + tokens to decode))")
+        self._room -= 1
 
     def _need_active(self) -> None:
         if not self.active:
@@ -466,6 +507,13 @@ class DecodeSession:
         finally:
             self.switch.sparse = False
 
+    def _step_args(self) -> ForwardArgs:
+        """This step's arguments: the decode arguments, or, while an audit records, every backend
+        wrapped to report to it (`backend.Audited`)."""
+        if self._recorder is not None:
+            return ForwardArgs("decode", self.policy, tuple(Audited(backend, self._recorder) for backend in self.backends))
+        return self._args()
+
     def _args(self) -> ForwardArgs:
         """The decode steps' arguments: one object per cache and setting, so a compiled step reads
         the same object at every step."""
@@ -481,13 +529,28 @@ class DecodeSession:
             self._layer_views = [args.for_layer(backend.view()) for backend in self.backends]
         return self._layer_views
 
-    def _forward(self, args: ForwardArgs) -> Tensor:
-        """The model on ``_tokens`` at slot ``length - 1``; its RoPE position is the token's index
-        among its row's real tokens."""
-        cache = self.cache
-        positions = (cache.length - 1 - cache.start).clamp(min=0)[:, None]
-        out = self.model(input_ids=self._tokens, position_ids=positions, use_cache=False, logits_to_keep=1, **{KWARG: args})
+    def token_positions(self) -> Tensor:
+        """``int64[B, 1]``: the RoPE position of the token at slot ``length - 1``, its index among its
+        row's real tokens."""
+        return (self.cache.length - 1 - self.cache.start).clamp(min=0)[:, None]
+
+    def open_step(self) -> ForwardArgs:
+        """Before a decode forward: the cache advances (every layer writes at the new ``length - 1``);
+        returns the step's arguments (`policyzoo.hf` runs the forward; `step` does it itself)."""
+        self._take_room()
+        args = self._step_args()
+        self.cache.length += 1
+        return args
+
+    def close_step(self) -> None:
+        """After a decode forward: what lived for the step goes, and the step index advances."""
         self.contexts.end_step()
+        self.contexts.advance()
+
+    def _forward(self, args: ForwardArgs) -> Tensor:
+        """The model on ``_tokens`` at slot ``length - 1``."""
+        out = self.model(input_ids=self._tokens, position_ids=self.token_positions(), use_cache=False, logits_to_keep=1,
+                         **{KWARG: args})
         return out.logits[:, -1]
 
     def _decode_step(self) -> tuple[Tensor, Tensor]:
@@ -500,7 +563,7 @@ class DecodeSession:
         next tokens and feed them to the next step."""
         self.cache.length += 1
         logits = self._forward(args)
-        self.contexts.advance()
+        self.close_step()
         return logits, self._choose_and_feed(logits)
 
     def _choose_and_feed(self, logits: Tensor) -> Tensor:
