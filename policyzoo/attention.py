@@ -67,6 +67,44 @@ def prefill_attention_chunk(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Te
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
 
 
+# Query rows per block of the sliding-window prefill: a block's mask is ``[B, rows, rows + window - 1]``,
+# so a long prompt never builds a ``[T, T]`` one.
+WINDOW_PREFILL_ROWS = 1024
+
+
+def window_mask(q_slots: Tensor, k_slots: Tensor, start: Tensor, window: int) -> Tensor:
+    """``bool[B, Tq, Tk]``: the query at slot ``i`` of row ``b`` sees the key at slot ``j`` when
+    ``start[b] <= j <= i`` and ``j > i - window`` (the model's sliding window: the last ``window``
+    slots, its own included, as transformers' ``sliding_window_overlay``). A query of padding sees
+    only itself, so no row is fully masked."""
+    i, j = q_slots[:, None], k_slots[None, :]
+    band = (j <= i) & (j > i - window)
+    return (band[None] & (j[None] >= start[:, None, None])) | (j == i)[None]
+
+
+def prefill_attention_window(
+    q: Tensor, k: Tensor, v: Tensor, first: int, start: Tensor, window: int, scale: float, rows: int = WINDOW_PREFILL_ROWS
+) -> Tensor:
+    """Sliding-window causal SDPA of a prompt chunk: ``q [B, H, T, D]`` at slots ``first ..
+    first+T-1``; ``k, v [B, H_kv, S, D]`` at the ``S >= T`` slots that end with the queries' own (a
+    later chunk's keys are preceded by the window's earlier ones). ``start [B]``: each row's first
+    real slot. ``rows`` queries at a time, each block over the keys its window reaches."""
+    t, s = q.shape[2], k.shape[2]
+    k_first = first + t - s
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    for i0 in range(0, t, rows):
+        i1 = min(t, i0 + rows)
+        lo, hi = max(0, first + i0 - window + 1 - k_first), first + i1 - k_first
+        q_slots = torch.arange(first + i0, first + i1, device=q.device)
+        k_slots = torch.arange(k_first + lo, k_first + hi, device=q.device)
+        allowed = window_mask(q_slots, k_slots, start, window)
+        out[:, :, i0:i1] = F.scaled_dot_product_attention(
+            q[:, :, i0:i1], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa
+        )
+    return out
+
+
 def entmax15(z: Tensor) -> Tensor:
     """1.5-entmax along the last dim of logits ``z`` (``-inf`` = masked): ``p = max(0, z/2 − τ)²``.
 
@@ -129,11 +167,30 @@ def policyzoo_attention(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = args.backend(module)
+    check_layer_kind(backend, module, kwargs)
     if args.phase == "prefill":
         return backend.prefill(args, query, key, value, scale).transpose(1, 2), None
     if query.shape[2] != 1:
         raise RuntimeError(f"decode expects one token per row, got {query.shape[2]}")
     return backend.decode(args, query[:, :, 0], key, value, scale).unsqueeze(1), None
+
+
+def check_layer_kind(backend: Any, module: nn.Module, kwargs: dict) -> None:
+    """Refuse a layer whose attention its backend would change, so nothing differs silently from the
+    model's own: attention logit soft-capping (``softcap``; no kernel applies it), or a sliding window
+    (``sliding_window``, which the model's attention module passes) that the backend does not apply:
+    a window layer must have the model's window, a full layer only a window its cache never exceeds."""
+    layer = getattr(module, "layer_idx", "?")
+    if kwargs.get("softcap") is not None:
+        raise RuntimeError(f"layer {layer}: attention logit soft-capping (softcap={kwargs['softcap']}) is not supported")
+    declared, window = kwargs.get("sliding_window"), getattr(backend, "window", None)
+    if window is not None and declared != window:
+        raise RuntimeError(f"layer {layer}: the model attends with sliding_window={declared}, its backend with a window "
+                           f"of {window} (policyzoo's layer kinds, _compat.layer_windows, disagree with the model)")
+    if window is None and declared is not None and declared < backend.cache.capacity:
+        raise RuntimeError(f"layer {layer}: the model attends with sliding_window={declared}, but its backend keeps the "
+                           f"whole cache of {backend.cache.capacity} slots (policyzoo's layer kinds, "
+                           "_compat.layer_windows, disagree with the model)")
 
 
 def register() -> None:

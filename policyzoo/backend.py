@@ -10,7 +10,8 @@ is a fixed pipeline (`Backend.decode`)::
     compute  attend over the selection (softmax or 1.5-entmax)
     observe  nothing, unless an audit watches
 
-`LayerBackend` is a layer whose cache lives on the device. Offload, prefetch and audit are
+`LayerBackend` is a layer whose cache lives on the device; `WindowLayer` a sliding-window layer of the
+model, which keeps a ring of its window's tokens and never asks the policy. Offload, prefetch and audit are
 wrappers (`BackendWrapper`) that override one stage each: `Offloaded` reads an offloaded layer's
 pages through its page cache, `Prefetching` starts the next layer's predicted pages on a side
 stream once this layer has fetched its own, `Audited` reports each step to a recorder.
@@ -21,10 +22,11 @@ from __future__ import annotations
 import copy
 from typing import Literal, NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 
 from . import kernels
-from .attention import prefill_attention, prefill_attention_chunk, prefill_attention_entmax15
+from .attention import prefill_attention, prefill_attention_chunk, prefill_attention_entmax15, prefill_attention_window
 from .cache import PagedKVCache
 from .forward import ForwardArgs
 from .kv.base import KVSelector, KVState
@@ -67,6 +69,7 @@ class Backend:
     state: KVState
     contexts: ContextStore
     attention: Attention
+    window: int | None = None  # a sliding-window layer's window (`WindowLayer`); None: the policy's layer
 
     def prefill(self, args: ForwardArgs, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         raise NotImplementedError  # abstract
@@ -164,6 +167,74 @@ class LayerBackend(Backend):
         return LayerBackend(cache, 0, state, contexts, self.attention)
 
 
+class WindowLayer(Backend):
+    """A sliding-window layer of the model: each token attends to the last ``window`` slots, its own
+    included, as the model's attention does. Its keys and values live in the cache's ring for the
+    layer (`PagedKVCache.windows`), O(window) per row; the KV policy never runs on it.
+
+    Prefill attends with the band mask (`prefill_attention_window`; a later chunk also reads the
+    window's earlier slots from the ring) and keeps the prompt's last ring slots. A decode step
+    selects every ring page, named by the latest sequence page it holds, and attends through the
+    decode kernel's ``slots`` (the entries' places in the ring), with each row's visible span cut to
+    the window (``start = max(start, length - window)``): exactly the window's tokens, any policy.
+    """
+
+    def __init__(self, cache: PagedKVCache, layer: int, state: KVState, contexts: ContextStore, attention: Attention) -> None:
+        if attention != "softmax":
+            raise ValueError(f"layer {layer} is a sliding-window layer of the model, which attends with softmax: "
+                             f"a policy with attention={attention!r} cannot decode beyond its window")
+        self.cache, self.layer, self.state, self.contexts, self.attention = cache, layer, state, contexts, attention
+        self.window = cache.windows[layer]
+
+    def prefill(self, args: ForwardArgs, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Attend over the prompt chunk's window and keep its last tokens in the ring:
+        ``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` → ``[B, H, T, D]``."""
+        cache, prompt = self.cache, args.prompt
+        first = prompt.slot + prompt.offset
+        keys, values = k, v
+        if prompt.offset:  # a later chunk of an unpadded prompt: its window reaches into the chunks before it
+            earlier_k, earlier_v = cache.window_tokens(self.layer, max(prompt.slot, first - self.window + 1), first)
+            keys, values = torch.cat([earlier_k, k], dim=2), torch.cat([earlier_v, v], dim=2)
+        out = prefill_attention_window(q, keys, values, first, cache.start, self.window, scale)
+        cache.write_window(self.layer, k, v, first)
+        return out
+
+    def load(self, policy: KVSelector, k: Tensor, v: Tensor, slot: int, q: Tensor | None = None) -> None:
+        """Keep the last ring slots of a prompt's keys and values written from ``slot`` on."""
+        self.cache.write_window(self.layer, k, v, slot)
+
+    def select(self, args: ForwardArgs, q: Tensor, k: Tensor, v: Tensor) -> Selection:
+        """Write the step's token into the ring; select every ring page by the sequence page it holds."""
+        cache = self.cache
+        cache.write_window_token(self.layer, k, v)
+        page = cache.page_size
+        ring_pages = cache.keys[self.layer].shape[2] // page
+        current = torch.div(cache.length - 1, page, rounding_mode="floor")
+        # Ring page j holds the latest sequence page p <= current with p = j (mod ring_pages); a page
+        # before the sequence (p < 0) lies before every row's start, so it is never visible.
+        pages = current - (current - torch.arange(ring_pages, device=cache.device)) % ring_pages
+        b, h_kv = cache.batch, cache.num_kv_heads
+        indices = pages.to(torch.int32).expand(b, h_kv, ring_pages)
+        count = torch.full((b, h_kv), ring_pages, dtype=torch.int32, device=cache.device)
+        return Selection(indices, count, block=page)
+
+    def fetch(self, args: ForwardArgs, q: Tensor, sel: Selection) -> Fetched:
+        slots = torch.arange(sel.k_max, dtype=torch.int32, device=q.device).expand_as(sel.indices)
+        return Fetched(self.state.keys, self.state.values, sel, slots)
+
+    def compute(self, q: Tensor, fetched: Fetched, scale: float) -> Tensor:
+        cache = self.cache
+        start = torch.maximum(cache.start, cache.length - self.window)  # the window's first slot, or the row's
+        out, _ = kernels.decode_attention(q, fetched.keys, fetched.values, fetched.sel, start, cache.length, scale, fetched.slots)
+        return out
+
+    def view(self) -> "WindowLayer":
+        cache = layer_cache(self.cache, self.layer)
+        contexts = LayerContexts(self.contexts, self.layer)
+        state = KVState(cache, 0, self.state.scale, store=self.state.store, contexts=contexts, workspace=self.state.workspace)
+        return WindowLayer(cache, 0, state, contexts, self.attention)
+
+
 class BackendWrapper(Backend):
     """A backend around another (``inner``): every stage is the inner's unless overridden."""
 
@@ -189,6 +260,10 @@ class BackendWrapper(Backend):
     @property
     def attention(self) -> Attention:  # type: ignore[override]
         return self.inner.attention
+
+    @property
+    def window(self) -> int | None:  # type: ignore[override]
+        return self.inner.window
 
     def prefill(self, args: ForwardArgs, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         return self.inner.prefill(args, q, k, v, scale)
@@ -288,6 +363,9 @@ def build_backends(cache: PagedKVCache, contexts: ContextStore, attention: Atten
     backends: list[Backend] = []
     for layer in range(cache.num_layers):
         state = KVState(cache, layer, scale, contexts=contexts, workspace=workspace)
+        if layer in cache.windows:  # a sliding-window layer: its ring, never offloaded (`PagedKVCache`)
+            backends.append(WindowLayer(cache, layer, state, contexts, attention))
+            continue
         backend: Backend = LayerBackend(cache, layer, state, contexts, attention)
         page_cache = cache.page_cache(layer)
         if page_cache is not None:
@@ -309,6 +387,9 @@ def layer_cache(cache: PagedKVCache, layer: int) -> PagedKVCache:
     for name in cache.summaries:
         setattr(view, name, [getattr(cache, name)[layer]])
     view.host_layers = frozenset({0}) if layer in cache.host_layers else frozenset()
+    view.windows = {0: cache.windows[layer]} if layer in cache.windows else {}
+    view.full_layers = () if layer in cache.windows else (0,)
+    view.total_slots = cache.capacity
     view.page_caches = {0: cache.page_caches[layer]} if layer in cache.page_caches else {}
     return view
 
@@ -343,5 +424,5 @@ class LayerContexts:
 
 __all__ = [
     "ATTENTIONS", "Attention", "Audited", "Backend", "BackendWrapper", "Fetched", "LayerBackend", "LayerContexts",
-    "Offloaded", "Prefetching", "Recorder", "build_backends", "fetched_ahead", "layer_cache",
+    "Offloaded", "Prefetching", "Recorder", "WindowLayer", "build_backends", "fetched_ahead", "layer_cache",
 ]

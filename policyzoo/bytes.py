@@ -7,6 +7,12 @@ weights and each cached token ``2·H_kv·h`` elements. A step over ``n`` tokens 
 and norms. The crossover, where both savings are equal, is
 ``n* = (1 − r_P)·P / ((1 − r_KV)·2·H_kv·h)``: the layer count cancels. Lengths are reported in
 K = 1024 tokens.
+
+A model with sliding-window layers (Mistral, Qwen2 with ``use_sliding_window``, Gemma-2/3:
+``window_layers`` of its layers attend to the last ``window`` tokens) reads, in each window layer,
+``min(n, window)`` tokens densely beyond the window (the policy runs on the full layers only); within
+the window every layer is a full one, as the Decoder runs it. Its crossover beyond the window is
+``L / L_full`` times the formula's, since only the full layers save KV bytes.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ from typing import Any
 
 import torch
 
-# Dimensions written in, so no download is needed: (d, d_ff, layers, heads, kv_heads, head_dim, vocab, tied)
+# Dimensions written in, so no download is needed: (d, d_ff, layers, heads, kv_heads, head_dim, vocab, tied
+# [, sliding window, layers with it])
 BUILTIN = {
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128, 128256, False),
     "llama-3.1-70b": (8192, 28672, 80, 64, 8, 128, 128256, False),
     "llama-3.2-3b": (3072, 8192, 28, 24, 8, 128, 128256, True),
     "mistral-7b": (4096, 14336, 32, 32, 8, 128, 32768, False),
+    "mistral-7b-v0.1": (4096, 14336, 32, 32, 8, 128, 32000, False, 4096, 32),
+    "gemma-3-1b": (1152, 6912, 26, 4, 1, 256, 262144, True, 512, 22),
     "qwen3-8b": (4096, 12288, 36, 32, 8, 128, 151936, False),
     "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152, True),
 }
@@ -41,6 +50,8 @@ class ByteAccount:
     vocab: int
     tied_embeddings: bool = False
     element_size: int = 2
+    window: int = 0  # the sliding window of the model's window layers, in tokens (0: none)
+    window_layers: int = 0  # how many layers attend to that window only
 
     @classmethod
     def from_config(cls, config: Any, dtype: torch.dtype = torch.bfloat16) -> "ByteAccount":
@@ -49,8 +60,8 @@ class ByteAccount:
         if isinstance(config, (str, Path)):
             key = str(config).lower()
             if key in BUILTIN:
-                d, ff, n_l, h, h_kv, hd, v, tied = BUILTIN[key]
-                return cls(d, ff, n_l, h, h_kv, hd, v, tied, e)
+                d, ff, n_l, h, h_kv, hd, v, tied, *windows = BUILTIN[key]
+                return cls(d, ff, n_l, h, h_kv, hd, v, tied, e, *windows)
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
@@ -62,9 +73,12 @@ class ByteAccount:
                 raise ValueError(f"config: {str(path)!r} is not a JSON model config (a config.json): {err}") from None
             if not isinstance(config, dict):
                 raise ValueError(f"config: {str(path)!r} holds JSON, but not a model config (an object of its dimensions)")
+        if isinstance(config, dict) and "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+            config = config["text_config"]  # a multimodal config (Gemma-3 4B and up): its language model's
         get = config.get if isinstance(config, dict) else lambda k, default=None: getattr(config, k, default)
         try:
             d, h = int(get("hidden_size")), int(get("num_attention_heads"))
+            window, window_layers = _windows(config)
             return cls(
                 hidden=d,
                 ffn=int(get("intermediate_size")),
@@ -75,6 +89,8 @@ class ByteAccount:
                 vocab=int(get("vocab_size")),
                 tied_embeddings=bool(get("tie_word_embeddings", False)),
                 element_size=e,
+                window=window,
+                window_layers=window_layers,
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"config lacks the dimensions a byte account needs: {err}") from None
@@ -136,7 +152,10 @@ class ByteAccount:
             raise ValueError("union_keep: a batched sparse projection reads the union of the rows' columns; pass it")
         keep = _projection_keep(r_p, union_keep)
         per_layer = self.proj * keep + batch * self.kv_per_token * n * (r_kv + r_select)
-        return (self.layers * per_layer + self.fixed) * self.element_size
+        total = self.layers * per_layer
+        if self.window_layers and n > self.window:  # window layers read their window, densely, not the policy's share
+            total -= self.window_layers * batch * self.kv_per_token * (n * (r_kv + r_select) - self.window)
+        return (total + self.fixed) * self.element_size
 
     def bound(
         self, n: int, r_p: float = 1.0, r_kv: float = 1.0, batch: int = 1, union_keep: float | None = None,
@@ -194,7 +213,11 @@ class ByteAccount:
         p = self.ffn_proj if ff_only else self.proj
         if r_kv >= 1.0:
             return math.inf
-        return (1.0 - keep) * p / ((1.0 - r_kv) * self.kv_per_token * batch)
+        n = (1.0 - keep) * p / ((1.0 - r_kv) * self.kv_per_token * batch)
+        if not self.window_layers or n <= self.window:  # within the window every layer is a full one
+            return n
+        full = self.layers - self.window_layers  # beyond it only the full layers save KV bytes
+        return n * self.layers / full if full else math.inf
 
 
 SKETCH_FRACTION = 0.125  # 4 bits per key channel against 2·16 bits of key and value per channel
@@ -216,6 +239,18 @@ def selection_overhead(
     summaries = summary_bytes / page if page else 0.0
     codes = SKETCH_FRACTION * (min(1.0, nominate * r_kv) if nominate else 1.0) if sketch else 0.0
     return summaries + codes + 0.5 * min(1.0, rescore * r_kv)
+
+
+def _windows(config: Any) -> tuple[int, int]:
+    """``(window, window layers)`` of a config (`_compat.layer_windows`); ``(0, 0)`` without windows."""
+    from ._compat import layer_windows
+
+    if (config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)) is None:
+        return 0, 0  # a bare dimensions dict: no attention kinds to read
+    windows = [w for w in layer_windows(config) if w is not None]
+    if len(set(windows)) > 1:
+        raise ValueError(f"the byte account takes one sliding window, the config has {sorted(set(windows))}")
+    return (windows[0], len(windows)) if windows else (0, 0)
 
 
 def _projection_keep(r_p: float, union_keep: float | None) -> float:
@@ -328,6 +363,7 @@ def report(
     return {
         "model": model, "dtype": dtype, "element_size": acct.element_size, "r_p": r_p, "r_kv": r_kv, "batch": batch,
         "union_keep": union_keep, "bandwidth_TBps": bandwidth / 1e12, "crossover": crossover, "rows": rows,
+        "window": acct.window, "window_layers": acct.window_layers, "layers": acct.layers,
     }  # fmt: skip
 
 
@@ -343,6 +379,11 @@ def format_report(rep: dict) -> str:
     lines = [
         f"byte account: {rep['model']}, {rep.get('dtype') or 'elements of'} ({rep['element_size']} bytes per element){batch}",
         f"keep ratios: projections r_P = {rep['r_p']:g}, KV cache r_KV = {rep['r_kv']:g}",
+    ]
+    if rep.get("window_layers"):
+        lines.append(f"sliding-window layers: {rep['window_layers']} of {rep['layers']}, window {rep['window']} tokens "
+                     "(read densely beyond it; the KV policy runs on the other layers)")
+    lines += [
         "",
         "crossover (K = 1024 tokens; below it the projection branch saves more bytes, above it the KV branch):",
         f"  all seven projections  {cross['all']:>8}",

@@ -14,6 +14,10 @@ in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key value
 only the summaries its policies read (``summaries``, from `KVSelector.summaries`; min and max go
 together, and so do mean and std): a dense decode keeps none and refreshes none.
 
+A sliding-window layer (``windows``: layer -> window, the model's own) keeps a ring instead: keys and
+values ``[B, H_kv, ring, D]``, ``ring = ring_slots(window, page_size)``, slot ``s`` at ``s % ring``,
+so its memory is O(window) per row whatever the capacity; it keeps no summaries (no policy reads it).
+
 All rows of a batch share slot numbers (left padding): row ``b`` owns slots ``start[b] .. length-1``.
 ``length`` is a 0-dim tensor, never a Python int, so a compiled decode step sees the same graph at
 every step. A write never advances ``length``: the Decoder advances it once per step, before the
@@ -37,6 +41,13 @@ PAIRS = (("page_min", "page_max"), ("page_mean", "page_std"))  # kept together, 
 # A per-token summary: the 4-bit key sketch on its page's min/max grid (`reference.sketch_encode`),
 # ``uint8[B, H_kv, capacity, ceil(D/2)]``. It needs the min/max pair, which the cache then keeps too.
 SKETCH = "key_sketch"
+
+
+def ring_slots(window: int, page_size: int) -> int:
+    """Slots of a sliding-window layer's ring: whole pages, one more than a window fills, so the
+    pages that any ``window`` consecutive slots touch (``ceil(window / page) + 1`` at most) lie in
+    distinct ring pages, and a slot stays in the ring until it is out of every later window."""
+    return (math.ceil(window / page_size) + 1) * page_size
 
 
 class NotKept:
@@ -66,6 +77,7 @@ class PagedKVCache:
         host_layers: frozenset[int] | set[int] = frozenset(),
         cache_slots: int = 0,
         prefetch: bool = False,
+        windows: dict[int, int] | None = None,
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -91,8 +103,15 @@ class PagedKVCache:
         if not all(isinstance(i, int) and 0 <= i < num_layers for i in host_layers):
             raise ValueError(f"host_layers must be layer indices below {num_layers}, got {sorted(host_layers)}")
         self.host_layers = frozenset(host_layers)
+        self.windows = _check_windows(windows or {}, num_layers, self.host_layers)
+        # The layers that keep the whole sequence; `capacity` reads their shape. Without one (every
+        # layer a window), the slot count the cache was made for stands in.
+        self.full_layers = tuple(layer for layer in range(num_layers) if layer not in self.windows)
+        self.total_slots = num_pages * page_size
 
         def kv(layer: int) -> Tensor:  # an offloaded layer's keys and values live in pinned host memory
+            if layer in self.windows:
+                return torch.zeros(batch, num_kv_heads, ring_slots(self.windows[layer], page_size), head_dim, dtype=dtype, device=device)
             if layer in self.host_layers:
                 return host_tensor(kv_shape, dtype, self.device)
             return torch.zeros(kv_shape, dtype=dtype, device=device)
@@ -104,10 +123,12 @@ class PagedKVCache:
                 setattr(self, name, NotKept(name))
                 continue
             kind = dtype if name in PAIRS[0] else torch.float32
-            setattr(self, name, [torch.zeros(page_shape, dtype=kind, device=device) for _ in range(num_layers)])
+            setattr(self, name, [None if layer in self.windows else torch.zeros(page_shape, dtype=kind, device=device)
+                                 for layer in range(num_layers)])
         if self.keeps(SKETCH):
             code_shape = (batch, num_kv_heads, num_pages * page_size, -(-head_dim // 2))
-            self.key_sketch = [torch.zeros(code_shape, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+            self.key_sketch = [None if layer in self.windows else torch.zeros(code_shape, dtype=torch.uint8, device=device)
+                               for layer in range(num_layers)]
         else:
             self.key_sketch = NotKept(SKETCH)
         if isinstance(cache_slots, bool) or not isinstance(cache_slots, int) or cache_slots < 0:
@@ -129,11 +150,13 @@ class PagedKVCache:
     @property
     def capacity(self) -> int:
         """Token slots per row (a whole number of pages)."""
-        return self.keys[0].shape[2]
+        if self.full_layers:
+            return self.keys[self.full_layers[0]].shape[2]
+        return self.total_slots
 
     @property
     def num_pages(self) -> int:
-        return self.keys[0].shape[2] // self.page_size
+        return self.capacity // self.page_size
 
     def keeps(self, *names: str) -> bool:
         """Whether the cache keeps every one of the named summaries."""
@@ -143,7 +166,7 @@ class PagedKVCache:
         """Every tensor the cache owns (for static-address marking and memory accounting)."""
         per_layer = [self.keys, self.values] + [getattr(self, name) for name in self.summaries]
         paged = [t for pc in self.page_caches.values() for t in pc.tensors()]
-        return [t for group in per_layer for t in group] + paged + [self.length, self.start]
+        return [t for group in per_layer for t in group if t is not None] + paged + [self.length, self.start]
 
     def page_cache(self, layer: int) -> PageCache | None:
         """The device cache of offloaded ``layer``'s recently selected pages, or None."""
@@ -198,6 +221,11 @@ class PagedKVCache:
         again, so the page caches forget the pages that hold them."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.capacity:
             raise ValueError(f"length must be an int in [0, {self.capacity}], got {length!r}")
+        if self.windows:  # a ring keeps its window's slots and a page more, not the whole past
+            slack = min(self.keys[layer].shape[2] - window for layer, window in self.windows.items())
+            if length < int(self.length) - slack:
+                raise ValueError(f"length: a sliding-window layer's ring holds {slack} slots beyond its window; "
+                                 f"cannot rewind from {int(self.length)} to {length}")
         self.length.fill_(length)
         for pc in self.page_caches.values():
             pc.forget_from(length // self.page_size)
@@ -223,6 +251,28 @@ class PagedKVCache:
             # The page's min or max may have moved, which moves its grid: recode the whole page.
             page = torch.div(self.length - 1, self.page_size, rounding_mode="floor").reshape(1)
             self._encode(layer, page)
+
+    # ------------------------------------------------------------------ sliding-window rings
+    def write_window(self, layer: int, k: Tensor, v: Tensor, first: int) -> None:
+        """Write a prompt's (or a chunk's) ``k, v [B, H_kv, T, D]`` for slots ``first .. first+T-1``
+        into window layer ``layer``'s ring: the last ``ring`` of them, each at its slot mod ring."""
+        ring, t = self.keys[layer].shape[2], k.shape[2]
+        keep = min(t, ring)
+        where = torch.arange(first + t - keep, first + t, device=self.device) % ring
+        self.keys[layer].index_copy_(2, where, k[:, :, t - keep :])
+        self.values[layer].index_copy_(2, where, v[:, :, t - keep :])
+
+    def write_window_token(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write one token ``k, v [B, H_kv, 1, D]`` at slot ``length - 1`` of window layer ``layer``'s ring."""
+        where = ((self.length - 1) % self.keys[layer].shape[2]).reshape(1)
+        self.keys[layer].index_copy_(2, where, k)
+        self.values[layer].index_copy_(2, where, v)
+
+    def window_tokens(self, layer: int, first: int, last: int) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[B, H_kv, last - first, D]`` of slots ``first .. last-1`` from window
+        layer ``layer``'s ring (they must be among its last ``ring`` slots written)."""
+        where = torch.arange(first, last, device=self.device) % self.keys[layer].shape[2]
+        return self.keys[layer].index_select(2, where), self.values[layer].index_select(2, where)
 
     def _encode(self, layer: int, pages: Tensor) -> None:
         """Recompute the sketch codes of ``pages int64[n]`` from their keys and min/max."""
@@ -250,4 +300,18 @@ class PagedKVCache:
             self._encode(layer, torch.arange(self.num_pages, device=self.device)[pages])
 
 
-__all__ = ["PagedKVCache", "SUMMARIES", "SKETCH", "NotKept", "page_summaries"]
+def _check_windows(windows: dict[int, int], num_layers: int, host_layers: frozenset[int]) -> dict[int, int]:
+    """``windows`` (layer -> window in tokens) checked: layers of the cache, positive windows, none offloaded."""
+    for layer, window in windows.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise ValueError(f"windows: layer {layer!r} is not a layer index below {num_layers}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"windows: layer {layer}'s window must be a positive int, got {window!r}")
+    offloaded = sorted(set(windows) & host_layers)
+    if offloaded:
+        raise ValueError(f"layers {offloaded} are sliding-window layers (a ring of O(window) slots stays on the device): "
+                         "offload only full-attention layers")
+    return dict(windows)
+
+
+__all__ = ["PagedKVCache", "SUMMARIES", "SKETCH", "NotKept", "page_summaries", "ring_slots"]

@@ -213,8 +213,9 @@ def compile_steps(
 def mark_capacity_dynamic(cache: "PagedKVCache") -> None:
     """Trace the cache's capacity as a symbol (``dynamic_capacity``)."""
     # maybe_: a value the code specialises on recompiles instead of raising.
+    rings = {id(t) for layer in cache.windows for t in (cache.keys[layer], cache.values[layer])}  # O(window), fixed
     for t in cache.tensors():
-        if t.dim() == 4:  # keys/values [B, H_kv, capacity, D], summaries [B, H_kv, pages, D]
+        if t.dim() == 4 and id(t) not in rings:  # keys/values [B, H_kv, capacity, D], summaries [B, H_kv, pages, D]
             torch._dynamo.maybe_mark_dynamic(t, 2)
 
 

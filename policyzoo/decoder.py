@@ -48,7 +48,9 @@ class SettingChooser(Protocol):
 
 
 class Decoder:
-    """Sparse decoding over a loaded HF causal LM (Llama, Mistral, Qwen2, Qwen3 families).
+    """Sparse decoding over a loaded HF causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3 families;
+    sliding-window layers keep a window of their own and the KV policy runs on the full layers, see
+    docs/models.md).
 
     Args:
         model: a ``*ForCausalLM`` model; it is modified in place: its attention implementation
@@ -109,6 +111,7 @@ class Decoder:
                     "model with model.config.attention_kind = 'entmax' (which silences this)", stacklevel=2,
                 )  # fmt: skip
         _check_flags(compile=compile)
+        _check_layer_kinds(model, kv)
         if offload is not None and not isinstance(offload, Offload):
             raise TypeError(f"offload must be a policyzoo.Offload (e.g. Offload(layers=8)) or None, got {type(offload).__name__}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -306,12 +309,6 @@ class Decoder:
         eos = _eos_ids(self.model, eos_token_id, session.vocab_size)
         pad = _pad_id(self.model, pad_token_id, eos, session.vocab_size)
         _compat.check_positions(self.model, t + max_new_tokens, f"prompt ({t}) + max_new_tokens ({max_new_tokens})")
-        window = _compat.sliding_window(self.model)
-        if window is not None and t + max_new_tokens > window:
-            raise ValueError(
-                f"input_ids: prompt + max_new_tokens = {t + max_new_tokens} exceeds the model's sliding window "
-                f"({window}); sliding-window attention is not supported"
-            )
         if self.gate is not None:
             session.use(self.gate.choose(t + max_new_tokens // 2, self.available_settings()))
         self.last_choice = session.setting
@@ -356,6 +353,30 @@ class Decoder:
                 f"model is on {param.device} / {param.dtype} but the cache is for {self.device} / {self.dtype}; "
                 "move the model back or build the Decoder with matching device= and dtype="
             )
+
+
+def _check_layer_kinds(model: nn.Module, kv: KVSelector | None) -> None:
+    """Refuse a KV policy that cannot serve a model that mixes sliding-window and full layers
+    (`_compat.layer_windows`): one attending with entmax (a window layer attends with the model's
+    softmax), or one that reads the layer below's selection or the rotary embedding (the layer below
+    may be a window layer, whose selection is not the policy's, and the full layers' rotary embedding
+    may not be the one layer 0 receives: Gemma-3's differs). A model whose layers all have one window
+    (Mistral) runs a policy on every layer while its cache fits the window, on none beyond it
+    (`WindowLayer` refuses entmax there)."""
+    windows = _compat.layer_windows(model.config)
+    if kv is None or all(w is None for w in windows) or all(w is not None for w in windows):
+        return
+    name = type(kv).__name__
+    if kv.attention != "softmax":
+        raise ValueError(f"{name}(attention={kv.attention!r}): {model.config.model_type} has sliding-window layers, "
+                         "which attend with softmax; decode it with a softmax policy")
+    reads = sorted({"below", "rotary"} & set(kv.step_context))
+    if reads:
+        raise ValueError(
+            f"{name} reads the step context {reads}, which a model that mixes sliding-window and full layers "
+            f"({model.config.model_type}) does not give it faithfully (the layer below may be a window layer; "
+            "the full layers' rotary embedding may differ from layer 0's): use a policy without it"
+        )
 
 
 def _record_hidden(layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -145,6 +145,16 @@ class _Hooks:
                 f"'static'), but this call made a {type(cache).__name__}: leave cache_implementation unset, or give "
                 "policyzoo.apply(..., capacity=<prompt + new tokens>)"
             )
+        window = _compat.sliding_window(self.session.model)
+        if _compat.static_cache_all_sliding(cache) and window is not None and size >= window:
+            # Every layer slides (Mistral): the static cache holds min(window, max_length), so max_length
+            # is unknown. Each layer keeps a ring of its window whatever the capacity, so the model's
+            # position limit serves as the capacity: no full-length tensor is made for it.
+            limit = _compat.max_positions(self.session.model)
+            if limit is None:
+                raise ValueError("policyzoo.apply: generate's static cache of a model whose every layer slides holds only "
+                                 "its window; give policyzoo.apply(..., capacity=<prompt + new tokens>)")
+            size = max(size, limit)
         return max(size, input_ids.shape[1])
 
 

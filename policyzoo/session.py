@@ -21,6 +21,7 @@ on CUDA, is captured in a CUDA graph that the session replays (`policyzoo.compil
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -93,6 +94,8 @@ class DecodeSession:
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
         self.num_layers = len(_compat.decoder_layers(model))
+        self.layer_windows = _compat.layer_windows(model.config)  # per layer: its sliding window, or None
+        self.scale = _compat.attention_scale(model)  # what the policies score with: the model's own
         self.offload = offload
         self.host_layers = offload.host_layers(self.num_layers) if offload is not None else frozenset()
         self.vocab_size = _compat.output_size(model)
@@ -194,16 +197,20 @@ class DecodeSession:
             return cache
         self.release()
         offload = self.offload
+        windows = self.windows_for(capacity)
+        if self.kv is not None and len(windows) == self.num_layers:
+            warnings.warn(f"every layer of the model is a sliding-window layer for a cache of {capacity} tokens (its window "
+                          f"is {min(windows.values())}): {type(self.kv).__name__} runs on none of them", stacklevel=3)
         cache = PagedKVCache(
             self.num_layers, batch, self.num_kv_heads, self.head_dim, capacity,
             page_size=self.page_size, dtype=self.dtype, device=self.device, summaries=self._summaries(),
             host_layers=self.host_layers, cache_slots=offload.cache_slots(capacity // self.page_size) if offload else 0,
-            prefetch=bool(offload and offload.prefetch),
+            prefetch=bool(offload and offload.prefetch), windows=windows,
         )  # fmt: skip
         if self._dynamic_capacity:
             mark_capacity_dynamic(cache)
         self.cache, self.contexts = cache, ContextStore(self.num_layers, self.device)
-        self.backends = tuple(build_backends(cache, self.contexts, self.attention, self.head_dim**-0.5, self.workspace))
+        self.backends = tuple(build_backends(cache, self.contexts, self.attention, self.scale, self.workspace))
         self._decode_args = self._layer_views = None
         self.sampler = Sampler(batch, self.vocab_size, self.device)
         self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
@@ -224,6 +231,16 @@ class DecodeSession:
         self.sampler = self._tokens = self.last_token = None
         if self._compiled is not None:
             self._compiled.drop_graphs()
+
+    def windows_for(self, capacity: int) -> dict[int, int]:
+        """The sliding-window layers of a cache of ``capacity`` slots per row, layer -> window: those
+        whose window is shorter than the cache. A layer whose window covers every slot attends to the
+        whole sequence, as a full layer does, so it is one (the policy runs on it)."""
+        return {layer: w for layer, w in enumerate(self.layer_windows) if w is not None and w < capacity}
+
+    def policy_states(self) -> list:
+        """The `KVState` of every layer the KV policy runs on (all but the sliding-window layers)."""
+        return [backend.state for backend in self.backends if backend.window is None]
 
     def _summaries(self) -> tuple[str, ...]:
         """The page summaries the cache keeps: those the KV policy reads (`KVSelector.summaries`).
@@ -325,7 +342,7 @@ class DecodeSession:
 
     def close_prompt(self) -> None:
         """After the prompt's forwards: the policy completes its prefill (`KVSelector.finish_prefill`)."""
-        self.policy.finish_prefill([backend.state for backend in self.backends])
+        self.policy.finish_prefill(self.policy_states())
         self._drop_graphs_of_old_state()
 
     def prompt_slot(self, t: int) -> int:
@@ -381,7 +398,7 @@ class DecodeSession:
             k, v, *q = first if layer == 0 else prefix[layer]
             backend.load(self.policy, k.to(self.dtype), v.to(self.dtype), base, q[0] if own else None)
         if own:
-            self.policy.finish_prefill([backend.state for backend in self.backends])
+            self.policy.finish_prefill(self.policy_states())
         self._drop_graphs_of_old_state()
 
     def rewind(self, length: int) -> None:
@@ -510,8 +527,9 @@ class DecodeSession:
     def _step_args(self) -> ForwardArgs:
         """This step's arguments: the decode arguments, or, while an audit records, every backend
         wrapped to report to it (`backend.Audited`)."""
-        if self._recorder is not None:
-            return ForwardArgs("decode", self.policy, tuple(Audited(backend, self._recorder) for backend in self.backends))
+        if self._recorder is not None:  # a sliding-window layer has no selection to audit
+            layers = tuple(b if b.window is not None else Audited(b, self._recorder) for b in self.backends)
+            return ForwardArgs("decode", self.policy, layers)
         return self._args()
 
     def _args(self) -> ForwardArgs:
