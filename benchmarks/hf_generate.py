@@ -51,6 +51,7 @@ def time_path(run, reps: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--shape", default=None, help="a model shape with random weights instead (e.g. llama-3.1-8b)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--kv", nargs="+", default=["dense", "quest:0.1"])
@@ -59,8 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, _ = load_model(args.model)
-    model = model.to(device=device, dtype=dtype)
+    if args.shape:
+        from .common import random_model
+
+        model = random_model(args.shape, device=device)
+    else:
+        model = load_model(args.model)[0].to(device=device, dtype=dtype)
     ids = torch.randint(1, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0)).to(device)
     n = args.new_tokens
     rows = []
