@@ -50,7 +50,7 @@ class SettingChooser(Protocol):
 class Decoder:
     """Sparse decoding over a loaded HF causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3 families;
     sliding-window layers keep a window of their own and the KV policy runs on the full layers, see
-    docs/models.md).
+    docs/policies.md).
 
     Args:
         model: a ``*ForCausalLM`` model; it is modified in place: its attention implementation

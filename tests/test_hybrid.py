@@ -21,11 +21,12 @@ from policyzoo.kv.dense import Dense
 
 WINDOW = 8
 NEW = 12
-FAMILIES = ("mistral", "qwen2", "gemma3", "gemma2")
+FAMILIES = ("mistral", "qwen2", "qwen3", "gemma3", "gemma2")
 # Each family's kinds of layer in the tiny models below (None: full attention).
 KINDS = {
     "mistral": (WINDOW, WINDOW, WINDOW),
     "qwen2": (None, WINDOW, WINDOW),
+    "qwen3": (None, WINDOW, WINDOW),
     "gemma3": (WINDOW, None, WINDOW),
     "gemma2": (WINDOW, None, WINDOW),
 }
@@ -40,8 +41,10 @@ def hybrid_model(family: str, window: int = WINDOW, seed: int = 0) -> torch.nn.M
     )  # fmt: skip
     if family == "mistral":
         config, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
-    elif family == "qwen2":
-        config, cls = transformers.Qwen2Config(use_sliding_window=True, max_window_layers=1, **common), transformers.Qwen2ForCausalLM
+    elif family in ("qwen2", "qwen3"):
+        prefix = "Qwen2" if family == "qwen2" else "Qwen3"
+        config = getattr(transformers, f"{prefix}Config")(use_sliding_window=True, max_window_layers=1, **common)
+        cls = getattr(transformers, f"{prefix}ForCausalLM")
     elif family == "gemma3":  # query_pre_attn_scalar != head_dim: the model's own softmax scale must reach the kernels
         layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
         config = transformers.Gemma3TextConfig(layer_types=layer_types, query_pre_attn_scalar=24, **common)
@@ -187,6 +190,7 @@ def test_compiled_steps_equal_eager(regional):
     assert torch.equal(dec.generate(ids, 6, attention_mask=mask), eager)  # replayed, not recompiled wrong
 
 
+@pytest.mark.filterwarnings("ignore:every layer of the model is a sliding-window layer")
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
 def test_apply_inside_hf_generate_equals_decoder_generate(family):
     model = hybrid_model(family)
@@ -198,6 +202,25 @@ def test_apply_inside_hf_generate_equals_decoder_generate(family):
         windows = dec.session.cache.windows
     assert torch.equal(got, want)
     assert set(windows) == {layer for layer, w in enumerate(KINDS[family]) if w is not None}
+
+
+def test_a_prefix_loaded_elsewhere_keeps_its_window_and_rewinds_within_the_ring():
+    """`load_prefix` (the benchmarks' fill) keeps each window layer's last ring slots; a step then
+    decodes; a rewind within the ring's slack works, one beyond it is refused."""
+    dec = Decoder(hybrid_model("gemma3"), page_size=4)
+    session = dec.session
+    g = torch.Generator().manual_seed(0)
+    prefix = [tuple(torch.randn(1, 2, 30, 16, generator=g) for _ in range(2)) for _ in range(3)]
+    session.load_prefix(prefix, torch.zeros(1, dtype=torch.long), capacity=40)
+    cache, ring = session.cache, ring_slots(WINDOW, 4)
+    base = session.prompt_slot(30)
+    for slot in range(base + 30 - ring, base + 30):
+        torch.testing.assert_close(cache.keys[0][:, :, slot % ring], prefix[0][0][:, :, slot - base])
+    session.sample()
+    session.step(torch.tensor([5]))
+    session.rewind(int(cache.length) - 1)
+    with pytest.raises(ValueError, match="cannot rewind"):
+        session.rewind(int(cache.length) - ring)
 
 
 def test_window_decode_through_the_triton_kernel(monkeypatch):
