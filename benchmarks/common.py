@@ -196,12 +196,12 @@ def community_report(dec: Decoder) -> dict:
         return {}
     c = policy.clustering
     per = 1000 / max(c.tokens, 1)
-    store, cache = dec.session.backends[0].state.store, dec.session.cache
-    _, units, slots, _ = store["centroid_key"].shape
+    layer, cache = dec.session.backends[0].state.layer_state_of(policy), dec.session.cache
+    _, units, slots, _ = layer.centroid_key.shape
     n = int(cache.length - cache.start.max())
-    per_centroid = store["centroid_key"].element_size() / (2 * cache.keys[0].element_size())  # of a token's key and value
+    per_centroid = layer.centroid_key.element_size() / (2 * cache.keys[0].element_size())  # of a token's key and value
     return {"clustering_graph_s_per_1k": c.graph_seconds * per, "clustering_leiden_s_per_1k": c.leiden_seconds * per,
-            "clustering_wait_s_per_1k": c.wait_seconds * per, "communities": int((store["size"] > 0).sum(-1).float().mean()),
+            "clustering_wait_s_per_1k": c.wait_seconds * per, "communities": int((layer.size > 0).sum(-1).float().mean()),
             "r_select": units * slots * per_centroid / (cache.num_kv_heads * n)}
 
 

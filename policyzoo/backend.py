@@ -163,7 +163,7 @@ class LayerBackend(Backend):
     def view(self) -> "LayerBackend":
         cache = layer_cache(self.cache, self.layer)
         contexts = LayerContexts(self.contexts, self.layer)
-        state = KVState(cache, 0, self.state.scale, store=self.state.store, contexts=contexts, workspace=self.state.workspace)
+        state = KVState(cache, 0, self.state.scale, layer_states=self.state.layer_states, contexts=contexts, workspace=self.state.workspace)
         return LayerBackend(cache, 0, state, contexts, self.attention)
 
 
@@ -231,7 +231,7 @@ class WindowLayer(Backend):
     def view(self) -> "WindowLayer":
         cache = layer_cache(self.cache, self.layer)
         contexts = LayerContexts(self.contexts, self.layer)
-        state = KVState(cache, 0, self.state.scale, store=self.state.store, contexts=contexts, workspace=self.state.workspace)
+        state = KVState(cache, 0, self.state.scale, layer_states=self.state.layer_states, contexts=contexts, workspace=self.state.workspace)
         return WindowLayer(cache, 0, state, contexts, self.attention)
 
 

@@ -221,7 +221,7 @@ def mark_capacity_dynamic(cache: "PagedKVCache") -> None:
 
 def policy_state_layout(backends: "Sequence[Backend]", contexts: "ContextStore | None") -> tuple:
     """Where the policy's per-request tensors live: ``(address, shape, dtype)`` of every tensor in the
-    layers' stores and the policy's request state (nested dicts, lists, tuples and dataclass fields
+    layers' states and the policy's request state (nested dicts, lists, tuples and dataclass fields
     included), in a fixed order. Equal for two requests exactly when a graph recorded on one reads
     the other's."""
     out: list = []
@@ -239,7 +239,7 @@ def policy_state_layout(backends: "Sequence[Backend]", contexts: "ContextStore |
             for f in dataclasses.fields(value):
                 visit(getattr(value, f.name))
 
-    visit([backend.state.store for backend in backends])
+    visit([list(backend.state.layer_states.values()) for backend in backends])
     visit(contexts.request if contexts is not None else None)
     return tuple(out)
 

@@ -252,7 +252,7 @@ class DecodeSession:
         stores and the step context start empty."""
         cache = self.reserve(batch, capacity, exact=exact)
         for backend in self.backends:
-            backend.state.store.clear()
+            backend.state.layer_states.clear()
         cache.reset(start, length)
         self._room = cache.capacity - length
         parts = self.policy.step_context

@@ -168,7 +168,7 @@ def test_certified_policy(data, cases, contract, eps):
     sel = policy.select(state, case.q)
     contract.check_entries(sel, case, 2, 4, pages=True)
     assert bool((sel.count >= base.select(state, case.q).count).all())
-    bound = state.store["certified_bound"]
+    bound = state.layer_state_of(policy).bound
     assert bool((bound >= true_delta(case, sel) - 1e-6).all())
 
 
@@ -197,15 +197,15 @@ def test_the_sketch_makes_the_bound_follow_delta(make_case, contract):
 
 
 def test_certified_bound_is_written_in_place(make_case):
-    """After prefill the per-step bound lives in one tensor (a compiled step must not see the store
-    change)."""
+    """After prefill the per-step bound lives in one tensor (a compiled step must not see the layer's
+    state change)."""
     case = make_case(b=2, h_kv=1, g=2, d=8, page=4, prompt=24, steps=1, starts=[0, 2], seed=3)
     policy = Certified(Quest(budget=8, page=4), eps=0.1)
     state = case.state()
     policy.prefill(state, case.q[:, :, None], None, None)
-    kept = state.store["certified_bound"]
+    kept = state.layer_state_of(policy).bound
     policy.select(state, case.q)
-    assert state.store["certified_bound"] is kept and bool((kept > 0).any())
+    assert state.layer_state_of(policy).bound is kept and bool((kept > 0).any())
 
 
 def test_certified_rejects_bad_args():

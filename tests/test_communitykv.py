@@ -147,7 +147,7 @@ def test_appends_keep_every_centroid_the_mean_of_its_keys(graph):
     dec.generate(ids, 12, attention_mask=mask)
     cache = dec.session.cache
     for layer, state in enumerate(b.state for b in dec.session.backends):
-        centroid, size = state.store["centroid"], state.store["size"]
+        centroid, size = state.layer_state_of(policy).centroid, state.layer_state_of(policy).size
         per_kv = centroid.shape[1] // cache.num_kv_heads
         for r in range(cache.batch):
             visible = list(range(int(cache.start[r]), int(cache.length)))
@@ -157,7 +157,7 @@ def test_appends_keep_every_centroid_the_mean_of_its_keys(graph):
                 want = torch.stack([cache.keys[layer][r, u // per_kv, c].double().mean(0) for c in members])
                 torch.testing.assert_close(centroid[r, u, : len(members)].double(), want, rtol=1e-5, atol=1e-5)
                 assert size[r, u, : len(members)].tolist() == [len(c) for c in members]
-        assert torch.equal(state.store["centroid_key"], centroid.to(cache.dtype))  # what decode scores
+        assert torch.equal(state.layer_state_of(policy).centroid_key, centroid.to(cache.dtype))  # what decode scores
     assert policy.clustering.tokens == sum(30 - 3 * i for i in range(3))
     assert policy.clustering.graphs == 2 * 3 * centroid.shape[1] and policy.clustering.leiden_seconds > 0
 
@@ -170,23 +170,23 @@ def test_a_new_token_joins_the_nearest_candidate_with_room(make_case, graph):
     policy = CommunityKV(0.5, graph=graph, candidates=2, **SMALL)
     state = prefilled(case, policy)
     policy.select(state, case.q)  # ranks the communities: `recent` becomes this query's best
-    store = state.store
-    units = store["size"].shape[1]
+    store = state.layer_state_of(policy)
+    units = store.size.shape[1]
     for full in (False, True):
-        recent = store["recent"].clone()
-        size, room = store["size"].clone(), store["room"]
+        recent = store.recent.clone()
+        size, room = store.size.clone(), store.room
         if full:  # no candidate has room left
-            store["size"].scatter_(2, recent, torch.gather(room, 2, recent))
-            size = store["size"].clone()
+            store.size.scatter_(2, recent, torch.gather(room, 2, recent))
+            size = store.size.clone()
             assert ((room - size) > 0).any(-1).all()  # but some other community has
         case.cache.length += 1
         k = torch.randn(1, 2, 1, 8, generator=torch.Generator().manual_seed(int(full)))
         case.cache.write(0, k, torch.zeros_like(k))
-        centroid = store["centroid"].clone()
+        centroid = store.centroid.clone()
         policy.append(state, k, None)
         for u in range(units):
-            joined = int((store["size"][0, u] - size[0, u]).argmax())
-            assert int((store["size"][0, u] - size[0, u]).sum()) == 1
+            joined = int((store.size[0, u] - size[0, u]).argmax())
+            assert int((store.size[0, u] - size[0, u]).sum()) == 1
             if full:
                 assert joined == int((room[0, u] - size[0, u]).argmax())
             else:
@@ -229,7 +229,7 @@ def test_worker_processes_make_the_communities_this_process_makes():
     runs = []
     for policy in (inline, pooled):
         dec = Decoder(copy.deepcopy(model), kv=policy)
-        runs.append((dec.generate(ids, 10, attention_mask=mask), [dict(b.state.store) for b in dec.session.backends]))
+        runs.append((dec.generate(ids, 10, attention_mask=mask), [vars(b.state.layer_state_of(policy)) for b in dec.session.backends]))
     assert torch.equal(runs[0][0], runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         for name in ("order", "offset", "size", "room", "centroid"):
@@ -248,7 +248,8 @@ def test_wrapping_policies_finish_its_prefill(wrap):
     dec = Decoder(model, kv=wrap(CommunityKV(0.3, **SMALL)))
     dec.session.prefill(ids, mask, capacity=50)  # no step yet: only finish_prefill lays them out
     for state in (b.state for b in dec.session.backends):
-        assert "order" in state.store and not any(key.endswith(".jobs") for key in state.store)
+        layer = state.layer_state_of(dec.kv.policy)
+        assert layer.laid_out and layer.jobs is None
 
 
 def runs_of(n, lo, hi, weight, gamma, seed, size):
@@ -336,7 +337,7 @@ def test_more_graph_keys_than_the_prompt_has_are_capped_at_the_prompt(make_case)
     for policy, state in zip(policies, (many, every)):
         policy.finish_prefill([state])
     for name in ("order", "size"):
-        assert torch.equal(many.store[name], every.store[name]), name
+        assert torch.equal(getattr(many.layer_state_of(policies[0]), name), getattr(every.layer_state_of(policies[1]), name)), name
 
 
 def test_a_partition_function_that_returns_nothing_is_named():

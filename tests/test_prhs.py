@@ -477,7 +477,7 @@ def test_time_reuse_keeps_the_query_that_made_the_selection(make_case):
     drive = Drive(policy, case)
     state = drive.states[0]
     drive.prefill(drive.query())
-    made = state.store["prhs.query"]
+    made = state.layer_state_of(policy).query
     q = drive.query()
 
     (sel,) = drive.step([q])  # the previous query is far (or unset): fresh

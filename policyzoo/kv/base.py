@@ -27,13 +27,15 @@ Aggregate = Literal["sum", "max"]
 
 @dataclass
 class KVState:
-    """What a policy sees of one layer: the cache, visibility, the softmax scale, a per-layer store
-    that persists across steps (the policy's own dict) and the step context (`context`)."""
+    """What a policy sees of one layer: the cache, visibility, the softmax scale, the policies'
+    states for this layer (`layer_state_of`) and the step context (`context`)."""
 
     cache: PagedKVCache
     layer: int
     scale: float
-    store: dict = field(default_factory=dict)  # per-layer, kept across steps, owned by the policy
+    # Each policy's state for this layer and request, by policy (`layer_state_of`); the session
+    # clears them before each request.
+    layer_states: dict[int, Any] = field(default_factory=dict)
     contexts: ContextStore | None = field(default=None, repr=False)  # the session's; None: standalone
     # The kernels' scratch buffers for this device (`kernels.Workspace`); None: each launch makes its own.
     workspace: kernels.Workspace | None = field(default=None, repr=False)
@@ -48,6 +50,19 @@ class KVState:
         if self.contexts is None:
             self.contexts = ContextStore(self.cache.num_layers, self.cache.device)
         return self.contexts.view(self.layer)
+
+    def layer_state_of(self, policy: KVSelector) -> Any:
+        """``policy``'s state for this layer and request (`KVSelector.new_layer_state`), made on first
+        use and kept across steps."""
+        state = self.layer_states.get(id(policy))
+        if state is None:
+            state = self.layer_states[id(policy)] = policy.new_layer_state()
+        return state
+
+    def share_layer_state(self, policy: KVSelector, owner: KVSelector) -> None:
+        """Let ``policy`` read ``owner``'s state for this layer (a copy of ``owner`` with another
+        budget that scores from the same prefill, as `Certified` keeps)."""
+        self.layer_states[id(policy)] = self.layer_state_of(owner)
 
     def request_for(self, policy: KVSelector) -> object | None:
         """``context.request``: ``policy``'s state for this request (`KVSelector.new_request`). A
@@ -137,6 +152,13 @@ class KVSelector:
         request. A typed object (a dataclass), not a dict of string keys; ``None`` (the default):
         the policy keeps no state across layers. Tensors in it follow the step context's rule: made
         in `prefill` (eager), updated in place."""
+        return None
+
+    def new_layer_state(self) -> Any:
+        """A fresh state object for one layer of one request (a dataclass of the policy's own), kept
+        across steps and read as ``state.layer_state_of(self)``; the session drops it with the
+        request. ``None`` (the default): the policy keeps no per-layer state. Tensors in it follow the
+        step context's rule: made in `prefill` (eager), updated in place."""
         return None
 
     def reset_random(self) -> None:

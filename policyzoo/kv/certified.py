@@ -231,6 +231,14 @@ def grow_until_certified(
     return Selection(ranked.indices, chosen.int(), block=blk), at.float()
 
 
+@dataclass
+class CertifiedLayer:
+    """`Certified`'s state of one layer: the certified dropped-mass bound of its last step,
+    ``float32[B, H]`` (None before the prefill)."""
+
+    bound: Tensor | None = None
+
+
 @register("certified")
 @dataclass
 class Certified(PolicyWrapper):
@@ -243,7 +251,7 @@ class Certified(PolicyWrapper):
     ``max_budget`` caps the selection: it may not be below the policy's budget (when both are keep
     ratios or both token counts; a token cap over a ratio budget, or the reverse, caps the policy's
     own budget where it is the smaller). The bound of each step is left in
-    ``state.store["certified_bound"]`` (``float32[B, H]``, allocated at prefill and written in place;
+    the layer's `CertifiedLayer` (``state.layer_state_of(certified).bound``, ``float32[B, H]``, allocated at prefill and written in place;
     no host sync). Cost per step: the policy's scoring twice (its own budget and the wide copy) plus
     one pass over the keys of the wide candidates (`grow_until_certified`).
     """
@@ -292,14 +300,18 @@ class Certified(PolicyWrapper):
         self.policy.attach(model)
         self._share_modules()
 
+    def new_layer_state(self) -> CertifiedLayer:
+        return CertifiedLayer()
+
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         self.policy.prefill(state, q, k, v)
+        state.share_layer_state(self._wide, self.policy)  # the wide copy scores from the same prefill
         # Allocated here (eager) and written in place by `select`, so a compiled decode step sees
-        # the same store every step (no recompilation) and a CUDA graph may update it.
+        # the same tensor every step (no recompilation) and a CUDA graph may update it.
         bound = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
         if bound.device.type == "cuda":
             torch._dynamo.mark_static_address(bound)
-        state.store["certified_bound"] = bound
+        state.layer_state_of(self).bound = bound
 
     def select(self, state: KVState, q: Tensor) -> Selection:
         base = self.policy.select(state, q)
@@ -309,9 +321,9 @@ class Certified(PolicyWrapper):
         bounds = _page_bounds(state, q, self.slack)  # once per step: ordering and certifying share it
         wide = priority_order(state, q, wide, base, bounds)
         sel, bound = grow_until_certified(state, q, wide, self.eps, min_count=base.count, slack=self.slack, bounds=bounds)
-        kept = state.store.get("certified_bound")
-        if kept is not None and kept.shape == bound.shape:
-            kept.copy_(bound)
+        layer = state.layer_state_of(self)
+        if layer.bound is not None and layer.bound.shape == bound.shape:
+            layer.bound.copy_(bound)
         else:
-            state.store["certified_bound"] = bound
+            layer.bound = bound
         return sel

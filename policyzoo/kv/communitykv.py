@@ -64,8 +64,30 @@ SPARE = 32
 # Prompts from which the graphs are partitioned in worker processes by default (a pool's start costs
 # a few seconds; shorter prompts partition in this process).
 PARALLEL_TOKENS = 4096
-# Where a policy's prefill leaves its partitions in progress, for `finish_prefill`.
-_JOBS = "communitykv.jobs"
+
+
+@dataclass
+class CommunityLayer:
+    """`CommunityKV`'s state of one layer: the partitions its prefill started (``jobs``, until
+    `finish_prefill` lays them out), then the communities of every row and unit (KV head, or query
+    head in head mode): ``order [B, U, W+1]`` the token slots of each community's range, its
+    ``offset``, ``size`` and ``room`` ``[B, U, C]``, the ``centroid [B, U, C, D]`` (float32) and its
+    copy in the cache's dtype ``centroid_key`` that decode scores, and the next token's candidate
+    communities ``recent [B, U, M]``."""
+
+    jobs: tuple | None = None
+    order: Tensor | None = None
+    offset: Tensor | None = None
+    size: Tensor | None = None
+    room: Tensor | None = None
+    centroid: Tensor | None = None
+    centroid_key: Tensor | None = None
+    recent: Tensor | None = None
+
+    @property
+    def laid_out(self) -> bool:
+        return self.order is not None
+
 @register("community-kv")
 @dataclass
 class CommunityKV(KVSelector):
@@ -160,14 +182,15 @@ class CommunityKV(KVSelector):
             for u in range(h // heads):
                 one = slice(u * heads, (u + 1) * heads)
                 jobs.append(runner.submit(graph_communities, n, first, dst[one], p[one], self.mix, self.sinks, gamma, *how))
-        state.store[_JOBS] = (jobs, b, per_kv, length, time.perf_counter() - tic)
+        state.layer_state_of(self).jobs = (jobs, b, per_kv, length, time.perf_counter() - tic)
         if state.layer == 0:
             self.clustering.tokens += sum(length - s for s in starts)
 
     def finish_prefill(self, states: Sequence[KVState]) -> None:
         """Wait for the partitions that `prefill` started and lay each layer's communities out."""
         for state in states:
-            pending = state.store.pop(_JOBS, None)
+            layer = state.layer_state_of(self)
+            pending, layer.jobs = layer.jobs, None
             if pending is None:
                 continue
             jobs, b, per_kv, length, edge_s = pending
@@ -216,7 +239,7 @@ class CommunityKV(KVSelector):
 
     def _lay_out(self, state: KVState, parts: list[list[tuple[Tensor, Tensor]]], per_kv: int, length: int) -> None:
         """Write the decode state (`order`, `offset`, `size`, `room`, `centroid` and its copy in the
-        cache's dtype `centroid_key`, the candidates `recent`) into ``state.store``
+        cache's dtype `centroid_key`, the candidates `recent`) into the layer's `CommunityLayer`
         from each row's and unit's ``(membership, strength)`` of its visible tokens, the slots before
         ``length`` (the cache's length at prefill)."""
         cache = state.cache
@@ -257,30 +280,34 @@ class CommunityKV(KVSelector):
         device = state.keys.device
         stored = {"order": order, "offset": offset, "size": size, "room": room, "centroid": centroid,
                   "centroid_key": centroid.to(state.keys.dtype), "recent": recent}  # fmt: skip
+        layer = state.layer_state_of(self)
         for name, value in stored.items():
             value = value.to(device)
             if device.type == "cuda":  # updated in place by decode steps, which a CUDA graph replays
                 torch._dynamo.mark_static_address(value)
-            state.store[name] = value
+            setattr(layer, name, value)
 
     # -------------------------------------------------------------------------------- decode
-    def _ready(self, state: KVState) -> dict[str, Any]:
-        """The layer's store, its communities laid out (a prefill still in progress is finished
-        first: a caller that drives `prefill` itself need not call `finish_prefill`)."""
-        if _JOBS in state.store:
+    def new_layer_state(self) -> CommunityLayer:
+        return CommunityLayer()
+
+    def _ready(self, state: KVState) -> CommunityLayer:
+        """The layer's communities, laid out (a prefill still in progress is finished first: a
+        caller that drives `prefill` itself need not call `finish_prefill`)."""
+        layer = state.layer_state_of(self)
+        if layer.jobs is not None:
             self.finish_prefill([state])
-        if "order" not in state.store:
+        if not layer.laid_out:
             raise RuntimeError(_NO_PREFILL)
-        return state.store
+        return layer
 
     def append(self, state: KVState, k: Tensor, v: Tensor) -> None:
         """Put the step's token (slot ``length - 1``, key ``k [B, H_kv, 1, D]``) into a community, per
         unit, and move that community's centroid to the new mean: ``O(candidates · d)`` (see the
         module docstring)."""
-        store = self._ready(state)
-        order, offset, size, room, centroid, shadow, recent = (
-            store[name] for name in ("order", "offset", "size", "room", "centroid", "centroid_key", "recent")
-        )
+        layer = self._ready(state)
+        order, offset, size, room = layer.order, layer.offset, layer.size, layer.room
+        centroid, shadow, recent = layer.centroid, layer.centroid_key, layer.recent
         b, units, c, d = centroid.shape
         key = k[:, :, 0].float().repeat_interleave(units // k.shape[1], dim=1)  # [B, U, D]
         open_ = size < room  # padding communities have no room
@@ -308,9 +335,9 @@ class CommunityKV(KVSelector):
     def select(self, state: KVState, q: Tensor) -> Selection:
         """The best-scored communities' tokens (best first), then the sinks and the window, ``count``
         of them at most (a token selection; see the module docstring)."""
-        store = self._ready(state)
+        layer = self._ready(state)
         cache = state.cache
-        order, offset, size, centroid, recent = (store[name] for name in ("order", "offset", "size", "centroid_key", "recent"))
+        order, offset, size, centroid, recent = layer.order, layer.offset, layer.size, layer.centroid_key, layer.recent
         b, h, d = q.shape
         h_kv = state.keys.shape[1]
         units, c = size.shape[1], size.shape[2]
@@ -395,9 +422,9 @@ class CommunityKV(KVSelector):
     def members(self, state: KVState, row: int, unit: int) -> list[list[int]]:
         """The token slots of each community of ``row``'s graph ``unit`` (a KV head in group mode, a
         query head in head mode), in the order of its range (host reads: for tests and analysis)."""
-        store = self._ready(state)
-        order = store["order"][row, unit].tolist()
-        return [order[o : o + s] for o, s in zip(store["offset"][row, unit].tolist(), store["size"][row, unit].tolist()) if s]
+        layer = self._ready(state)
+        order = layer.order[row, unit].tolist()
+        return [order[o : o + s] for o, s in zip(layer.offset[row, unit].tolist(), layer.size[row, unit].tolist()) if s]
 
 
 _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a Decoder, or call prefill() first"

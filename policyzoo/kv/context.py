@@ -13,14 +13,15 @@
 - ``request``: the policy's state for this request, one object for all layers, kept across steps
   (`KVSelector.new_request` makes it; ``None`` for a policy that keeps none).
 
-The per-layer store that persists across steps is ``state.store`` (the policy's own dict).
+A policy's per-layer state that persists across steps is ``state.layer_state_of(policy)`` (a typed
+object from `KVSelector.new_layer_state`).
 
 A policy names the parts it reads in `KVSelector.step_context` (``"previous"``, ``"below"``,
 ``"hidden"``, ``"rotary"``): the session keeps only those (``index`` and ``request`` are always there), so a policy
 that reads nothing costs nothing. Everything is a tensor the compiled step reads or writes in place,
 never a Python number, so a compiled decode step replays the same graph at every step.
 
-Tensors a policy keeps across steps (in ``state.store`` or ``request``) must be made before the first
+Tensors a policy keeps across steps (in its layer state or ``request``) must be made before the first
 decode step (in `KVSelector.prefill`, which runs eagerly) and updated in place (``copy_``): a
 compiled step replays a CUDA graph, whose outputs are overwritten by the next replay.
 """

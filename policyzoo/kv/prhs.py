@@ -83,6 +83,14 @@ def scaled_budget(budget: int | float, scale: float) -> int | float:
     return max(1, round(budget * scale))
 
 
+@dataclass
+class PrHSLayer:
+    """`PrHS`'s state of one layer (with ``time``): the query that made the selection the layer
+    reuses, ``float32[B, H, D]`` (None before the prefill)."""
+
+    query: Tensor | None = None
+
+
 @register("prhs")
 @dataclass
 class PrHS(PolicyWrapper):
@@ -189,6 +197,9 @@ class PrHS(PolicyWrapper):
         return sel if self.predicts_layer(state.layer + 1) else None
 
     # ------------------------------------------------------------------ life cycle
+    def new_layer_state(self) -> PrHSLayer:
+        return PrHSLayer()
+
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         layers = state.cache.num_layers
         for what, n in (("depth schedule", len(self.depth) if self.depth is not None else layers), ("layer", len(self.layer) or layers)):
@@ -201,7 +212,7 @@ class PrHS(PolicyWrapper):
             made = torch.zeros(q.shape[0], q.shape[1], q.shape[-1], dtype=torch.float32, device=q.device)
             if made.device.type == "cuda":
                 torch._dynamo.mark_static_address(made)
-            state.store["prhs.query"] = made
+            state.layer_state_of(self).query = made
 
     def finish_prefill(self, states: Sequence[KVState]) -> None:
         by_policy: dict[int, tuple[KVSelector, list[KVState]]] = {}
@@ -223,7 +234,7 @@ class PrHS(PolicyWrapper):
             fresh = self._fresh(state, q)
             return merge(self._certified(state, q, below), below, fresh, LAYER)
         fresh = self._fresh(state, q)
-        made = state.store.get("prhs.query")
+        made = state.layer_state_of(self).query
         if self.time is None or made is None:
             return tagged(fresh)
         if context.previous is None:  # the prefill's selection for the prompt's last token
