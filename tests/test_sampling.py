@@ -76,3 +76,17 @@ def test_sampler_settings_are_checked_and_kept_as_tensors():
     before = s.noise.clone()
     s.draw()
     assert not torch.equal(s.noise, before) and bool((s.noise >= 0).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 3), v=st.integers(1, 70), chunk=st.integers(1, 9), levels=st.integers(1, 4), seed=st.integers(0, 2**16),
+       inf=st.booleans())
+def test_first_argmax_is_argmax_with_ties_to_the_lowest_index(b, v, chunk, levels, seed, inf):
+    """Few distinct values make ties common; -inf entries (a masked vocabulary) included."""
+    from policyzoo.sampling import first_argmax
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (b, v), generator=g).float()
+    if inf:
+        x[torch.rand(b, v, generator=g) < 0.5] = -torch.inf
+    assert torch.equal(first_argmax(x, chunk), x.argmax(-1))
