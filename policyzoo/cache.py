@@ -110,8 +110,9 @@ class PagedKVCache:
         self.total_slots = num_pages * page_size
 
         def kv(layer: int) -> Tensor:  # an offloaded layer's keys and values live in pinned host memory
-            if layer in self.windows:
-                return torch.zeros(batch, num_kv_heads, ring_slots(self.windows[layer], page_size), head_dim, dtype=dtype, device=device)
+            if layer in self.windows:  # a sliding-window layer's ring
+                ring = ring_slots(self.windows[layer], page_size)
+                return torch.zeros(batch, num_kv_heads, ring, head_dim, dtype=dtype, device=device)
             if layer in self.host_layers:
                 return host_tensor(kv_shape, dtype, self.device)
             return torch.zeros(kv_shape, dtype=dtype, device=device)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from tiny_models import padded_batch
+from torch._dynamo.utils import counters
 
 import policyzoo
 from policyzoo import Decoder, EntmaxKV, Forecast, Offload, PrHS, Quest
@@ -178,16 +179,20 @@ def test_window_layers_keep_a_ring_of_their_window_and_no_summaries():
     assert all(t.shape[2] in (ring, cache.capacity, cache.num_pages) for t in cache.tensors() if t.dim() == 4)
 
 
-@pytest.mark.parametrize("regional", [True, False])
-def test_compiled_steps_equal_eager(regional):
+@pytest.mark.parametrize("regional, backend", [(True, "aot_eager"), (False, "eager")])
+def test_compiled_steps_equal_eager(regional, backend):
+    """Regional compilation compiles one layer per kind (two graphs), the whole step one graph."""
     model = hybrid_model("gemma3")
     ids, mask = padded_batch(2, 21)
     eager = Decoder(copy.deepcopy(model), kv=Quest(0.5, page=4)).generate(ids, 6, attention_mask=mask)
     torch._dynamo.reset()
-    dec = Decoder(model, kv=Quest(0.5, page=4)).compile(backend="eager", regional=regional)
+    counters.clear()
+    dec = Decoder(model, kv=Quest(0.5, page=4)).compile(backend=backend, regional=regional)
     assert dec.session.compiled_steps.regional == regional
     assert torch.equal(dec.generate(ids, 6, attention_mask=mask), eager)
-    assert torch.equal(dec.generate(ids, 6, attention_mask=mask), eager)  # replayed, not recompiled wrong
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(dec.generate(ids, 6, attention_mask=mask), eager)  # the same cache: no recompile
+    assert counters["stats"]["unique_graphs"] == (2 if regional else 1)
 
 
 @pytest.mark.filterwarnings("ignore:every layer of the model is a sliding-window layer")
