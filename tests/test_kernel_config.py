@@ -24,6 +24,7 @@ from policyzoo.kernels import (
     GemvConfig,
     PageFetchConfig,
     PageScoreConfig,
+    SelectPagesConfig,
     SelectTopConfig,
     SketchScoreConfig,
     config,
@@ -43,7 +44,7 @@ from policyzoo.selection import Selection
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIGS = (AttentionConfig, SelectTopConfig, GemvConfig, PageScoreConfig, EntmaxThresholdConfig, GatheredLogitsConfig,
-           SketchScoreConfig, AttentionEdgesConfig, PageFetchConfig)
+           SketchScoreConfig, AttentionEdgesConfig, PageFetchConfig, SelectPagesConfig)
 # The histograms and arrival counters, as a Decoder on CUDA makes them; the tests check that every
 # launch leaves them zero.
 WORKSPACE = kernels.Workspace(DEVICE)
@@ -110,6 +111,7 @@ def test_each_op_config_names_its_kernel_once():
         "attention": AttentionConfig, "select_top": SelectTopConfig, "gemv": GemvConfig, "page_score": PageScoreConfig,
         "sketch_score": SketchScoreConfig, "entmax_threshold": EntmaxThresholdConfig,
         "gathered_logits": GatheredLogitsConfig, "attention_edges": AttentionEdgesConfig, "page_fetch": PageFetchConfig,
+        "select_pages": SelectPagesConfig,
     }
 
 

@@ -19,6 +19,7 @@ from policyzoo.kv.base import (
     check_budget,
     check_count,
     choose_topk,
+    choose_topk_steps,
     exact_scores,
     forced_at,
     forced_pages,
@@ -126,8 +127,9 @@ def test_choose_topk_forced_invalid_entry_is_not_selected():
 
 
 def test_choose_topk_ranks_rows_longer_than_one_program_in_bf16_exactly(monkeypatch):
-    """Rows over `kernels.SELECT_TOP_ROW` entries go to `select_top` in bf16: the same entries as
-    ranking the fp32 scores, since both are ranked at bf16 precision (ties by position)."""
+    """In the steps (`choose_topk_steps`: rows longer than the fused kernel takes), rows over
+    `kernels.SELECT_TOP_ROW` entries go to `select_top` in bf16: the same entries as ranking the fp32
+    scores, since both are ranked at bf16 precision (ties by position); and the same as `choose_topk`."""
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(2, 3, 300, generator=g) * 4
     scores[0, 1, ::7] = -INF
@@ -137,11 +139,13 @@ def test_choose_topk_ranks_rows_longer_than_one_program_in_bf16_exactly(monkeypa
     seen = []
     real = kernels.select_top
     monkeypatch.setattr(kernels, "select_top", lambda s, *a, **kw: seen.append(s.dtype) or real(s, *a, **kw))
-    short = choose_topk(scores, forced, 128, count)
+    short = choose_topk_steps(scores, forced, 128, count)
     monkeypatch.setattr(kernels, "SELECT_TOP_ROW", 64)
-    long = choose_topk(scores, forced, 128, count)
+    long = choose_topk_steps(scores, forced, 128, count)
     assert seen == [torch.float32, torch.bfloat16]
     assert torch.equal(long.indices, short.indices) and torch.equal(long.count, short.count)
+    fused = choose_topk(scores, forced, 128, count)
+    assert torch.equal(fused.indices, short.indices) and torch.equal(fused.count, short.count)
 
 
 def test_choose_topk_count_capped_by_valid_and_width():

@@ -19,6 +19,9 @@ from .ops.gathered_logits import GatheredLogitsConfig, gathered_logits
 from .ops.page_fetch import PageFetchConfig, page_fetch
 from .ops.prefetch import prefetch_pages_op, wait_for_prefetch
 from .ops.quest_page_bound import PageScoreConfig, quest_page_bound, quest_page_bound_grouped
+from .ops.select_pages import MAX_ROW as SELECT_PAGES_ROW
+from .ops.select_pages import SelectPagesConfig, select_pages, select_scores
+from .ops.select_pages import takes as select_pages_takes
 from .ops.select_top import MAX_BLOCK_N as SELECT_TOP_ROW
 from .ops.select_top import SelectTopConfig, select_top
 from .ops.sketch_page_bound import SketchScoreConfig, sketch_page_bound
@@ -44,6 +47,10 @@ __all__ = [
     "prefetch_pages_op",
     "quest_page_bound",
     "quest_page_bound_grouped",
+    "select_pages",
+    "select_scores",
+    "select_pages_takes",
+    "SELECT_PAGES_ROW",
     "select_top",
     "SELECT_TOP_ROW",
     "sketch_page_bound",
@@ -59,6 +66,7 @@ __all__ = [
     "GemvConfig",
     "PageFetchConfig",
     "PageScoreConfig",
+    "SelectPagesConfig",
     "SelectTopConfig",
     "SketchScoreConfig",
 ]

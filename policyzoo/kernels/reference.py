@@ -24,6 +24,7 @@ from .ops.entmax_threshold.reference import (
 from .ops.gathered_logits.reference import gathered_logits
 from .ops.page_fetch.reference import page_fetch
 from .ops.quest_page_bound.reference import quest_page_bound, quest_page_bound_grouped
+from .ops.select_pages.reference import page_count, round_for_ranking, select_pages, select_scores, visible_pages
 from .ops.select_top.reference import select_top
 from .ops.sketch_page_bound.reference import (
     SKETCH_LEVELS,
@@ -50,10 +51,14 @@ __all__ = [
     "gaussian_entmax_threshold",
     "gaussian_relu",
     "gaussian_relu_sq",
+    "page_count",
     "page_fetch",
     "page_summaries",
     "quest_page_bound",
     "quest_page_bound_grouped",
+    "round_for_ranking",
+    "select_pages",
+    "select_scores",
     "select_top",
     "sketch_decode_codes",
     "sketch_encode",
@@ -64,4 +69,5 @@ __all__ = [
     "sparse_gemv_threshold",
     "sparse_linear",
     "visible",
+    "visible_pages",
 ]

@@ -1,7 +1,8 @@
 """`Workspace`: the scratch that one device's kernels share, owned by whoever drives them.
 
 Some launches need memory that is zero when they start and that they leave zero: the arrival
-counters of the sparse GEMV, its fp32 sums (`GemvConfig.atomic_sum`) and `select_top`'s histograms.
+counters of the sparse GEMV, its fp32 sums (`GemvConfig.atomic_sum`), and the histograms of
+`select_top` and of the fused selection (`select_pages`, `select_scores`).
 A `Workspace` holds them for one device, made zeroed at once, with the device's prefetch stream
 (`kernels.prefetch_pages`). Whoever drives the kernels owns one and passes it to the ops that take
 ``workspace=`` (a `Decoder` on CUDA makes one per device; the KV policies reach it through
@@ -26,9 +27,11 @@ from torch import Tensor
 
 # int32 entries per buffer: output blocks x batch rows of the GEMV (gate|up has 448 blocks of 64, so
 # up to batch 146), its fp32 sums with `GemvConfig.atomic_sum` (outputs x batch rows: gate|up of an
-# 8B model up to batch 16), and 512 bins x rows of `select_top` (up to 512 rows).
+# 8B model up to batch 16), and the selections' histograms: 512 bins x rows of `select_top` (up to
+# 1,024 rows), or 4,096 bins and 2 counters x rows of `select_pages` (up to 127 rows: batch 15 at 8
+# KV heads). The two never run at once (one stream), and each leaves the buffer zero.
 SIZES: Mapping[str, int] = MappingProxyType(
-    {"gemv_counters": 65536, "gemv_sums": 16 * 28672, "select_histograms": 512 * 512}
+    {"gemv_counters": 65536, "gemv_sums": 16 * 28672, "select_histograms": 1 << 19}
 )
 
 

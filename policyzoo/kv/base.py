@@ -445,20 +445,42 @@ def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
     return (first < last) & (holds_sink | holds_window)
 
 
+def forced_pages_at(state: KVState, pages: Tensor, sinks: int, window: int) -> Tensor:
+    """`forced_pages` at the page ids ``pages int[B, ...]`` only (the same shape), from the pages'
+    visible spans: the flags of a few listed pages without building the flags of every page."""
+    c = state.cache
+    shape = (pages.shape[0],) + (1,) * (pages.dim() - 1)
+    lo = pages.long() * c.page_size
+    start, length = c.start.view(shape), c.length.reshape(-1, *shape[1:])
+    first, last = torch.maximum(lo, start), torch.minimum(lo + c.page_size, length)
+    return (first < last) & ((first < start + sinks) | (last > length - max(window, 1)))
+
+
 def page_budget(state: KVState, budget: Budget, page: int, sinks: int, window: int, owner: str) -> tuple[int, Tensor]:
     """``(k_max, count)`` in pages for a page policy: ``budget`` tokens become ``ceil(budget / page)``
     pages, a ratio applies to the visible pages; ``k_max`` always has room for the forced pages."""
+    k_max = page_k_max(state, budget, page, sinks, window, owner)
+    n_visible = state.page_valid().sum(-1)
+    count = budget.count(n_visible) if budget.is_ratio else Budget(math.ceil(budget.value / page)).count(n_visible)
+    return k_max, count
+
+
+def page_k_max(state: KVState, budget: Budget, page: int, sinks: int, window: int, owner: str) -> int:
+    """`page_budget`'s static width alone (its count is then the policy's `Budget`, `page_count_rule`)."""
     if state.page_size != page:
         raise ValueError(f"{owner}(page={page}) needs a cache with page_size={page}, got {state.page_size}")
-    n_pages, n_visible = state.cache.num_pages, state.page_valid().sum(-1)
-    if budget.is_ratio:
-        k_max, count = budget.k_max(n_pages), budget.count(n_visible)
-    else:
-        wanted = math.ceil(budget.value / page)
-        k_max, count = min(n_pages, wanted), Budget(wanted).count(n_visible)
+    n_pages = state.cache.num_pages
+    k_max = budget.k_max(n_pages) if budget.is_ratio else min(n_pages, math.ceil(budget.value / page))
     # Sinks and window may each straddle one more page than their length needs.
     n_forced = math.ceil(sinks / page) + math.ceil(max(window, 1) / page) + 2
-    return max(k_max, min(n_pages, n_forced)), count
+    return max(k_max, min(n_pages, n_forced))
+
+
+def page_count_rule(budget: Budget, page: int) -> tuple[float, int]:
+    """`page_budget`'s count as the rule a fused selection evaluates on the device
+    (`kernels.select_pages`): ``(ratio, 0)`` for a keep ratio of the visible pages, else
+    ``(0.0, ceil(budget / page))`` pages."""
+    return (float(budget.value), 0) if budget.is_ratio else (0.0, math.ceil(budget.value / page))
 
 
 # ------------------------------------------------------------------------------------ chooser
@@ -466,10 +488,15 @@ def round_for_ranking(scores: Tensor) -> Tensor:
     """``float32`` scores rounded to 8 significant bits (bf16 precision, to nearest), ``±inf`` kept.
 
     Done on the bits with integer ops: a cast to bf16 and back is no rounding under torch.compile,
-    which keeps fused intermediates in fp32.
+    which keeps fused intermediates in fp32 (`kernels.reference.round_for_ranking`).
     """
-    bits = scores.float().contiguous().view(torch.int32)
-    return ((bits + 0x8000) & -0x10000).view(torch.float32)
+    return kernels.reference.round_for_ranking(scores)
+
+
+def fused_rows(n: int) -> bool:
+    """Whether a choice over rows of ``n`` entries is one launch (`kernels.select_scores`,
+    `kernels.select_pages`); longer rows take the steps (the masks, the ranking, `select_top`)."""
+    return kernels.select_pages_takes(n)
 
 
 def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1, *,
@@ -484,8 +511,9 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
             number of forced entries, capped at ``k_max`` and at the number of valid entries.
         workspace: the kernels' scratch (`KVState.workspace`); None: the kernel makes its own.
 
-    The kept entries come in ascending position order (`kernels.select_top`: one threshold search
-    instead of a sorted top-k; the reads then follow memory order).
+    The kept entries come in ascending position order (the reads then follow memory order). Rows of
+    up to `kernels.SELECT_PAGES_ROW` entries are one launch (`kernels.select_scores`); longer ones
+    take the steps (`choose_topk_steps`: `kernels.select_top` after the masks), with the same result.
 
     Scores are ranked at bf16 precision (8 significant bits), and ties go to the lowest position.
     The same score computed by a compiled and an eager step can differ in its last bits (Inductor
@@ -493,6 +521,18 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
     paths keep the same entries. Scores that round to the same bf16 value count as equal: they differ
     by less than one bf16 step, at most 2^-7 (0.8%) of their size.
     """
+    b, h_kv, n = scores.shape
+    if fused_rows(n):  # the masks, counts, ranking and selection in one launch
+        indices, kept = kernels.select_scores(scores, forced, count, k_max, workspace=workspace)
+        return Selection(indices=indices, count=kept, block=block)
+    return choose_topk_steps(scores, forced, k_max, count, block, workspace=workspace)
+
+
+def choose_topk_steps(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1, *,
+                      workspace: kernels.Workspace | None = None) -> Selection:
+    """`choose_topk` as the steps it is made of: the masks and counts in torch, then `select_top`
+    (its histograms for long bf16 rows). The fused kernel's specification, and the path of rows
+    longer than it takes."""
     b, h_kv, n = scores.shape
     valid = scores > -torch.inf
     forced = (forced if forced.dim() == 3 else forced[:, None, :]) & valid
@@ -596,32 +636,73 @@ def nominate_pages(state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_
     ``factor`` times the budget's codes, not the sketch of the whole cache. A page the box does not
     nominate is never kept: the fidelity rests on the box ranking the right page in its top
     ``factor × budget``, which is much weaker than ranking it in its top budget."""
-    c = state.cache
-    wide, wide_count = candidate_budget(k_max, count, factor, c.num_pages)
+    wide, wide_count = candidate_budget(k_max, count, factor, state.cache.num_pages)
     candidates = choose_topk(scores, forced, wide, wide_count, block=state.page_size, workspace=state.workspace)
+    listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)  # -1: the kernel's empty entry
+    forced = forced if forced.dim() == 3 else forced[:, None, :].expand_as(scores)
+    forced_listed = torch.gather(forced, 2, listed.clamp(min=0).long()) & (listed >= 0)
+    return rank_candidates(state, q, candidates, forced_listed, k_max, count)
+
+
+def rank_candidates(state: KVState, q: Tensor, candidates: Selection, forced: Tensor, k_max: int,
+                    count: Tensor) -> Selection:
+    """Keep the best ``count`` of the candidate ``pages`` by their key-sketch bound (the group's max),
+    the candidates flagged in ``forced`` (``bool``, shaped as their indices) first; ascending."""
+    c = state.cache
     listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)  # -1: the kernel's empty entry
     sketch = kernels.sketch_page_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer],
                                        c.start, c.length, state.scale, "max", listed)  # [B, H_kv, wide]
-    forced = forced if forced.dim() == 3 else forced[:, None, :].expand_as(scores)
-    forced_listed = torch.gather(forced, 2, listed.clamp(min=0).long()) & (listed >= 0)
-    chosen = choose_topk(sketch, forced_listed, min(k_max, wide), count, workspace=state.workspace)
+    chosen = choose_topk(sketch, forced, min(k_max, candidates.k_max), count, workspace=state.workspace)
     # Candidates ascend and so do the chosen entries: the kept page ids ascend too.
     return Selection(torch.gather(candidates.indices, 2, chosen.indices.long()), chosen.count, block=state.page_size)
 
 
+def box_pages(state: KVState, q: Tensor, k_max: int, count: Tensor | Budget, sinks: int, window: int) -> Selection:
+    """The top pages by the box bound folded by each group's max (`group_page_bounds`), the pages of
+    the ``sinks`` and ``window`` first (`forced_pages`), at most ``count`` per row (a tensor, or the
+    policy's `Budget` of the visible pages), ascending: `choose_topk` of those, with the bound and
+    the choice in one launch (`kernels.select_pages`: neither the bounds nor the flags are written)."""
+    c, page = state.cache, state.page_size
+    if not fused_rows(c.num_pages):
+        if isinstance(count, Budget):
+            count = kernels.reference.page_count(state.page_valid().sum(-1), *page_count_rule(count, page))
+        return choose_topk(group_page_bounds(state, q, "box"), forced_pages(state, sinks, window), k_max, count,
+                           block=page, workspace=state.workspace)
+    ratio, pages = page_count_rule(count, page) if isinstance(count, Budget) else (0.0, 0)
+    indices, kept = kernels.select_pages(q, c.page_min[state.layer], c.page_max[state.layer], c.start, c.length,
+                                         state.scale, k_max, None if isinstance(count, Budget) else count, page,
+                                         sinks, window, ratio, pages, workspace=state.workspace)
+    return Selection(indices, kept, block=page)
+
+
 def choose_pages(
-    state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_max: int, count: Tensor, *,
+    state: KVState, q: Tensor, scores: Tensor | None, forced: Tensor | None, k_max: int, count: Tensor | Budget, *,
     rescore: float = 0.0, nominate: float = 0.0, sinks: int = 0, window: int = 0, aggregate: Aggregate = "max",
 ) -> Selection:
     """A page policy's choice from its page ``scores``: the top pages (`choose_topk`), or with
     ``nominate`` >= 1 the best by key sketch among that many times the pages (`nominate_pages`; the
     ``scores`` are then the box bound's, folded by group max). With ``rescore`` >= 1, that many times
     the pages are chosen so, as candidates of which `rescore_pages` keeps the best tokens (the same
-    token budget)."""
-    page = state.page_size
-    k_pages, pages_count = candidate_budget(k_max, count, rescore, state.cache.num_pages) if rescore else (k_max, count)
-    if nominate:
+    token budget).
+
+    ``scores=None`` (and ``forced=None``): the pages are ranked by the box bound folded by the group's
+    max, the pages of ``sinks`` and ``window`` forced, and that choice is one launch (`box_pages`);
+    ``count`` may then be the policy's `Budget`, evaluated on the device. The same selection as the
+    scores of `group_page_bounds` and the flags of `forced_pages`."""
+    page, n_pages = state.page_size, state.cache.num_pages
+    if isinstance(count, Budget) and (rescore or nominate or scores is not None):
+        count = kernels.reference.page_count(state.page_valid().sum(-1), *page_count_rule(count, page))
+    k_pages, pages_count = candidate_budget(k_max, count, rescore, n_pages) if rescore else (k_max, count)
+    if nominate and scores is None:
+        wide, wide_count = candidate_budget(k_pages, pages_count, nominate, n_pages)
+        candidates = box_pages(state, q, wide, wide_count, sinks, window)
+        listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)
+        forced_listed = forced_pages_at(state, listed.clamp(min=0), sinks, window) & (listed >= 0)
+        pages = rank_candidates(state, q, candidates, forced_listed, k_pages, pages_count)
+    elif nominate:
         pages = nominate_pages(state, q, scores, forced, k_pages, pages_count, nominate)
+    elif scores is None:
+        pages = box_pages(state, q, k_pages, pages_count, sinks, window)
     else:
         pages = choose_topk(scores, forced, k_pages, pages_count, block=page, workspace=state.workspace)
     if not rescore:

@@ -67,6 +67,7 @@ from .base import (
     group_page_bounds,
     page_bound_scores,
     page_budget,
+    page_k_max,
 )
 from .registry import register
 
@@ -173,6 +174,10 @@ class EntmaxKV(KVSelector):
         return aggregate_groups(margin, valid, h_kv, "max")
 
     def select(self, state: KVState, q: Tensor) -> Selection:
+        if self.mode == "topk" and self.bound == "box":  # Quest's choice: the bound and the choice in one launch
+            k_max = page_k_max(state, self._budget, self.page, self.sinks, self.window, "EntmaxKV")
+            return choose_pages(state, q, None, None, k_max, self._budget, rescore=self.rescore, sinks=self.sinks,
+                                window=self.window, aggregate=self.aggregate)
         k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "EntmaxKV")
         valid = state.page_valid()
         scores = self.page_scores(state, q)

@@ -80,6 +80,7 @@ from .base import (
     check_page_bound,
     candidate_budget,
     check_rescore,
+    box_pages,
     choose_topk,
     exact_scores,
     forced_pages,
@@ -265,8 +266,11 @@ class SSA(KVSelector):
         if self.rescore:  # both strata on the pages' log-mass: exact for the candidates
             m_max, m_count = self._widths(self.sample, unit, n_units, n_valid)
             wide, wide_count = candidate_budget(k_det + m_max, count_det + m_count, self.rescore, n_units)
-            candidates = choose_topk(group_page_bounds(state, q, self.bound), forced, wide, wide_count, block=unit,
-                                     workspace=state.workspace)
+            if self.bound == "box":  # the bound and the choice in one launch
+                candidates = box_pages(state, q, wide, wide_count, self.sinks, self.window)
+            else:
+                candidates = choose_topk(group_page_bounds(state, q, self.bound), forced, wide, wide_count, block=unit,
+                                         workspace=state.workspace)
             raw = page_log_mass(state, q, raw, candidates)
             ranking = aggregate_groups(raw, valid, h_kv, self.aggregate)
         det = choose_topk(ranking, forced, k_det, count_det, block=unit, workspace=state.workspace)

@@ -43,6 +43,58 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 @triton.jit
+def head_bounds(q_group, s_qh, mn, mx, offs_d, scale,
+                G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    """``[G_PAD, BLOCK_P]`` bounds of the group's query heads over a tile of summaries ``mn, mx
+    [BLOCK_P, D_PAD]`` (padding pages and channels 0), both dots on tl.dot; padding heads are 0."""
+    offs_g = tl.arange(0, G_PAD)
+    q = tl.load(q_group + offs_g[:, None] * s_qh + offs_d[None, :],
+                mask=(offs_g < G)[:, None] & (offs_d < D)[None, :], other=0.0)
+    # Signs are split in fp32 (exact), then cast back to the summaries' dtype (exact for a
+    # 16-bit q of the same dtype; fp32 otherwise).
+    q = q.to(tl.float32)
+    q_pos = tl.maximum(q, 0.0)
+    q_neg = tl.minimum(q, 0.0)
+    if IEEE:  # fp32 somewhere: full-precision dots
+        mx, mn = mx.to(tl.float32), mn.to(tl.float32)
+        acc = tl.dot(q_pos, tl.trans(mx), input_precision="ieee")
+        acc = tl.dot(q_neg, tl.trans(mn), acc, input_precision="ieee")
+    else:  # q and the summaries share a 16-bit dtype: its products are exact in the fp32 accumulator
+        acc = tl.dot(q_pos.to(mx.dtype), tl.trans(mx))
+        acc = tl.dot(q_neg.to(mn.dtype), tl.trans(mn), acc)
+    return acc * scale
+
+
+@triton.jit
+def grouped_bound(q_group, s_qh, mn, mx, offs_d, scale,
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                  AGG: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """``[BLOCK_P]``: the group's bounds over a tile of summaries folded by their max (``AGG`` 1) or
+    sum (2). The fused page selection (`ops.select_pages`) calls this too, so its page bounds are
+    the grouped op's, bit for bit."""
+    if DOT:
+        acc = head_bounds(q_group, s_qh, mn, mx, offs_d, scale, G, G_PAD, D, IEEE)
+        if AGG == 1:
+            red = tl.max(tl.where((tl.arange(0, G_PAD) < G)[:, None], acc, -float("inf")), 0)
+        else:
+            red = tl.sum(acc, 0)  # padding heads are exactly 0
+    else:
+        mn = mn.to(tl.float32)
+        mx = mx.to(tl.float32)
+        red = tl.zeros([BLOCK_P], tl.float32)
+        if AGG == 1:
+            red = red - float("inf")
+        for g in tl.static_range(G):
+            q = tl.load(q_group + g * s_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            bound = tl.sum(tl.where(q[None, :] >= 0.0, q[None, :] * mx, q[None, :] * mn), 1) * scale
+            if AGG == 1:
+                red = tl.maximum(red, bound)
+            else:
+                red += bound
+    return red
+
+
+@triton.jit
 def _quest_bound_kernel(
     q_ptr, mn_ptr, mx_ptr, out_ptr,
     s_qb, s_qh,
@@ -65,50 +117,21 @@ def _quest_bound_kernel(
     mx = tl.load(mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp + offs_d[None, :], mask=pd_mask, other=0.0)
     q_group = q_ptr + b * s_qb + kv * G * s_qh
 
-    if DOT:
+    if AGG != 0:  # per KV head: out [B, H_kv, P]
+        red = grouped_bound(q_group, s_qh, mn, mx, offs_d, scale, G, G_PAD, D, BLOCK_P, AGG, DOT, IEEE)
+        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+    elif DOT:  # per query head: out [B, H, P]
+        acc = head_bounds(q_group, s_qh, mn, mx, offs_d, scale, G, G_PAD, D, IEEE)
         offs_g = tl.arange(0, G_PAD)
-        g_mask = offs_g < G
-        q = tl.load(q_group + offs_g[:, None] * s_qh + offs_d[None, :],
-                    mask=g_mask[:, None] & (offs_d < D)[None, :], other=0.0)
-        # Signs are split in fp32 (exact), then cast back to the summaries' dtype (exact for a
-        # 16-bit q of the same dtype; fp32 otherwise).
-        q = q.to(tl.float32)
-        q_pos = tl.maximum(q, 0.0)
-        q_neg = tl.minimum(q, 0.0)
-        if IEEE:  # fp32 somewhere: full-precision dots
-            mx, mn = mx.to(tl.float32), mn.to(tl.float32)
-            acc = tl.dot(q_pos, tl.trans(mx), input_precision="ieee")
-            acc = tl.dot(q_neg, tl.trans(mn), acc, input_precision="ieee")
-        else:  # q and the summaries share a 16-bit dtype: its products are exact in the fp32 accumulator
-            acc = tl.dot(q_pos.to(mx.dtype), tl.trans(mx))
-            acc = tl.dot(q_neg.to(mn.dtype), tl.trans(mn), acc)
-        acc = acc * scale  # [G_PAD, BLOCK_P]
-        if AGG == 0:  # per query head: out [B, H, P]
-            out_rows = out_ptr + b * s_ob + (kv * G + offs_g) * s_oh
-            tl.store(out_rows[:, None] + offs_p[None, :], acc, mask=g_mask[:, None] & p_mask[None, :])
-        else:  # per KV head: out [B, H_kv, P]
-            if AGG == 1:
-                red = tl.max(tl.where(g_mask[:, None], acc, -float("inf")), 0)
-            else:
-                red = tl.sum(acc, 0)  # padding heads are exactly 0
-            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+        out_rows = out_ptr + b * s_ob + (kv * G + offs_g) * s_oh
+        tl.store(out_rows[:, None] + offs_p[None, :], acc, mask=(offs_g < G)[:, None] & p_mask[None, :])
     else:
         mn = mn.to(tl.float32)
         mx = mx.to(tl.float32)
-        red = tl.zeros([BLOCK_P], tl.float32)
-        if AGG == 1:
-            red = red - float("inf")
         for g in tl.static_range(G):
             q = tl.load(q_group + g * s_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
             bound = tl.sum(tl.where(q[None, :] >= 0.0, q[None, :] * mx, q[None, :] * mn), 1) * scale
-            if AGG == 0:
-                tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, bound, mask=p_mask)
-            elif AGG == 1:
-                red = tl.maximum(red, bound)
-            else:
-                red += bound
-        if AGG != 0:
-            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=p_mask)
+            tl.store(out_ptr + b * s_ob + (kv * G + g) * s_oh + offs_p, bound, mask=p_mask)
 
 
 def quest_page_bound(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str, cfg) -> Tensor:
