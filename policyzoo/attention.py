@@ -167,8 +167,8 @@ def policyzoo_attention(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     backend = args.backend(module)
-    check_layer_kind(backend, module, kwargs)
-    if args.phase == "prefill":
+    if args.phase == "prefill":  # checked once per request, eagerly: a compiled step reads no layer index
+        check_layer_kind(backend, module, kwargs)
         return backend.prefill(args, query, key, value, scale).transpose(1, 2), None
     if query.shape[2] != 1:
         raise RuntimeError(f"decode expects one token per row, got {query.shape[2]}")
@@ -180,7 +180,7 @@ def check_layer_kind(backend: Any, module: nn.Module, kwargs: dict) -> None:
     model's own: attention logit soft-capping (``softcap``; no kernel applies it), or a sliding window
     (``sliding_window``, which the model's attention module passes) that the backend does not apply:
     a window layer must have the model's window, a full layer only a window its cache never exceeds."""
-    layer = getattr(module, "layer_idx", "?")
+    layer = getattr(module, "layer_idx", "?")  # for the messages
     if kwargs.get("softcap") is not None:
         raise RuntimeError(f"layer {layer}: attention logit soft-capping (softcap={kwargs['softcap']}) is not supported")
     declared, window = kwargs.get("sliding_window"), getattr(backend, "window", None)
