@@ -173,9 +173,16 @@ def test_page_score_and_entmax_threshold_configs_by_shape():
         assert quest_op.page_score_config(64).block_p == 16
         assert quest_op.page_score_config(8).block_p == 8
     rule = entmax_op.entmax_threshold_config
-    assert (rule(8192).block_p, rule(8192).num_warps) == (1024, 8)
+    assert (rule(8192).split, rule(8192).block_p, rule(8192).num_warps) == (1, 2048, 16)  # one program: blocks of 2048
     assert (rule(300).block_p, rule(300).num_warps) == (512, 4)
     assert (rule(37).block_p, rule(37).num_warps) == (64, 1)
+    # 32 rows of 8,192 pages on 132 SMs: 4 programs a row (one per SM), 2,048 pages each, held
+    assert (rule(8192, 32, 132).split, rule(8192, 32, 132).block_p) == (4, 2048)
+    assert rule(2048, 32, 132).split == 4 and rule(2048, 32, 132).block_p == 512  # 512 pages a program at least
+    assert rule(8192, 200, 132).split == 1  # more rows than SMs: no split
+    with override(entmax_threshold=EntmaxThresholdConfig(split=64)):
+        assert rule(8192, 32, 132).split == 4  # never more programs than SMs
+        assert rule(8192, 1, 132).split == 64
 
 
 # --------------------------------------------------------------------------------------------------
@@ -379,7 +386,7 @@ def test_the_old_knobs_are_gone():
     left = {name: [a for a in attrs if hasattr(MODULES[name], a) or hasattr(MODULES[f"{name}.kernel"], a)]
             for name, attrs in OLD_KNOBS.items()}
     assert left == {name: [] for name in OLD_KNOBS}
-    assert set(workspace.SIZES) == {"gemv_counters", "gemv_sums", "select_histograms"}  # the fused merge's counters went with it
+    assert set(workspace.SIZES) == {"gemv_counters", "gemv_sums", "select_histograms", "barrier_counters"}
 
 
 def test_kernel_modules_hold_no_mutable_state():

@@ -2,7 +2,8 @@
 
 Some launches need memory that is zero when they start and that they leave zero: the arrival
 counters of the sparse GEMV, its fp32 sums (`GemvConfig.atomic_sum`), and the histograms of
-`select_top` and of the fused selection (`select_pages`, `select_scores`).
+`select_top` and of the fused selection (`select_pages`, `select_scores`), and the entmax threshold's
+barrier counters.
 A `Workspace` holds them for one device, made zeroed at once, with the device's prefetch stream
 (`kernels.prefetch_pages`). Whoever drives the kernels owns one and passes it to the ops that take
 ``workspace=`` (a `Decoder` on CUDA makes one per device; the KV policies reach it through
@@ -29,9 +30,10 @@ from torch import Tensor
 # up to batch 146), its fp32 sums with `GemvConfig.atomic_sum` (outputs x batch rows: gate|up of an
 # 8B model up to batch 16), and the selections' histograms: 512 bins x rows of `select_top` (up to
 # 1,024 rows), or 4,096 bins and 2 counters x rows of `select_pages` (up to 127 rows: batch 15 at 8
-# KV heads). The two never run at once (one stream), and each leaves the buffer zero.
+# KV heads). The two never run at once (one stream), and each leaves the buffer zero. Then 2 barrier
+# counters x rows of the entmax threshold (rows: batch x query heads, up to batch 128 at 32 heads).
 SIZES: Mapping[str, int] = MappingProxyType(
-    {"gemv_counters": 65536, "gemv_sums": 16 * 28672, "select_histograms": 1 << 19}
+    {"gemv_counters": 65536, "gemv_sums": 16 * 28672, "select_histograms": 1 << 19, "barrier_counters": 8192}
 )
 
 
@@ -56,6 +58,7 @@ class Workspace:
     gemv_counters: Tensor | None
     gemv_sums: Tensor | None
     select_histograms: Tensor | None
+    barrier_counters: Tensor | None
     prefetch_stream: torch.cuda.Stream | None
     prefetch_stream_ids: tuple[int, int, int] | None
     """The prefetch stream as an op argument names it (a custom op takes no stream object)."""

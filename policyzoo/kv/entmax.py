@@ -168,7 +168,8 @@ class EntmaxKV(KVSelector):
         mu, sigma = page_gaussians(state, q)
         counts = state.cache.page_counts()[:, None, :].expand_as(mu)
         m = torch.where(valid[:, None, :], mu * 0.5, -torch.inf)
-        tau = kernels.gaussian_entmax_threshold(m, sigma * 0.5, counts, 0.5 * bound, self.iters).float()
+        tau = kernels.gaussian_entmax_threshold(m, sigma * 0.5, counts, 0.5 * bound, self.iters,
+                                                workspace=state.workspace).float()
         upper = torch.minimum(0.5 * (mu + self.z * sigma), 0.5 * bound)
         margin = torch.where(torch.isfinite(tau), upper - tau, torch.inf)
         return aggregate_groups(margin, valid, h_kv, "max")

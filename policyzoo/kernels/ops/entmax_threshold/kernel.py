@@ -1,33 +1,34 @@
-"""Pooled Gaussian entmax threshold (Triton); spec: `reference.gaussian_entmax_threshold`,
-beside this file.
+"""Pooled Gaussian entmax threshold (Triton); spec: `reference.gaussian_entmax_threshold`, beside
+this file.
 
-`EntmaxKV` (``mode="gaussian"``) solves, per row of ``[B, H]`` pages, the entmax normaliser of a pool
-of censored Gaussians: ``f(τ) = Σ_p n_p·E[(min(x_p, cap_p) − τ)_+²] − 1 = 0``, ``x_p ~ N(m_p, s_p²)``,
-by a safeguarded Newton iteration in float64 (``iters`` steps, each a full pass over the pages). The
-torch reference is a chain of elementwise ops and last-dim sums; under `torch.compile` Inductor fuses
-it into one persistent reduction over all pages, which Triton 3.6 fails to compile for 8192 pages (a
-128K context; ``PassManager::run failed`` in make_ttgir). This kernel is the same algorithm as one
-opaque custom op (``policyzoo::gaussian_entmax_threshold``), so Inductor never generates that
-reduction.
+`EntmaxKV` (``mode="gaussian"``) solves, per row of ``[B, H]`` pages, ``F(τ) = Σ_p n_p·E[(min(x_p,
+cap_p) − τ)_+²] = 1``, ``x_p ~ N(m_p, s_p²)``, by safeguarded Newton steps on ``√F − 1``, each a full
+pass over the row's pages: the first ones in float32, the last `reference.FINE_STEPS` in float64.
+The torch reference is a chain of elementwise ops and last-dim sums; under `torch.compile` Inductor
+fuses it into one persistent reduction over all pages, which Triton 3.6 fails to compile for 8192
+pages (``PassManager::run failed`` in make_ttgir), so this is one opaque custom op.
 
-One program per row (the leading dims flattened); the row is walked in blocks of pages per pass
-(the `EntmaxThresholdConfig` the op chose for the call, `entmax_threshold_config`), so any number of
-pages works:
+Where the time goes: a pass costs one censored moment pair per page (an erf, an exp and a division
+each, two of them for a censored page), in float64 about 200 instructions of the GPU's float64 units,
+which are 1/2 to 1/64 of its float32 units. One program per row (32 rows for batch 1) left 100 SMs
+idle and ran 13 float64 passes over 8,192 pages back to back. Here:
 
-1. one pass for the bracket and the start: ``lo = max_p (m_p − 8·s_p) − 1``,
-   ``hi = max(max_p min(m_p + 8·s_p, cap_p), lo)``, ``τ₀ = clamp(max_p m_p, lo, hi)`` over the live
-   pages (``n_p > 0`` and ``m_p > -inf``); no live page: ``τ̂ = -inf``;
-2. ``iters`` passes, each accumulating ``f(τ)`` and the slope ``−f'(τ)`` blockwise, then the
-   reference's bracket update and clamped Newton step.
+- a row is split over ``split`` programs (`EntmaxThresholdConfig`: as many as one program per SM
+  allows), each holding its slice of the pages in registers for the whole solve, with the
+  τ-independent half of each moment pair (the censoring at the page's cap) computed once;
+- each Newton step ends in a barrier of the row's programs: each writes its partial sums, counts
+  itself in at the row's counter (release) and waits until all have (acquire); each then adds the
+  partials in the same order, so every program of the row takes the same step. The programs of a
+  row must run at once: the op never makes more programs than SMs when it splits (one program fits
+  any SM), and under the interpreter, which runs programs one after another, it never splits;
+- the passes far from the root are float32 (where float32 is the cheaper unit), and only the last
+  `reference.FINE_STEPS` float64.
 
-Everything is float64 (inputs of any float or integer dtype are converted on load). ``Φ(a)`` is
-``0.5·(1 + erf(a/√2))`` (`tl.erf`): torch's ``ndtr`` uses ``erfc`` in the tails, and the difference is
-an absolute ~1e-16 in ``Φ``, which moves ``τ̂`` by at most ~1e-11 (relative) on pools of 8K pages
-with logits and spreads up to ±60. Constants that a float32 literal would round (``1/√2``) are built
-as float64 tensors.
-
-The reduction order differs from torch's, so results agree with the reference to ~1e-12, not bit
-for bit.
+Everything float64 is as the reference's float64 steps: inputs of any float or integer dtype are
+converted on load, ``Φ(a)`` is ``0.5·(1 + erf(a/√2))`` (`tl.erf`; torch's ``ndtr`` uses ``erfc`` in
+the tails, ~1e-16 apart), constants that a float32 literal would round are float64 tensors. The
+float32 steps round differently from torch's, which the float64 steps remove (near the root each
+squares the error): results agree with the reference to ~1e-12, not bit for bit.
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import route
+from .reference import FINE_STEPS
+
+# Counters per row: the barrier's arrivals, then the programs done (the last one zeroes both).
+COUNTERS = 2
+# Partial sums a program publishes per step (the bracket pass: three maxima; a Newton pass: F and L).
+PARTIALS = 4
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The output comes from here (uninitialised; the tests poison it)."""
+    """The output and scratch come from here (uninitialised; the tests poison them)."""
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
@@ -55,7 +62,8 @@ def _f64(x):
 
 @triton.jit
 def _relu_moments(c, s):
-    """``(E[(X)_+²], E[(X)_+])`` for ``X ~ N(c, s²)`` (`reference.gaussian_relu_sq`, `gaussian_relu`)."""
+    """``(E[(X)_+²], E[(X)_+])`` for ``X ~ N(c, s²)`` in float64 (`reference.gaussian_relu_sq`,
+    `gaussian_relu`)."""
     a = c / tl.maximum(s, _f64(1e-30))
     phi = tl.exp(-0.5 * a * a) / _f64(2.5066282746310002)  # √(2π)
     cdf = 0.5 * (1.0 + tl.erf(a * _f64(0.7071067811865476)))  # Φ(a), 1/√2
@@ -63,27 +71,48 @@ def _relu_moments(c, s):
 
 
 @triton.jit
-def _censored_moments(m, s, cap, tau):
-    """``(E[(min(X, cap) − τ)_+²], E[(min(X, cap) − τ)_+])`` for ``X ~ N(m, s²)``
-    (`reference._censored_moments`); ``cap = +inf`` censors nothing."""
-    finite = tl.abs(cap) < float("inf")
-    b = tl.where(finite, cap, m)
-    sq, lin = _relu_moments(m - tau, s)
-    sq_b, lin_b = _relu_moments(m - b, s)
-    lin_b = tl.where(finite, lin_b, 0.0)
-    over_sq = tl.where(finite, sq_b + 2.0 * (b - tau) * lin_b, 0.0)
-    below = tau < cap
-    return (
-        tl.where(below, tl.maximum(sq - over_sq, 0.0), 0.0),
-        tl.where(below, tl.maximum(lin - lin_b, 0.0), 0.0),
-    )
+def _relu_moments32(c, s):
+    """`_relu_moments` in float32."""
+    a = c / tl.maximum(s, 1e-30)
+    phi = tl.exp(-0.5 * a * a) * 0.3989422804014327  # 1/√(2π)
+    cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
+    return (c * c + s * s) * cdf + c * s * phi, c * cdf + s * phi
 
 
 @triton.jit
-def _load_block(m_row, s_row, n_row, c_row, offs, P, HAS_CAP: tl.constexpr):
-    """One block of pages as float64 ``(m, s, cap, w, live, inside)``, masked like the reference:
-    pages not in the pool (and lanes past ``P``) get ``m = s = 0``, ``cap = +inf``, ``w = 0``."""
-    inside = offs < P
+def _cap_terms(m, s, cap, F32: tl.constexpr):
+    """The τ-independent half of the censored moments (`reference._censored_moments`): ``(b, sq_b,
+    lin_b)`` with ``b`` the cap (the mean where the cap is infinite) and the moments above it (0
+    where the cap is infinite)."""
+    finite = tl.abs(cap) < float("inf")
+    b = tl.where(finite, cap, m)
+    if F32:
+        sq_b, lin_b = _relu_moments32(m - b, s)
+    else:
+        sq_b, lin_b = _relu_moments(m - b, s)
+    return b, tl.where(finite, sq_b, 0.0), tl.where(finite, lin_b, 0.0)
+
+
+@triton.jit
+def _step_sums(m, s, cap, w, b, sq_b, lin_b, tau, F32: tl.constexpr):
+    """``(Σ w·E[(min(X, cap) − τ)_+²], Σ w·E[(min(X, cap) − τ)_+])`` over a block of pages, given its
+    `_cap_terms`."""
+    if F32:
+        sq, lin = _relu_moments32(m - tau, s)
+    else:
+        sq, lin = _relu_moments(m - tau, s)
+    over_sq = sq_b + 2.0 * (b - tau) * lin_b
+    below = tau < cap
+    sq = tl.where(below, tl.maximum(sq - over_sq, 0.0), 0.0)
+    lin = tl.where(below, tl.maximum(lin - lin_b, 0.0), 0.0)
+    return tl.sum(w * sq, 0), tl.sum(w * lin, 0)
+
+
+@triton.jit
+def _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP: tl.constexpr):
+    """One block of pages as float64 ``(m, s, cap, w, live)``, masked like the reference: pages not
+    in the pool (and lanes past ``end``) get ``m = s = 0``, ``cap = +inf``, ``w = 0``."""
+    inside = offs < end
     m = tl.load(m_row + offs, mask=inside, other=float("-inf")).to(tl.float64)
     s = tl.load(s_row + offs, mask=inside, other=0.0).to(tl.float64)
     n = tl.load(n_row + offs, mask=inside, other=0).to(tl.float64)
@@ -96,64 +125,135 @@ def _load_block(m_row, s_row, n_row, c_row, offs, P, HAS_CAP: tl.constexpr):
     else:
         c0 = tl.full(offs.shape, float("inf"), tl.float64)
     c0 = tl.maximum(c0, m0)  # a mean is never above the bound (guards float rounding)
-    w = tl.where(live, n, 0.0)
-    return m0, s0, c0, w, live, inside
+    return m0, s0, c0, tl.where(live, n, 0.0), live
+
+
+@triton.jit
+def _bracket(m0, s0, c0, live):
+    """The block's maxima of ``m − 8s``, ``min(m + 8s, cap)`` and ``m`` over its live pages."""
+    return (tl.max(tl.where(live, m0 - 8.0 * s0, float("-inf")), 0),
+            tl.max(tl.where(live, tl.minimum(m0 + 8.0 * s0, c0), float("-inf")), 0),
+            tl.max(tl.where(live, m0, float("-inf")), 0))
+
+
+@triton.jit
+def _exchange(parts, ctr, a, b, c, step, S_PAD: tl.constexpr):
+    """Publish this program's ``(a, b, c)`` (float64) for barrier ``step``, wait for the row's other
+    programs, and return everyone's, ``[S_PAD]`` each (lanes past the row's programs: 0).
+
+    The partials of consecutive steps alternate between two slots: a program still reading step k's
+    cannot be overwritten, since no program passes step k+1's barrier before it arrives there."""
+    split = tl.num_programs(0)
+    me = tl.program_id(0)
+    here = parts + ((step % 2) * S_PAD + me) * 4
+    tl.store(here, a)
+    tl.store(here + 1, b)
+    tl.store(here + 2, c)
+    # Every thread's stores before the release; the acquire before anyone's reads (past L1).
+    tl.debug_barrier()
+    tl.atomic_add(ctr, 1, sem="release", scope="gpu")
+    target = split * (step + 1)
+    while tl.atomic_add(ctr, 0, sem="acquire", scope="gpu") < target:
+        pass
+    j = tl.arange(0, S_PAD)
+    theirs = parts + ((step % 2) * S_PAD + j) * 4
+    mine = j < split
+    return (tl.load(theirs, mask=mine, other=0.0, cache_modifier=".cg"),
+            tl.load(theirs + 1, mask=mine, other=0.0, cache_modifier=".cg"),
+            tl.load(theirs + 2, mask=mine, other=0.0, cache_modifier=".cg"), mine)
+
+
+@triton.jit
+def _newton(tau, lo, hi, big_f, big_l, tiny):
+    """`reference.newton_step` from the pool's sums ``F`` and ``L``."""
+    up = big_f >= 1.0
+    lo = tl.where(up, tau, lo)
+    hi = tl.where(up, hi, tau)
+    step = tl.where(big_f > 0, tau + (big_f - tl.sqrt(big_f)) / tl.maximum(big_l, tiny), float("-inf"))
+    return tl.minimum(tl.maximum(step, lo), hi), lo, hi
 
 
 @triton.jit
 def _entmax_threshold_kernel(
-    m_ptr, s_ptr, n_ptr, c_ptr, out_ptr,
-    P, iters,
-    HAS_CAP: tl.constexpr, BLOCK_P: tl.constexpr,
+    m_ptr, s_ptr, n_ptr, c_ptr, out_ptr, part_ptr, ctr_ptr,
+    P, per_program, coarse, fine,
+    HAS_CAP: tl.constexpr, BLOCK_P: tl.constexpr, HELD: tl.constexpr, S_PAD: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    m_row = m_ptr + row * P
-    s_row = s_ptr + row * P
-    n_row = n_ptr + row * P
-    c_row = c_ptr + row * P
-    offs = tl.arange(0, BLOCK_P)
-    neg_inf = tl.full((BLOCK_P,), float("-inf"), tl.float64)
+    me = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    m_row, s_row, n_row, c_row = m_ptr + row * P, s_ptr + row * P, n_ptr + row * P, c_ptr + row * P
+    first = me * per_program
+    end = tl.minimum(first + per_program, P)
+    parts = part_ptr + row * (2 * S_PAD * 4)
+    ctr = ctr_ptr + row * 2
+    offs = first + tl.arange(0, BLOCK_P)
+    neg = tl.full((), float("-inf"), tl.float64)
 
-    # Pass 0: the bracket and the start (maxima over the live pages).
-    lo_acc = neg_inf
-    hi_acc = neg_inf
-    top_acc = neg_inf
-    for p0 in range(0, P, BLOCK_P):
-        m0, s0, c0, w, live, inside = _load_block(m_row, s_row, n_row, c_row, p0 + offs, P, HAS_CAP)
-        lo_acc = tl.maximum(lo_acc, tl.where(live, m0 - 8.0 * s0, float("-inf")))
-        hi_acc = tl.maximum(hi_acc, tl.where(live, tl.minimum(m0 + 8.0 * s0, c0), float("-inf")))
-        top_acc = tl.maximum(top_acc, tl.where(live, m0, float("-inf")))
-    lo = tl.max(lo_acc, axis=0)
+    # The bracket and the start: maxima over the row's live pages.
+    if HELD:  # the slice is one block, kept in registers with its τ-independent terms
+        m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP)
+        lo_p, hi_p, top_p = _bracket(m0, s0, c0, live)
+        b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
+        b32, sq_b32, lin_b32 = _cap_terms(m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), True)
+    else:
+        lo_p, hi_p, top_p = neg, neg, neg
+        for p0 in range(first, end, BLOCK_P):
+            m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP)
+            lo_b, hi_b, top_b = _bracket(m0, s0, c0, live)
+            lo_p, hi_p, top_p = tl.maximum(lo_p, lo_b), tl.maximum(hi_p, hi_b), tl.maximum(top_p, top_b)
+    los, his, tops, mine = _exchange(parts, ctr, lo_p, hi_p, top_p, 0, S_PAD)
+    lo = tl.max(tl.where(mine, los, float("-inf")), 0)
     empty = lo == float("-inf")
     lo = tl.where(empty, 0.0, lo - 1.0)
-    hi = tl.max(hi_acc, axis=0)
-    hi = tl.where(empty, 1.0, tl.maximum(hi, lo))
-    tau = tl.where(empty, 0.0, tl.max(top_acc, axis=0))
+    hi = tl.where(empty, 1.0, tl.maximum(tl.max(tl.where(mine, his, float("-inf")), 0), lo))
+    tau = tl.where(empty, 0.0, tl.max(tl.where(mine, tops, float("-inf")), 0))
     tau = tl.minimum(tl.maximum(tau, lo), hi)
 
-    # Newton passes: f(τ) and the slope −f'(τ) in one walk over the pages each.
-    for _ in range(iters):
-        f_acc = tl.zeros((BLOCK_P,), tl.float64)
-        g_acc = tl.zeros((BLOCK_P,), tl.float64)
-        for p0 in range(0, P, BLOCK_P):
-            m0, s0, c0, w, live, inside = _load_block(m_row, s_row, n_row, c_row, p0 + offs, P, HAS_CAP)
-            sq, lin = _censored_moments(m0, s0, c0, tau)
-            f_acc += tl.where(inside, w * sq, 0.0)
-            g_acc += tl.where(inside, w * lin, 0.0)
-        f = tl.sum(f_acc, axis=0) - 1.0
-        slope = 2.0 * tl.sum(g_acc, axis=0)
-        right = f >= 0.0  # τ is left of the root (f decreasing)
-        lo = tl.where(right, tau, lo)
-        hi = tl.where(right, hi, tau)
-        step = tau + f / tl.maximum(slope, _f64(1e-300))
-        tau = tl.minimum(tl.maximum(step, lo), hi)
-    tl.store(out_ptr + row, tl.where(empty, float("-inf"), tau))
+    # The float32 steps, then the float64 ones from their iterate inside the float64 bracket.
+    tau32, lo32, hi32 = tau.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
+    for k in range(coarse):
+        if HELD:  # float32 copies made per step: registers are what the held slice is short of
+            f_p, l_p = _step_sums(m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), w.to(tl.float32), b32,
+                                  sq_b32, lin_b32, tau32, True)
+        else:
+            f_p, l_p = tl.zeros((), tl.float32), tl.zeros((), tl.float32)
+            for p0 in range(first, end, BLOCK_P):
+                m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP)
+                m32, s32, c32, w32 = m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), w.to(tl.float32)
+                b32, sq_b32, lin_b32 = _cap_terms(m32, s32, c32, True)
+                f_b, l_b = _step_sums(m32, s32, c32, w32, b32, sq_b32, lin_b32, tau32, True)
+                f_p, l_p = f_p + f_b, l_p + l_b
+        fs, ls, _, _ = _exchange(parts, ctr, f_p.to(tl.float64), l_p.to(tl.float64), neg, 1 + k, S_PAD)
+        tau32, lo32, hi32 = _newton(tau32, lo32, hi32, tl.sum(fs, 0).to(tl.float32), tl.sum(ls, 0).to(tl.float32),
+                                    1e-30)
+    if coarse > 0:
+        tau = tl.minimum(tl.maximum(tau32.to(tl.float64), lo), hi)
+    for k in range(fine):
+        if HELD:
+            f_p, l_p = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
+        else:
+            f_p, l_p = tl.zeros((), tl.float64), tl.zeros((), tl.float64)
+            for p0 in range(first, end, BLOCK_P):
+                m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP)
+                b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
+                f_b, l_b = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
+                f_p, l_p = f_p + f_b, l_p + l_b
+        fs, ls, _, _ = _exchange(parts, ctr, f_p, l_p, neg, 1 + coarse + k, S_PAD)
+        tau, lo, hi = _newton(tau, lo, hi, tl.sum(fs, 0), tl.sum(ls, 0), _f64(1e-300))
+    if me == 0:
+        tl.store(out_ptr + row, tl.where(empty, float("-inf"), tau))
+    # The last program of the row out zeroes its counters (every program has passed every barrier).
+    tl.debug_barrier()
+    if tl.atomic_add(ctr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(ctr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
 
-def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int, config_for) -> Tensor:
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int, counters: Tensor,
+                              config_for) -> Tensor:
     """``float64[..., 1]``: `reference.gaussian_entmax_threshold` of ``m, s, n, cap [..., P]`` (broadcast
-    together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page. ``config_for``:
-    the rule that gives the `EntmaxThresholdConfig` for rows of ``P`` pages."""
+    together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page.
+    ``counters``: ``COUNTERS`` zeroed int32 per row, left zero. ``config_for(P, rows, device)``: the
+    `EntmaxThresholdConfig` for rows of ``P`` pages (its ``split`` settled)."""
     route.check_device(m)
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
@@ -169,9 +269,14 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     # Rows of P contiguous pages (an expanded n, e.g. page counts shared by the heads, is copied).
     m, s, n = (t.expand(shape).contiguous().view(r, p) for t in (m, s, n))
     c = m if cap is None else cap.expand(shape).contiguous().view(r, p)  # c: a dummy without caps
-    cfg = config_for(p)
-    _entmax_threshold_kernel[(r,)](
-        m, s, n, c, out, p, int(iters),
-        HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, num_warps=cfg.num_warps,
+    cfg = config_for(p, r, m.device)
+    per_program = triton.cdiv(p, cfg.split)
+    s_pad = max(16, triton.next_power_of_2(cfg.split))
+    parts = _alloc(r * 2 * s_pad * 4, dtype=torch.float64, device=m.device)
+    fine = min(iters, FINE_STEPS)
+    _entmax_threshold_kernel[(cfg.split, r)](
+        m, s, n, c, out, parts, counters, p, per_program, iters - fine, fine,
+        HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, HELD=cfg.block_p >= per_program, S_PAD=s_pad,
+        num_warps=cfg.num_warps,
     )
     return out
