@@ -1,0 +1,201 @@
+"""Selection at bandwidth (issue 38): each page policy's selection through the old steps and through
+the fused kernels, side by side, on one layer of the Llama-3.1-8B shape (32 q / 8 KV heads, head
+dim 128, pages of 16, batch 1, bf16), then attention over the selection and its bandwidth.
+
+Run on a CUDA machine::
+
+    python -m benchmarks.select_bench                                   # 32K and 128K, the four policies
+    python -m benchmarks.select_bench --contexts 131072 --policies quest0.1,entmax-kv0.1
+    python -m benchmarks.select_bench --out benchmarks/results/RUN/select-bench.json
+
+Per context and policy it first checks that the two paths choose the same entries (the fused path
+must not change a token), then times each path's selection compiled (torch.compile, default mode)
+and replayed as a CUDA graph (`common.graph_time_ms`: 20 calls per graph, the median of 15
+replays). The old path is the same policy with the fused kernels taking no rows (its choice is
+then the grouped bound, torch masks and `select_top`, as before issue 38) and the Gaussian
+threshold in one program per row; the new path is the library as it is. Then:
+
+- ``threshold``: the Gaussian threshold alone (`kernels.gaussian_entmax_threshold` over ``[1, 32,
+  P]`` pages: EntmaxKV's call), one program per row against the split rows;
+- ``attention``: decode attention over the policy's selection, with its bandwidth on the bytes it
+  selects (the kept tokens' keys and values), beside dense attention's.
+
+Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interpreter when
+``TRITON_INTERPRET=1 POLICYZOO_TRITON=1`` are set, eager, wall-clock timings that mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+from unittest import mock
+
+import torch
+
+from policyzoo import EntmaxKV, Quest, inductor_compat, kernels
+from policyzoo.kernels import EntmaxThresholdConfig
+from policyzoo.kernels.config import override
+from policyzoo.kernels.ops import select_pages as select_op
+from policyzoo.kv.base import KVState
+from policyzoo.selection import Selection
+
+from . import common
+from .probes import D, H, H_KV, PAGE, filled_cache
+
+CONTEXTS = (32768, 131072)
+TINY_CONTEXTS = (256,)
+
+
+def policies(keep: float = 0.1) -> dict[str, Callable[[], object]]:
+    """The policies of issue 38, as the select probe makes them (a window of 64 tokens)."""
+    return {
+        f"quest{keep}": lambda: Quest(keep, page=PAGE, window=64),
+        f"quest{keep}-sketch": lambda: Quest(keep, page=PAGE, window=64, bound="sketch"),
+        f"quest{keep}-nominate4": lambda: Quest(keep, page=PAGE, window=64, bound="sketch", nominate=4),
+        f"entmax-kv{keep}": lambda: EntmaxKV(keep, page=PAGE, window=64),
+    }
+
+
+@contextmanager
+def old_path() -> Iterator[None]:
+    """The steps as before issue 38: the fused kernels take no rows (`kv.base.fused_rows`), and the
+    Gaussian threshold runs one program per row. Kept on while a path is compiled and captured:
+    the compiled code guards on the first, and each launch reads the second."""
+    with mock.patch.object(select_op, "MAX_ROW", 0), override(entmax_threshold=EntmaxThresholdConfig(split=1)):
+        yield
+
+
+def same_choice(a: Selection, b: Selection) -> tuple[bool, int]:
+    """Whether two selections keep the same entries, and how many valid entries differ."""
+    if not torch.equal(a.count, b.count) or a.block != b.block:
+        return False, int((a.count != b.count).sum())
+    valid = a.entry_valid()
+    differ = int((a.indices[valid] != b.indices[valid]).sum())
+    return differ == 0, differ
+
+
+def compiled(call: Callable[[], Selection]) -> Callable[[], Selection]:
+    """``call`` compiled as the select probe compiles it (eager off CUDA: a smoke test)."""
+    if common.DEVICE != "cuda":
+        return call
+    torch._dynamo.reset()
+    inductor_compat.apply()
+    return torch.compile(call, dynamic=False)
+
+
+def warm(fn: Callable[[], object]) -> None:
+    """The first call of a compiled path (its compile), outside the timing; nothing to warm off CUDA."""
+    if common.DEVICE == "cuda":
+        fn()
+
+
+def selected_bytes(sel: Selection, cache, dtype_bytes: int = 2) -> float:
+    """Bytes of keys and values the selection's visible tokens hold."""
+    tokens = float(sel.kept_tokens(cache.token_valid()).sum())
+    return tokens * D * 2 * dtype_bytes
+
+
+def time_us(fn: Callable[[], object]) -> float:
+    return common.graph_time_ms(fn) * 1e3
+
+
+def bench_context(n: int, names: list[str], rows: list[dict]) -> None:
+    dev = common.DEVICE
+    cache = filled_cache(n)
+    state = KVState(cache, 0, D**-0.5, workspace=kernels.Workspace(dev))
+    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+
+    def attend(sel: Selection):
+        return kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, state.scale)
+
+    pages = math.ceil(n / PAGE)
+    dense = Selection(torch.arange(cache.num_pages, device=dev, dtype=torch.int32).expand(1, H_KV, -1).contiguous(),
+                      torch.full((1, H_KV), pages, device=dev, dtype=torch.int32), block=PAGE)
+    dense_us = time_us(lambda: attend(dense))
+    dense_tbs = selected_bytes(dense, cache) / dense_us / 1e6
+    rows.append({"context": n, "setting": "dense", "attention_us": dense_us, "attention_TB/s": dense_tbs})
+    print(f"n={n:>7} dense attention {dense_us:7.1f} us, {dense_tbs:5.2f} TB/s of its {selected_bytes(dense, cache) / 1e6:.1f} MB",
+          flush=True)
+
+    made = policies()
+    for name in names:
+        row = {"context": n, "setting": name}
+        with common.recorded(row, f"select_bench {name}@{n}"):
+            policy = made[name]()
+            call = lambda: policy.select(state, q)  # noqa: E731
+            with old_path():
+                old = call()
+            new = call()
+            same, differ = same_choice(old, new)
+            row.update({"same": same, "entries_differing": differ})
+            with old_path():
+                old_fn = compiled(call)
+                warm(old_fn)
+                old_us = time_us(old_fn)
+            new_fn = compiled(call)
+            warm(new_fn)
+            new_us = time_us(new_fn)
+            attn_us = time_us(lambda: attend(new))
+            nbytes = selected_bytes(new, cache)
+            row.update({"old_select_us": old_us, "new_select_us": new_us, "speedup": old_us / new_us,
+                        "kv_keep": float(new.kept_tokens(cache.token_valid()).mean()) / n,
+                        "attention_us": attn_us, "selected_MB": nbytes / 1e6, "attention_TB/s": nbytes / attn_us / 1e6})
+            print(f"n={n:>7} {name:<22} {'same' if same else f'DIFFER ({differ} entries)'}: select old {old_us:7.1f} us, "
+                  f"new {new_us:7.1f} us (x{old_us / new_us:4.2f}); attention {attn_us:6.1f} us, "
+                  f"{row['attention_TB/s']:5.2f} TB/s of {row['selected_MB']:.1f} MB", flush=True)
+        rows.append(row)
+
+    # The Gaussian threshold alone, at EntmaxKV's shape: [1, 32, P] pages.
+    row = {"context": n, "setting": "gaussian threshold"}
+    with common.recorded(row, f"select_bench threshold@{n}"):
+        g = torch.Generator(device=dev).manual_seed(2)
+        m = torch.randn(1, H, cache.num_pages, device=dev, generator=g)
+        s = torch.rand(1, H, cache.num_pages, device=dev, generator=g) * 0.3
+        counts = cache.page_counts()[:, None, :].expand_as(m)
+        cap = m + 2.0
+
+        def threshold():
+            return kernels.gaussian_entmax_threshold(m, s, counts, cap, 12, workspace=state.workspace)
+
+        with override(entmax_threshold=EntmaxThresholdConfig(split=1)):
+            one = threshold()
+            one_us = time_us(threshold)
+        split = threshold()
+        split_us = time_us(threshold) if common.DEVICE == "cuda" else one_us
+        err = float(((one - split).abs() / (1 + one.abs())).max())
+        row.update({"old_select_us": one_us, "new_select_us": split_us, "speedup": one_us / split_us, "rel_diff": err})
+        print(f"n={n:>7} gaussian threshold [1, {H}, {cache.num_pages}]: one program a row {one_us:7.1f} us, "
+              f"split {split_us:7.1f} us (x{one_us / split_us:4.2f}), results within {err:.1e}", flush=True)
+    rows.append(row)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default=None, help="comma-separated contexts (default 32768,131072; --tiny: 256)")
+    p.add_argument("--policies", default=",".join(policies()), help=f"of: {', '.join(policies())}")
+    p.add_argument("--tiny", action="store_true", help="toy contexts (a CPU smoke test)")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (TINY_CONTEXTS if args.tiny else CONTEXTS)
+    names = [n for n in args.policies.split(",") if n]
+    unknown = sorted(set(names) - set(policies()))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; known: {', '.join(policies())}")
+    rows: list[dict] = []
+    meta = {"device": torch.cuda.get_device_name() if common.DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+            "source": common.source_digest(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for n in contexts:
+        bench_context(n, names, rows)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

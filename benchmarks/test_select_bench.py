@@ -1,0 +1,29 @@
+"""Smoke test of `benchmarks.select_bench` on CPU: one toy context, the kernels in the Triton
+interpreter. Its timings mean nothing; what it checks is that every policy's old and fused paths
+choose the same entries and that every row is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_select_bench_runs_on_cpu(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
+    out = tmp_path / "select-bench.json"
+    cmd = [sys.executable, "-m", "benchmarks.select_bench", "--tiny", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r for r in rows if "error" in r] == []
+    policies = [r for r in rows if r["setting"] not in ("dense", "gaussian threshold")]
+    assert {r["setting"] for r in policies} == {"quest0.1", "quest0.1-sketch", "quest0.1-nominate4", "entmax-kv0.1"}
+    assert all(r["same"] and r["old_select_us"] > 0 and r["new_select_us"] > 0 for r in policies)
+    assert all(r["attention_us"] > 0 and 0 < r["kv_keep"] <= 1 for r in policies)
+    threshold = [r for r in rows if r["setting"] == "gaussian threshold"]
+    assert len(threshold) == 1 and threshold[0]["rel_diff"] < 1e-9
