@@ -240,6 +240,26 @@ def test_select_ops_refuse_rows_longer_than_they_take():
 
 
 @here
+def test_given_scores_take_the_fused_kernel_up_to_the_configured_row():
+    """`choose_topk` sends rows of given scores to `select_scores` up to
+    `SelectPagesConfig.max_scores_row` entries (the steps were faster beyond it on the H200), and
+    the choice is the same either way; the box selection's limit is the kernel's own row."""
+    from policyzoo.kv.base import choose_topk, fused_rows
+
+    assert fused_rows(2048) and not fused_rows(2049) and kernels.select_pages_takes(8192)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(1, 2, 300, generator=g).to(DEVICE)
+    forced = torch.zeros(1, 300, dtype=torch.bool, device=DEVICE)
+    forced[:, :3] = True
+    count = torch.tensor([20], device=DEVICE)
+    fused = choose_topk(scores, forced, 24, count)
+    with override(select_pages=SelectPagesConfig(max_scores_row=256)):
+        assert not fused_rows(300) and fused_rows(256)
+        steps = choose_topk(scores, forced, 24, count)
+    assert_same((fused.indices, fused.count), (steps.indices, steps.count))
+
+
+@here
 def test_select_ops_opcheck():
     """Schemas and fake (meta) implementations, with and without the workspace's histograms (which a
     launch leaves as it found them: zero, so not a mutation)."""

@@ -22,6 +22,7 @@ from .ops.quest_page_bound import PageScoreConfig, quest_page_bound, quest_page_
 from .ops.select_pages import MAX_ROW as SELECT_PAGES_ROW
 from .ops.select_pages import SelectPagesConfig, select_pages, select_scores
 from .ops.select_pages import takes as select_pages_takes
+from .ops.select_pages import takes_scores as select_scores_takes
 from .ops.select_top import MAX_BLOCK_N as SELECT_TOP_ROW
 from .ops.select_top import SelectTopConfig, select_top
 from .ops.sketch_page_bound import SketchScoreConfig, sketch_page_bound
@@ -50,6 +51,7 @@ __all__ = [
     "select_pages",
     "select_scores",
     "select_pages_takes",
+    "select_scores_takes",
     "SELECT_PAGES_ROW",
     "select_top",
     "SELECT_TOP_ROW",

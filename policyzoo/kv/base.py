@@ -494,9 +494,10 @@ def round_for_ranking(scores: Tensor) -> Tensor:
 
 
 def fused_rows(n: int) -> bool:
-    """Whether a choice over rows of ``n`` entries is one launch (`kernels.select_scores`,
-    `kernels.select_pages`); longer rows take the steps (the masks, the ranking, `select_top`)."""
-    return kernels.select_pages_takes(n)
+    """Whether a choice over rows of ``n`` given scores is one launch (`kernels.select_scores`);
+    longer rows take the steps (the masks, the ranking, `select_top`), faster there
+    (`SelectPagesConfig.max_scores_row`)."""
+    return kernels.select_scores_takes(n)
 
 
 def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block: int = 1, *,
@@ -512,8 +513,8 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
         workspace: the kernels' scratch (`KVState.workspace`); None: the kernel makes its own.
 
     The kept entries come in ascending position order (the reads then follow memory order). Rows of
-    up to `kernels.SELECT_PAGES_ROW` entries are one launch (`kernels.select_scores`); longer ones
-    take the steps (`choose_topk_steps`: `kernels.select_top` after the masks), with the same result.
+    up to `SelectPagesConfig.max_scores_row` entries are one launch (`kernels.select_scores`); longer
+    ones take the steps (`choose_topk_steps`: `kernels.select_top` after the masks), with the same result.
 
     Scores are ranked at bf16 precision (8 significant bits), and ties go to the lowest position.
     The same score computed by a compiled and an eager step can differ in its last bits (Inductor
@@ -663,7 +664,7 @@ def box_pages(state: KVState, q: Tensor, k_max: int, count: Tensor | Budget, sin
     policy's `Budget` of the visible pages), ascending: `choose_topk` of those, with the bound and
     the choice in one launch (`kernels.select_pages`: neither the bounds nor the flags are written)."""
     c, page = state.cache, state.page_size
-    if not fused_rows(c.num_pages):
+    if not kernels.select_pages_takes(c.num_pages):
         if isinstance(count, Budget):
             count = kernels.reference.page_count(state.page_valid().sum(-1), *page_count_rule(count, page))
         return choose_topk(group_page_bounds(state, q, "box"), forced_pages(state, sinks, window), k_max, count,

@@ -51,6 +51,10 @@ class SelectPagesConfig(LaunchConfig):
     distinct bin of a group)."""
     num_warps: int = 4
     """Warps per program."""
+    max_scores_row: int = 2048
+    """The longest row of given scores `choose_topk` sends to `select_scores`; longer rows take the
+    steps, which were faster on the H200 beyond it (8,192 entries: 15 µs slower fused, one selecting
+    program per row against `select_top`'s wider final pass; benchmarks/results, run 23)."""
 
     def __post_init__(self) -> None:
         powers_of_two(self, "block_p", "block_n", "group", "num_warps")
@@ -72,6 +76,12 @@ def _choose(cfg: SelectPagesConfig, n: int) -> SelectPagesConfig:
 def takes(n: int) -> bool:
     """Whether the fused kernels take rows of ``n`` entries (the row's keys fit one program's registers)."""
     return 0 < n <= MAX_ROW
+
+
+def takes_scores(n: int) -> bool:
+    """Whether `choose_topk` sends rows of ``n`` given scores to the fused kernel: rows it takes
+    (`takes`) of at most ``max_scores_row`` entries (`SelectPagesConfig`, the config in force)."""
+    return takes(n) and n <= current(SelectPagesConfig).max_scores_row
 
 
 def _scratch(histograms: Tensor | None, rows: int, device: torch.device) -> Tensor:
@@ -160,4 +170,4 @@ def select_scores(
     return torch.ops.policyzoo.select_scores(scores, forced, count, int(k_max), buffer(workspace, "select_histograms"))
 
 
-__all__ = ["MAX_ROW", "SelectPagesConfig", "select_pages", "select_pages_config", "select_scores", "takes"]
+__all__ = ["MAX_ROW", "SelectPagesConfig", "select_pages", "select_pages_config", "select_scores", "takes", "takes_scores"]
