@@ -4,7 +4,9 @@ The compiled step of a setting is captured in a CUDA graph as `Decoder.generate`
 few replays are traced with the profiler (CUPTI sees the kernels inside a graph). From the kernels'
 start and end times it reports, per step: the wall time of the replay, the kernels' busy time, the
 idle gaps between consecutive kernels (count, sum, the largest ones with the kernels around them),
-the kernels per step and per layer, and the kernels by name::
+the kernels per step and per layer, and the kernels by name; beside it, the time a `session.step()`
+call takes the host to return and the device to finish, the device's idle time between replays,
+and the host's busiest operations (a host that needs longer than the device sets the pace)::
 
     python -m benchmarks.trace_step --settings dense@4096,threshold0.5@4096 --out $OUT
 
@@ -27,15 +29,38 @@ from policyzoo.synthetic import fill_random
 from . import common
 
 
-def kernel_events(prof) -> list[tuple[float, float, str]]:
-    """``(start_us, end_us, name)`` of every device kernel the profiler saw, by start."""
+def kernel_events(prof, copies: bool = False) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of every device kernel the profiler saw, by start (with
+    ``copies``: the memcpy and memset operations instead)."""
     out = []
     for e in prof.events():
-        if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")):
+        if e.device_type.name == "CUDA" and e.name.startswith(("Memcpy", "Memset")) == copies:
             start, end = e.time_range.start, e.time_range.end
             if end > start:
                 out.append((start, end, e.name))
     return sorted(out)
+
+
+def between_replays(steps: list[list]) -> list[float]:
+    """The device's idle time from the last kernel of one replay to the first of the next."""
+    return [steps[i + 1][0][0] - steps[i][-1][1] for i in range(len(steps) - 1)]
+
+
+def host_and_step_us(session, n: int, calls: int = 20) -> tuple[float, float]:
+    """``(host, step)`` µs per `session.step()` over ``calls`` back-to-back calls: the host's time
+    to return from the calls (no sync inside), and the time until the device has finished them. A
+    host time close to the step time means the host, not the device, sets the pace."""
+    import time
+
+    session.rewind(n)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        session.step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
 def split_steps(kernels: list, steps: int) -> list[list]:
@@ -65,27 +90,41 @@ def trace(model, name: str, n: int, steps: int, out: Path) -> dict:
     session = dec.session
     for _ in range(4):  # compile, warm up, capture the CUDA graph
         session.step()
+    host_us, step_us = host_and_step_us(session, n)
     session.rewind(n)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             session.step()
         torch.cuda.synchronize()
     kernels = kernel_events(prof)
+    copies = kernel_events(prof, copies=True)
     layers = len(model.model.layers)
-    reports = [step_report(s, layers) for s in split_steps(kernels, steps)]
+    per_step = split_steps(kernels, steps)
+    reports = [step_report(s, layers) for s in per_step]
+    cpu = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     names = Counter(k[2][:80] for k in kernels)
     time_by = Counter()
     for start, end, k in kernels:
         time_by[k[:80]] += (end - start) / steps
     row = {"setting": name, "context": n, "layers": layers, "steps": steps,
            **{key: statistics.median(r[key] for r in reports) for key in ("wall_us", "busy_us", "gap_us", "gaps", "kernels")},
+           "host_us": host_us, "step_us": step_us,
+           "between_replays_us": statistics.median(between_replays(per_step)) if steps > 1 else 0.0,
+           "copies_per_step": len(copies) / steps, "copies_us": sum(e - s for s, e, _ in copies) / steps,
+           "host_ops": [{"op": e.key[:60], "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1),
+                         "calls_per_step": e.count / steps} for e in cpu],
            "kernels_per_layer": reports[0]["kernels_per_layer"], "largest_gaps": reports[len(reports) // 2]["largest_gaps"],
            "by_kernel": [{"kernel": k, "us": round(us, 1), "calls": names[k] // steps} for k, us in time_by.most_common(25)]}
     lines = [f"## {name} @ {n}: wall {row['wall_us']:.0f} us, kernels busy {row['busy_us']:.0f} us, idle gaps "
              f"{row['gap_us']:.0f} us in {row['gaps']:.0f} gaps; {row['kernels']:.0f} kernels ({row['kernels_per_layer']:.1f} per layer)",
+             f"step {row['step_us']:.0f} us a call (host {row['host_us']:.0f} us to return from it), the device idle "
+             f"{row['between_replays_us']:.0f} us between replays; {row['copies_per_step']:.0f} copies/memsets a step "
+             f"({row['copies_us']:.0f} us)",
              "", "| kernel | us per step | calls per step |", "|---|---:|---:|"]
     lines += [f"| `{k['kernel']}` | {k['us']} | {k['calls']} |" for k in row["by_kernel"]]
+    lines += ["", "| host op | self CPU us per step | calls per step |", "|---|---:|---:|"]
+    lines += [f"| `{o['op']}` | {o['self_cpu_us_per_step']} | {o['calls_per_step']:g} |" for o in row["host_ops"]]
     lines += ["", "largest gaps: " + "; ".join(f"{g['us']} us after `{g['after']}`" for g in row["largest_gaps"])]
     text = "\n".join(lines)
     print(text, flush=True)
