@@ -448,7 +448,7 @@ class DecodeSession:
         """
         self._take_room()
         if tokens is not None:
-            self._feed(tokens)
+            self.feed(tokens)
         self.sampler.draw()
         with self._phase("decode"):
             args = self._step_args()  # made here, eagerly: a compiled step only reads it
@@ -465,7 +465,7 @@ class DecodeSession:
         densely (every page, dense projections) and uncompiled; their keys and values replace the
         step's. Returns the dense logits ``[B, V]`` (the reference pass of `policyzoo.eval.compare`)."""
         self._need_cache()
-        self._feed(tokens)
+        self.feed(tokens)
         with self._phase("dense_decode"):
             logits = self._forward(ForwardArgs("dense_decode", self._dense, self.backends))
         self.contexts.end_step()
@@ -507,7 +507,11 @@ class DecodeSession:
                 "Use the newer Decoder, or wrap a copy of the model (copy.deepcopy) to decode with two side by side"
             )
 
-    def _feed(self, tokens: Tensor) -> None:
+    def feed(self, tokens: Tensor) -> None:
+        """Set the tokens the next `step` decodes (``[B]`` or ``[B, 1]`` ids), as ``step(tokens)``
+        would, without stepping: after `load_prefix`, the next step would otherwise decode token 0
+        (often a padding id, whose embedding may be all zeros)."""
+        self._need_cache()
         if not isinstance(tokens, Tensor) or tokens.numel() != self._tokens.numel() or tokens.is_floating_point():
             shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be an integer tensor of {self._tokens.shape[0]} token ids ([B] or [B, 1]), got {shape}")

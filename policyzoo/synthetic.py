@@ -46,12 +46,20 @@ def fill_random(
     included, in a cache of exactly ``capacity`` tokens (default ``n + 64``): the kernels' grids
     follow the capacity (empty pages still cost programs), so a short context timed on a cache left
     by a longer one would read slow. A policy that builds state in its own prefill gets it from
-    random queries."""
+    random queries.
+
+    The next step decodes a random token id of each row (not 0): a step's speed does depend on its
+    activations where a projection sparsifier keeps inputs by magnitude, and token 0 is often a
+    padding id whose embedding is zero (the sparsifiers would keep nothing, and the greedy choice
+    of a zero state is token 0 again)."""
     capacity = capacity if capacity is not None else n + 64
     if capacity < n:
         raise ValueError(f"capacity ({capacity}) must hold the {n} filled tokens")
     start = torch.zeros(batch, dtype=torch.long, device=session.device)
     session.load_prefix(RandomPrefix(session, n, batch, generator), start, capacity=capacity, exact=True, slot=0)
+    tokens = torch.randint(1, max(session.vocab_size - 1, 2), (batch,), generator=generator,
+                           device=generator.device if generator is not None else "cpu")
+    session.feed(tokens.to(session.device))
 
 
 __all__ = ["RandomPrefix", "fill_random"]

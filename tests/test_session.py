@@ -98,6 +98,26 @@ def test_fill_random_gives_an_exact_capacity_and_consistent_summaries():
         fill_random(session, 20, capacity=10)
 
 
+def test_fill_random_feeds_random_tokens_and_feed_sets_the_next_input():
+    """A random state's first step decodes random token ids, not token 0 (a padding id whose
+    embedding may be zero: an activation sparsifier would then keep nothing, and the greedy choice
+    of a zero state is token 0 again); `feed` sets the next input as ``step(tokens)`` does."""
+    model = tiny_model("llama")
+    model.get_input_embeddings().weight.data[0] = 0  # token 0 as a zero padding embedding
+    session = Decoder(model).session
+    fill_random(session, 16, batch=3, capacity=32, generator=torch.Generator().manual_seed(1))
+    first = session.step().clone()
+    session.rewind(16)
+    zero = torch.zeros(3, dtype=torch.long)
+    session.feed(zero)
+    padded = session.step().clone()
+    assert not torch.allclose(first, padded)
+    session.rewind(16)
+    torch.testing.assert_close(session.step(zero), padded)
+    with pytest.raises(ValueError, match="3 token ids"):
+        session.feed(torch.zeros(2, dtype=torch.long))
+
+
 def test_rewind_and_time_step_time_the_same_context_again():
     session = Decoder(tiny_model("llama")).session
     fill_random(session, 16, capacity=32)
