@@ -34,6 +34,7 @@ from .kv.context import ContextStore, StepContext
 from .kv.dense import Dense
 from .offload import PageCache
 from .selection import Selection
+from .workers import Workers
 
 Attention = Literal["softmax", "entmax"]
 ATTENTIONS = ("softmax", "entmax")
@@ -163,7 +164,8 @@ class LayerBackend(Backend):
     def view(self) -> "LayerBackend":
         cache = layer_cache(self.cache, self.layer)
         contexts = LayerContexts(self.contexts, self.layer)
-        state = KVState(cache, 0, self.state.scale, layer_states=self.state.layer_states, contexts=contexts, workspace=self.state.workspace)
+        state = KVState(cache, 0, self.state.scale, layer_states=self.state.layer_states, contexts=contexts, workspace=self.state.workspace,
+                        workers=self.state.workers)
         return LayerBackend(cache, 0, state, contexts, self.attention)
 
 
@@ -231,7 +233,8 @@ class WindowLayer(Backend):
     def view(self) -> "WindowLayer":
         cache = layer_cache(self.cache, self.layer)
         contexts = LayerContexts(self.contexts, self.layer)
-        state = KVState(cache, 0, self.state.scale, layer_states=self.state.layer_states, contexts=contexts, workspace=self.state.workspace)
+        state = KVState(cache, 0, self.state.scale, layer_states=self.state.layer_states, contexts=contexts, workspace=self.state.workspace,
+                        workers=self.state.workers)
         return WindowLayer(cache, 0, state, contexts, self.attention)
 
 
@@ -357,12 +360,12 @@ def fetched_ahead(args: ForwardArgs, layer: int) -> bool:
 
 
 def build_backends(cache: PagedKVCache, contexts: ContextStore, attention: Attention, scale: float,
-                   workspace: kernels.Workspace | None = None) -> list[Backend]:
+                   workspace: kernels.Workspace | None = None, workers: Workers | None = None) -> list[Backend]:
     """One backend per layer of ``cache``: device layers as they are, offloaded layers through their
     page caches, and, where the cache prefetches, each layer below an offloaded one prefetching."""
     backends: list[Backend] = []
     for layer in range(cache.num_layers):
-        state = KVState(cache, layer, scale, contexts=contexts, workspace=workspace)
+        state = KVState(cache, layer, scale, contexts=contexts, workspace=workspace, workers=workers)
         if layer in cache.windows:  # a sliding-window layer: its ring, never offloaded (`PagedKVCache`)
             backends.append(WindowLayer(cache, layer, state, contexts, attention))
             continue

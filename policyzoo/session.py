@@ -41,6 +41,7 @@ from .kv.context import ContextStore
 from .offload import Offload
 from .proj.base import ProjectionSwitch
 from .sampling import Sampler, is_token
+from .workers import Workers
 
 # Prompt tokens (rows x positions) one prefill forward takes at most: a longer unpadded prompt is
 # prefilled in chunks, so its activations stay a few GB (one forward over 16 rows of 32K tokens
@@ -91,6 +92,7 @@ class DecodeSession:
     ) -> None:
         self.model, self.kv, self.has_proj, self._dense = model, kv, proj, dense
         self.switch, self.attention, self.workspace = switch, attention, workspace
+        self.workers = Workers()  # processes for a policy's CPU work, started when first asked for
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.num_heads, self.num_kv_heads, self.head_dim = _compat.head_dims(model)
         self.num_layers = len(_compat.decoder_layers(model))
@@ -210,7 +212,7 @@ class DecodeSession:
         if self._dynamic_capacity:
             mark_capacity_dynamic(cache)
         self.cache, self.contexts = cache, ContextStore(self.num_layers, self.device)
-        self.backends = tuple(build_backends(cache, self.contexts, self.attention, self.scale, self.workspace))
+        self.backends = tuple(build_backends(cache, self.contexts, self.attention, self.scale, self.workspace, self.workers))
         self._decode_args = self._layer_views = None
         self.sampler = Sampler(batch, self.vocab_size, self.device)
         self._tokens = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
@@ -222,6 +224,7 @@ class DecodeSession:
         """Free everything this session holds, compiled steps included: a later Decoder took its model
         over, so it will never decode again (`_need_active` refuses it)."""
         self.release()
+        self.workers.close()
         self._compiled = None
         self.active = False
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyzoo.kv.community_graph import INLINE, ClusteringTime, _graph, _sources, graph_communities, require_leiden
+from policyzoo.kv.community_graph import ClusteringTime, _graph, _sources, graph_communities, require_leiden
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -102,8 +102,7 @@ def test_a_missing_extra_says_how_to_install_it(monkeypatch, leiden, missing):
         require_leiden(leiden)
 
 
-def test_inline_runs_a_job_at_once_and_clustering_time_per_1k_tokens():
-    assert INLINE.submit(lambda a, b: a + b, 2, b=3).result() == 5
+def test_clustering_time_per_1k_tokens():
     t = ClusteringTime(graph_seconds=3.0, leiden_seconds=1.5, tokens=500)
     assert t.per_1k_tokens() == (6.0, 3.0)
     assert ClusteringTime().per_1k_tokens() == (0.0, 0.0)  # no tokens yet: no division by zero

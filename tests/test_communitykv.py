@@ -226,17 +226,20 @@ def test_worker_processes_make_the_communities_this_process_makes():
     model = tiny_model("llama", layers=2)
     ids, mask = padded_batch(2, 40)
     inline, pooled = CommunityKV(0.3, workers=1, **SMALL), CommunityKV(0.3, workers=2, **SMALL)
-    runs = []
+    runs, sessions = [], []
     for policy in (inline, pooled):
         dec = Decoder(copy.deepcopy(model), kv=policy)
+        sessions.append(dec.session)
         runs.append((dec.generate(ids, 10, attention_mask=mask), [vars(b.state.layer_state_of(policy)) for b in dec.session.backends]))
     assert torch.equal(runs[0][0], runs[1][0])
     for a, b in zip(runs[0][1], runs[1][1]):
         for name in ("order", "offset", "size", "room", "centroid"):
             assert torch.equal(a[name], b[name]), name
-    assert pooled._pool is not None and inline._pool is None  # the pool ran the graphs
+    assert sessions[1].workers.size == 2 and sessions[0].workers.size == 0  # the session's pool ran the graphs
     assert pooled.clustering.graphs == inline.clustering.graphs == 2 * 2 * model.config.num_key_value_heads
-    assert copy.deepcopy(pooled)._pool is None and copy.deepcopy(pooled) == pooled
+    assert copy.deepcopy(pooled) == pooled  # the policy holds no processes
+    sessions[1].retire()
+    assert sessions[1].workers.size == 0
 
 
 @pytest.mark.parametrize("wrap", [lambda p: PrHS(p, time=0.9), lambda p: Certified(p, eps=0.1)], ids=["prhs-time", "certified"])

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .. import kernels
 from ..cache import SKETCH, SUMMARIES, PagedKVCache
 from ..selection import Selection
+from ..workers import Workers
 from .context import ContextStore, StepContext
 
 Aggregate = Literal["sum", "max"]
@@ -39,6 +40,8 @@ class KVState:
     contexts: ContextStore | None = field(default=None, repr=False)  # the session's; None: standalone
     # The kernels' scratch buffers for this device (`kernels.Workspace`); None: each launch makes its own.
     workspace: kernels.Workspace | None = field(default=None, repr=False)
+    # Worker processes for a policy's CPU work (`policyzoo.workers`), the session's; None: this process.
+    workers: Workers | None = field(default=None, repr=False)
 
     @property
     def context(self) -> StepContext:

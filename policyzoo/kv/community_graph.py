@@ -37,7 +37,6 @@ import importlib
 import os
 import random
 import time
-from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -146,23 +145,6 @@ def _partition(n: int, lo: Tensor, hi: Tensor, weight: Tensor, gamma: float, whi
         finally:
             igraph.set_random_number_generator(random)
     return torch.tensor(found, dtype=torch.long), build_s, time.perf_counter() - tic
-
-
-class _Inline(Executor):
-    """Runs each job at once, in this process."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
-INLINE = _Inline()
-
-
-def cpus() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _graph(src: Tensor, dst: Tensor, p: Tensor, n: int, mix: float, sinks: int) -> tuple[Tensor, Tensor, Tensor]:

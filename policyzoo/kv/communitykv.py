@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -53,7 +53,8 @@ from .. import kernels
 from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, forced_at, round_for_ranking
-from .community_graph import INLINE, LEIDENS, ClusteringTime, Leiden, Partition, cpus, graph_communities, require_leiden
+from ..workers import INLINE, cpus
+from .community_graph import LEIDENS, ClusteringTime, Leiden, Partition, graph_communities, require_leiden
 from .registry import register
 
 Graph = Literal["group", "head"]
@@ -102,7 +103,8 @@ class CommunityKV(KVSelector):
     same quality; ``seed`` fixes the partition (the same with any number of workers);
     ``workers``: processes that build and partition the graphs, all layers' at once (``None``: one
     per CPU for prompts of `PARALLEL_TOKENS` tokens or more, else this process; ``1``: this
-    process). ``partition``: a function ``(n, lo, hi, weight, gamma, seed) -> membership int64[n]``
+    process); they are the decoding session's (`policyzoo.workers.Workers`, ended when it retires),
+    so the policy itself holds none, and a `KVState` outside a session runs the graphs here. ``partition``: a function ``(n, lo, hi, weight, gamma, seed) -> membership int64[n]``
     that partitions one graph of ``n`` tokens, given as undirected edges ``lo[i] -- hi[i]`` (``lo <
     hi``, int64, on the CPU) of float64 ``weight[i]`` at RB-configuration resolution ``gamma``;
     ``None`` (the default): Leiden by ``leiden``. It runs in the worker processes, so it must
@@ -125,7 +127,6 @@ class CommunityKV(KVSelector):
     summaries = ()  # centroids of its own; no page summaries
     own_prefill = True  # the communities are found in prefill
     clustering: ClusteringTime = field(default_factory=ClusteringTime, init=False, repr=False, compare=False)
-    _pool: tuple[int, Executor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
@@ -147,10 +148,6 @@ class CommunityKV(KVSelector):
         if self.partition is not None and not callable(self.partition):
             raise TypeError(f"partition must be a function (n, lo, hi, weight, gamma, seed) -> membership, got {self.partition!r}")
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave the worker pool behind (a copy starts its own)."""
-        return {**self.__dict__, "_pool": None}
-
     # ------------------------------------------------------------------------------- prefill
     def prefill(self, state: KVState, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Start partitioning the visible tokens of every row into communities, per graph (see the
@@ -171,7 +168,7 @@ class CommunityKV(KVSelector):
         per_kv = h // h_kv if self.graph == "head" else 1
         heads = h // h_kv // per_kv  # query heads whose edges one graph sums
         length, starts = int(cache.length), cache.start.tolist()
-        runner = self._runner(length - min(starts))
+        runner = self._runner(state, length - min(starts))
         tic = time.perf_counter()
         jobs = []
         how = (self.leiden, self.seed, self.partition)
@@ -204,19 +201,12 @@ class CommunityKV(KVSelector):
             self.clustering.wait_seconds += time.perf_counter() - tic
             self.clustering.graphs += len(done)
 
-    def _runner(self, tokens: int) -> Executor:
-        """Where the graphs go: a pool of `workers` processes (by default one per CPU, for prompts of
-        at least `PARALLEL_TOKENS` tokens), kept for the policy's later prefills; or this process."""
+    def _runner(self, state: KVState, tokens: int) -> Executor:
+        """Where the graphs go: `workers` processes of the session's pool (`KVState.workers`; by
+        default one per CPU, for prompts of at least `PARALLEL_TOKENS` tokens), or this process (one
+        worker, or a state outside a session)."""
         workers = self.workers if self.workers is not None else (cpus() if tokens >= PARALLEL_TOKENS else 1)
-        if workers <= 1:
-            return INLINE
-        if self._pool is None or self._pool[0] != workers:
-            if self._pool is not None:
-                self._pool[1].shutdown(wait=False)
-            # Spawned, not forked: the parent may hold CUDA. Tensors travel through shared memory.
-            context = torch.multiprocessing.get_context("spawn")
-            self._pool = (workers, ProcessPoolExecutor(workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)))
-        return self._pool[1]
+        return state.workers.executor(workers) if state.workers is not None else INLINE
 
     def _edges(self, state: KVState, row: int, q: Tensor, length: int) -> tuple[Tensor, Tensor, int]:
         """Row ``row``'s query → key edges, on the CPU: ``(dst, p, first)``, ``dst, p [H, Q, top]``
