@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from policyzoo import Decoder
+from policyzoo.compiled import CompileFallbackWarning
 from policyzoo.decoder import dynamic_capacity_refused
 from policyzoo.timing import time_step
 
@@ -80,21 +82,33 @@ def measure(dec: Decoder, batch: int, context: int, new_tokens: int = 64, step_c
             log: Callable[[str], None] | None = None) -> dict:
     """One row: `generate` per-token time (a first call compiles and captures, a second is timed),
     then the compiled step alone at the same context, and their ratio. ``log`` gets a line as the
-    set-up call starts and as its prefill ends (``prefill_s`` in the row)."""
+    set-up call starts and as its prefill ends (``prefill_s`` in the row). ``fallbacks``: the
+    `CompileFallbackWarning`s raised meanwhile (a compiled step that runs parts eagerly is not the
+    step users get), the first one's text in ``fallback``."""
     vocab = dec.session.vocab_size
     ids = random_prompt(batch, context, vocab, dec.device)
     eos = vocab - 1  # set, as chat users set it; the prompt never holds it
     if log is not None:
         log(f"set-up generate (prefill, compile, warm-up, capture) at context {context}, batch {batch}")
     setup = StampStreamer(announce=log)
-    t0 = time.perf_counter()
-    dec.generate(ids, new_tokens, streamer=setup, eos_token_id=eos)  # compile, warm up, capture
-    setup_s = time.perf_counter() - t0
-    prefill_s = setup.times[1] - t0 if len(setup.times) > 1 else float("nan")
-    gen = time_generate(dec, ids, new_tokens, eos)
-    dec.session.rewind(context)  # the step alone from the prompt's end, in the room generate had
-    step_ms = time_step(dec.session, calls=min(step_calls, new_tokens - 1), reps=step_reps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallbackWarning)
+        t0 = time.perf_counter()
+        dec.generate(ids, new_tokens, streamer=setup, eos_token_id=eos)  # compile, warm up, capture
+        setup_s = time.perf_counter() - t0
+        prefill_s = setup.times[1] - t0 if len(setup.times) > 1 else float("nan")
+        gen = time_generate(dec, ids, new_tokens, eos)
+        dec.session.rewind(context)  # the step alone from the prompt's end, in the room generate had
+        step_ms = time_step(dec.session, calls=min(step_calls, new_tokens - 1), reps=step_reps)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    for w in caught:  # the others as they would have been shown
+        if not issubclass(w.category, CompileFallbackWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    for text in fallbacks:
+        warnings.warn(text, CompileFallbackWarning, stacklevel=2)
     return {
+        "fallbacks": len(fallbacks),
+        **({"fallback": fallbacks[0][:300]} if fallbacks else {}),
         "generate_ms": gen.mean_ms,
         "generate_median_ms": gen.median_ms,
         "step_ms": step_ms,

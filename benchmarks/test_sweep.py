@@ -88,7 +88,7 @@ def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path
     gen = {(r["setting"], r["context"], r["batch"]): r for r in rows if r["section"] == "generate"}
     assert set(gen) == {("dense", 64, 1), ("dense", 128, 1), ("quest0.1", 128, 2)}
     for r in gen.values():
-        assert r["tokens"] == 12 and r["generate_ms"] > 0 and r["step_ms"] > 0 and r["floor_ms"] > 0
+        assert r["tokens"] == 12 and r["fallbacks"] == 0 and r["generate_ms"] > 0 and r["step_ms"] > 0 and r["floor_ms"] > 0
         assert r["generate/step"] == r["generate_ms"] / r["step_ms"]
         assert 0 < r["prefill_s"] < r["setup_s"]  # the set-up call's first token came after its prefill
     assert res.stdout.count("s after the prompt (the prefill)") == 3  # announced live, once per row

@@ -242,7 +242,7 @@ def test_select_ops_refuse_rows_longer_than_they_take():
 @here
 def test_given_scores_take_the_fused_kernel_up_to_the_configured_row():
     """`choose_topk` sends rows of given scores to `select_scores` up to
-    `SelectPagesConfig.max_scores_row` entries (the steps were faster beyond it on the H200), and
+    `MAX_SCORES_ROW` entries (the steps were faster beyond it on the H200), and
     the choice is the same either way; the box selection's limit is the kernel's own row."""
     from policyzoo.kv.base import choose_topk, fused_rows
 
@@ -253,7 +253,7 @@ def test_given_scores_take_the_fused_kernel_up_to_the_configured_row():
     forced[:, :3] = True
     count = torch.tensor([20], device=DEVICE)
     fused = choose_topk(scores, forced, 24, count)
-    with override(select_pages=SelectPagesConfig(max_scores_row=256)):
+    with mock.patch.object(select_op, "MAX_SCORES_ROW", 256):
         assert not fused_rows(300) and fused_rows(256)
         steps = choose_topk(scores, forced, 24, count)
     assert_same((fused.indices, fused.count), (steps.indices, steps.count))

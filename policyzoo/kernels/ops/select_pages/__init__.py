@@ -31,6 +31,11 @@ if HAS_TRITON:
 # Entries a row may have: its last program holds the row's keys in registers, as `select_top` does
 # (the pages of a 256K context at pages of 16).
 MAX_ROW = MAX_BLOCK_N
+# The longest row of given scores `choose_topk` sends to `select_scores`: longer rows take the steps,
+# faster there on the H200 (8,192 entries: 15 µs slower fused, its one selecting program per row
+# against `select_top`'s wider final pass; benchmarks/results/2026-12-04-h200-run23). A constant, not
+# a launch setting: the choice is made while a step is traced, where no scoped config is read.
+MAX_SCORES_ROW = 2048
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,10 +56,6 @@ class SelectPagesConfig(LaunchConfig):
     distinct bin of a group)."""
     num_warps: int = 4
     """Warps per program."""
-    max_scores_row: int = 2048
-    """The longest row of given scores `choose_topk` sends to `select_scores`; longer rows take the
-    steps, which were faster on the H200 beyond it (8,192 entries: 15 µs slower fused, one selecting
-    program per row against `select_top`'s wider final pass; benchmarks/results, run 23)."""
 
     def __post_init__(self) -> None:
         powers_of_two(self, "block_p", "block_n", "group", "num_warps")
@@ -80,8 +81,8 @@ def takes(n: int) -> bool:
 
 def takes_scores(n: int) -> bool:
     """Whether `choose_topk` sends rows of ``n`` given scores to the fused kernel: rows it takes
-    (`takes`) of at most ``max_scores_row`` entries (`SelectPagesConfig`, the config in force)."""
-    return takes(n) and n <= current(SelectPagesConfig).max_scores_row
+    (`takes`) of at most `MAX_SCORES_ROW` entries."""
+    return takes(n) and n <= MAX_SCORES_ROW
 
 
 def _scratch(histograms: Tensor | None, rows: int, device: torch.device) -> Tensor:
@@ -170,4 +171,4 @@ def select_scores(
     return torch.ops.policyzoo.select_scores(scores, forced, count, int(k_max), buffer(workspace, "select_histograms"))
 
 
-__all__ = ["MAX_ROW", "SelectPagesConfig", "select_pages", "select_pages_config", "select_scores", "takes", "takes_scores"]
+__all__ = ["MAX_ROW", "MAX_SCORES_ROW", "SelectPagesConfig", "select_pages", "select_pages_config", "select_scores", "takes", "takes_scores"]
