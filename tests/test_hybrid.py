@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
-from tiny_models import padded_batch
+from tiny_models import hybrid_model, padded_batch
 from torch._dynamo.utils import counters
 
 import policyzoo
@@ -31,35 +31,6 @@ KINDS = {
     "gemma3": (WINDOW, None, WINDOW),
     "gemma2": (WINDOW, None, WINDOW),
 }
-
-
-def hybrid_model(family: str, window: int = WINDOW, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model of ``family`` with sliding-window layers of ``window`` tokens (`KINDS`)."""
-    common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0, bos_token_id=None,
-        eos_token_id=None, sliding_window=window,
-    )  # fmt: skip
-    if family == "mistral":
-        config, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
-    elif family in ("qwen2", "qwen3"):
-        prefix = "Qwen2" if family == "qwen2" else "Qwen3"
-        config = getattr(transformers, f"{prefix}Config")(use_sliding_window=True, max_window_layers=1, **common)
-        cls = getattr(transformers, f"{prefix}ForCausalLM")
-    elif family == "gemma3":  # query_pre_attn_scalar != head_dim: the model's own softmax scale must reach the kernels
-        layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
-        config = transformers.Gemma3TextConfig(layer_types=layer_types, query_pre_attn_scalar=24, **common)
-        cls = transformers.Gemma3ForCausalLM
-    else:
-        config = transformers.Gemma2Config(attn_logit_softcapping=None, query_pre_attn_scalar=24, **common)
-        cls = transformers.Gemma2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():  # peaked attention, so that what a layer attends to shows in its output
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
-    return model
 
 
 def hf_reference(model, ids, mask, new: int = NEW):

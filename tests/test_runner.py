@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("datasets")
 
-from tiny_models import tiny_model
+from tiny_models import hybrid_model, tiny_model
 
 from policyzoo import Window
 from policyzoo.eval.runner import evaluate
@@ -70,6 +70,27 @@ def test_prefill_snapshot_matches_a_policy_own_prefill():
     assert calls == [0, 1]  # one prefill per layer (both records in one batch)
     assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5)
     assert b["delta_mean"] == pytest.approx(a["delta_mean"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("span", [12, 40], ids=["span-in-ring", "span-past-ring"])
+def test_dense_perplexity_beyond_a_sliding_window_equals_the_plain_model(family, span):
+    """Models with sliding-window layers evaluate at contexts far beyond the window: the prefill's
+    snapshot takes a window layer's keys from its ring (and, where the teacher-forced span reaches
+    further back than the ring holds, from a prefill of the snapshot's prefix), and dense decoding
+    from it equals the model's own full forward."""
+    model = hybrid_model(family, window=8)
+    recs = [_ppl_record(90, span, seed=s) for s in range(2)]
+    expected = math.exp(np.mean([_hf_span_nll(model, r["input_ids"], span) for r in recs]))
+    res = evaluate(model, None, make_settings(["dense", "quest:0.5,page=4"], ["none"]), recs, progress=False)
+    dense, quest = res["rows"]
+    assert dense["ppl"] == pytest.approx(expected, rel=1e-4) and dense["dense_ppl"] == pytest.approx(expected, rel=1e-4)
+    assert dense["kl"] == pytest.approx(0.0, abs=1e-5) and dense["top1"] == 1.0
+    assert quest["dense_ppl"] == dense["dense_ppl"]
+    if family == "mistral":  # every layer a window layer: the policy runs on none, decoding is dense
+        assert quest["ppl"] == pytest.approx(dense["ppl"], rel=1e-5) and math.isnan(quest["delta_mean"])
+    else:  # the policy on the full layers
+        assert math.isfinite(quest["ppl"]) and quest["kv_keep"] < 1
 
 
 def test_a_sampling_policy_gives_each_batch_the_same_draws_whatever_ran_before():

@@ -27,6 +27,7 @@ steps whose generated prefix still equals the dense greedy output (where a dense
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .. import _compat, assets
+from .. import assets
 from .aggregate import Collector
 from .audit import Audit, EvalAudit
 from .data import batch_records, left_pad, new_tokens, stack_snapshots, to_records
@@ -59,15 +60,34 @@ class _Reference:
 
 # --------------------------------------------------------------------------------- decoding
 @torch.no_grad()
-def _prefill_row(dec: Any, ids: Tensor, keep_logits: int) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+def _prefill_row(dec: Any, ids: Tensor, keep_logits: int, snapshot: int | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """Dense prefill of one row ``ids [T]``: the last ``keep_logits`` logits ``[keep, V]`` and the
-    keys / values of every layer ``[H_kv, T, D]``."""
+    keys / values of every layer over the first ``snapshot`` tokens (default all), ``[H_kv, snapshot, D]``.
+
+    A sliding-window layer keeps only a ring of its last slots (`PagedKVCache.windows`): its snapshot
+    holds the ring's tokens and zeros before them (`load_prefix` keeps only a window's last tokens).
+    When the snapshot stops short of the prompt, the rings hold the prompt's end, not the
+    snapshot's: the snapshot's prefix is then prefilled again."""
     t = ids.shape[0]
+    n = t if snapshot is None else snapshot
     logits = dec.session.prefill(ids[None], keep_logits=keep_logits)
+    if n < t and dec.session.cache.windows:
+        dec.session.prefill(ids[None, :n], keep_logits=1)
+        t = n
     cache, first = dec.session.cache, dec.session.prompt_slot(t)
-    prompt = slice(first, first + t)
-    snap = [(cache.keys[l][0, :, prompt].clone(), cache.values[l][0, :, prompt].clone()) for l in range(cache.num_layers)]
-    return logits[0].float(), snap
+    return logits[0].float(), [_layer_snapshot(cache, layer, first, t, n) for layer in range(cache.num_layers)]
+
+
+def _layer_snapshot(cache: Any, layer: int, first: int, t: int, n: int) -> tuple[Tensor, Tensor]:
+    """Row 0's keys and values of slots ``first .. first + n - 1`` of a cache prefilled with ``t >= n``
+    tokens from slot ``first``: a window layer's from its ring (the last ring slots of the ``n``,
+    zeros before them)."""
+    if layer not in cache.windows:
+        return cache.keys[layer][0, :, first : first + n].clone(), cache.values[layer][0, :, first : first + n].clone()
+    keep = min(n, cache.keys[layer].shape[2])
+    k, v = cache.window_tokens(layer, first + n - keep, first + n)
+    pad = (0, 0, n - keep, 0)  # zeros before the ring's tokens: out of every later window
+    return torch.nn.functional.pad(k[0], pad), torch.nn.functional.pad(v[0], pad)
 
 
 def _restore(dec: Any, ref: _Reference, steps: int) -> Tensor:
@@ -102,12 +122,6 @@ def _decode(dec: Any, ref: _Reference, teacher: Tensor | None, audit: Audit | No
 
 
 # ----------------------------------------------------------------------------------- the grid
-def _check_window(model: Any, needed: int) -> None:
-    window = _compat.sliding_window(model)
-    if window is not None and needed > window:
-        raise ValueError(f"a context of {needed} tokens exceeds the model's sliding window ({window}); not supported")
-
-
 @torch.no_grad()
 def _reference(model: Any, tokenizer: Any, batch: list[dict], device: torch.device) -> _Reference:
     from ..decoder import Decoder
@@ -116,12 +130,11 @@ def _reference(model: Any, tokenizer: Any, batch: list[dict], device: torch.devi
     span = batch[0]["span"]
     rows = [torch.tensor(r["input_ids"], dtype=torch.long, device=device) for r in batch]
     if span:  # perplexity: prefill all but the last token, keep the span's logits
-        _check_window(model, max(len(r) for r in rows))
         firsts, snaps, logits = [], [], []
         for r in rows:
-            lg, snap = _prefill_row(dec, r[:-1], keep_logits=span)
             prefix = r.shape[0] - span - 1
-            snaps.append([(k[:, :prefix], v[:, :prefix]) for k, v in snap])
+            lg, snap = _prefill_row(dec, r[:-1], keep_logits=span, snapshot=prefix)
+            snaps.append(snap)
             logits.append(lg)
             firsts.append(lg[0])  # unused: the first span token is predicted by a decode step
         prompt, start = left_pad([r[: r.shape[0] - span - 1] for r in rows], 0)
@@ -132,7 +145,6 @@ def _reference(model: Any, tokenizer: Any, batch: list[dict], device: torch.devi
             torch.stack(logits), fed, targets,
         )  # fmt: skip
     new = new_tokens(tokenizer, [r["answer"] for r in batch])
-    _check_window(model, max(len(r) for r in rows) + new)
     firsts, snaps = [], []
     for r in rows:
         lg, snap = _prefill_row(dec, r, keep_logits=1)
@@ -182,7 +194,10 @@ def run_setting(model: Any, tokenizer: Any, setting: Setting, batch: list[dict],
             collector.correct.append(ok)
             results.append({"output": " ".join(text.split()), "correct": ok})
     collector.add_audit(audit)
-    delta = torch.stack([torch.stack(v).float().mean((0, 2)) for v in audit.dropped_mass.values()]).mean(0)  # [B]
+    if audit.dropped_mass:
+        delta = torch.stack([torch.stack(v).float().mean((0, 2)) for v in audit.dropped_mass.values()]).mean(0)  # [B]
+    else:  # every layer a sliding-window layer at this length: the policy chose nothing; no δ to report
+        delta = torch.full((len(results),), math.nan)
     for b, res in enumerate(results):
         res["delta_mean"] = float(delta[b])
     return results
