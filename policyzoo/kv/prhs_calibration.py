@@ -202,11 +202,35 @@ def measure(
     if "depth" in axes and not all(hasattr(policy, f) for f in ("budget", "window")):
         raise ValueError(f"the depth axis schedules budget and window: {type(policy).__name__} lacks one")
     ids = _texts_as_ids(texts, tokenizer, context + steps)
-    device = next(decoder.model.parameters()).device
     windows = tuple(sorted(windows))
-    budget = Budget(policy.budget) if hasattr(policy, "budget") else None
-    observer = _Observer(budget, windows, mass, max_group, max_lag)
+    observer = _Observer(Budget(policy.budget) if hasattr(policy, "budget") else None, windows, mass, max_group, max_lag)
+    _observe(decoder, ids, context, steps, observer, progress)
+    layers = len(observer.need)
+    report: dict[str, Any] = {"texts": len(ids), "context": context, "steps": steps, "layers": layers}
+    scale = window = None
+    if "depth" in axes:
+        scale, window, report["depth"] = _depth_axis(observer, policy, context, windows, scale_range)
+    groups: tuple[int, ...] = ()
+    if "layer" in axes:
+        groups, report["layer"] = _layer_axis(observer, max_group, min_overlap, max_increase)
+        if scale is not None:  # a group shares one selection, so one depth entry: its leader's
+            for layer in range(1, layers):
+                if groups[layer] == groups[layer - 1]:
+                    scale[layer], window[layer] = scale[layer - 1], window[layer - 1]
+            mean = sum(scale) / len(scale)
+            scale = [s / mean for s in scale]
+    tau = None
+    if "time" in axes:
+        tau, report["time"] = _time_axis(observer, max_increase)
+    return Calibration(None if scale is None else tuple(scale), None if window is None else tuple(int(w) for w in window),
+                       groups, tau, report)  # fmt: skip
+
+
+def _observe(decoder: Any, ids: Sequence[Tensor], context: int, steps: int, observer: "_Observer", progress: bool) -> None:
+    """Decode ``steps`` teacher-forced tokens after the first ``context`` of each text, the
+    ``observer`` auditing every step."""
     session = decoder.session
+    device = next(decoder.model.parameters()).device
     bar = tqdm(total=len(ids) * steps, desc="calibrating PrHS", unit="step", disable=not progress)
     try:
         for text in ids:
@@ -220,57 +244,53 @@ def measure(
     finally:
         bar.close()
         session.release()
+
+
+def _depth_axis(observer: "_Observer", policy: Any, context: int, windows: tuple[int, ...],
+                scale_range: tuple[float, float]) -> tuple[list[float], list[int], dict[str, Any]]:
+    """Each layer's budget scale (its need over the mean, clamped) and window, and their report."""
     layers = len(observer.need)
-    report: dict[str, Any] = {"texts": len(ids), "context": context, "steps": steps, "layers": layers}
+    need = torch.tensor([sum(observer.need[i]) / len(observer.need[i]) for i in range(layers)])
+    scale = (need / need.mean()).clamp(*scale_range)
+    scale = scale / scale.mean()
+    recent = torch.stack([torch.stack(observer.recent[i]).mean(0) for i in range(layers)])  # [L, W]
+    kth = [sum(observer.kth[i]) / len(observer.kth[i]) for i in range(layers)]
+    tokens = Budget(policy.budget).count(torch.tensor([context])).item()  # the policy's budget at the calibration context
+    most = [0.5 * tokens * float(sc) for sc in scale]
+    window = [_window(row, windows, bar, policy.window, cap) for row, bar, cap in zip(recent.tolist(), kth, most)]
+    report = {"need": need.tolist(), "recent_mass": recent.tolist(), "windows": list(windows), "kth_prob": kth}
+    return scale.tolist(), window, report
 
-    scale = window = None
-    if "depth" in axes:
-        need = torch.tensor([sum(observer.need[i]) / len(observer.need[i]) for i in range(layers)])
-        scale = (need / need.mean()).clamp(*scale_range)
-        scale = scale / scale.mean()
-        recent = torch.stack([torch.stack(observer.recent[i]).mean(0) for i in range(layers)])  # [L, W]
-        kth = [sum(observer.kth[i]) / len(observer.kth[i]) for i in range(layers)]
-        tokens = Budget(policy.budget).count(torch.tensor([context])).item()  # the policy's budget at the calibration context
-        most = [0.5 * tokens * float(sc) for sc in scale]
-        window = [_window(row, windows, bar, policy.window, cap) for row, bar, cap in zip(recent.tolist(), kth, most)]
-        scale = scale.tolist()
-        report["depth"] = {"need": need.tolist(), "recent_mass": recent.tolist(), "windows": list(windows), "kth_prob": kth}
 
-    groups: tuple[int, ...] = ()
-    if "layer" in axes:
-        increase = {k: float(torch.cat(v).mean()) for k, v in observer.layer_increase.items()}
-        overlap = {k: float(torch.cat(v).mean()) for k, v in observer.layer_overlap.items()}
-        ids_, leader = [0], 0
-        for layer in range(1, layers):
-            fits = layer - leader < max_group and overlap.get((leader, layer), 0.0) >= min_overlap
-            if fits and increase.get((leader, layer), math.inf) <= max_increase:
-                ids_.append(ids_[-1])
-            else:
-                leader = layer
-                ids_.append(ids_[-1] + 1)
-        groups = tuple(ids_)
-        report["layer"] = {"increase": {f"{a}->{b}": v for (a, b), v in increase.items()},
-                           "overlap": {f"{a}->{b}": v for (a, b), v in overlap.items()}}  # fmt: skip
-        if scale is not None:  # a group shares one selection, so one depth entry: its leader's
-            for layer in range(1, layers):
-                if groups[layer] == groups[layer - 1]:
-                    scale[layer], window[layer] = scale[layer - 1], window[layer - 1]
-            mean = sum(scale) / len(scale)
-            scale = [s / mean for s in scale]
+def _layer_axis(observer: "_Observer", max_group: int, min_overlap: float,
+                max_increase: float) -> tuple[tuple[int, ...], dict[str, Any]]:
+    """Groups of adjacent layers that share their leader's selection, and their report."""
+    increase = {k: float(torch.cat(v).mean()) for k, v in observer.layer_increase.items()}
+    overlap = {k: float(torch.cat(v).mean()) for k, v in observer.layer_overlap.items()}
+    groups, leader = [0], 0
+    for layer in range(1, len(observer.need)):
+        fits = layer - leader < max_group and overlap.get((leader, layer), 0.0) >= min_overlap
+        if fits and increase.get((leader, layer), math.inf) <= max_increase:
+            groups.append(groups[-1])
+        else:
+            leader = layer
+            groups.append(groups[-1] + 1)
+    report = {"increase": {f"{a}->{b}": v for (a, b), v in increase.items()},
+              "overlap": {f"{a}->{b}": v for (a, b), v in overlap.items()}}  # fmt: skip
+    return tuple(groups), report
 
-    tau = None
-    if "time" in axes:
-        cos = torch.cat([torch.cat(v) for v in observer.time_cos.values()])
-        inc = torch.cat([torch.cat(v) for v in observer.time_increase.values()])
-        rows = []
-        for t in TAUS:
-            hit = cos >= t
-            rows.append({"tau": t, "share": float(hit.float().mean()),
-                         "increase": float(inc[hit].mean()) if hit.any() else math.nan})  # fmt: skip
-        ok = [r["tau"] for r in rows if r["share"] > 0 and r["increase"] <= max_increase]
-        tau = min(ok) if ok else 1.0
-        lag1 = torch.cat(observer.time_cos[1]) if observer.time_cos.get(1) else torch.empty(0)
-        report["time"] = {"tau": tau, "grid": rows, "lag1_share": float((lag1 >= tau).float().mean()) if lag1.numel() else math.nan}
 
-    return Calibration(None if scale is None else tuple(scale), None if window is None else tuple(int(w) for w in window),
-                       groups, tau, report)  # fmt: skip
+def _time_axis(observer: "_Observer", max_increase: float) -> tuple[float, dict[str, Any]]:
+    """The smallest query-similarity threshold τ whose reuses raise the dropped mass by at most
+    ``max_increase`` (1.0: none), and its report."""
+    cos = torch.cat([torch.cat(v) for v in observer.time_cos.values()])
+    inc = torch.cat([torch.cat(v) for v in observer.time_increase.values()])
+    rows = []
+    for t in TAUS:
+        hit = cos >= t
+        rows.append({"tau": t, "share": float(hit.float().mean()),
+                     "increase": float(inc[hit].mean()) if hit.any() else math.nan})  # fmt: skip
+    ok = [r["tau"] for r in rows if r["share"] > 0 and r["increase"] <= max_increase]
+    tau = min(ok) if ok else 1.0
+    lag1 = torch.cat(observer.time_cos[1]) if observer.time_cos.get(1) else torch.empty(0)
+    return tau, {"tau": tau, "grid": rows, "lag1_share": float((lag1 >= tau).float().mean()) if lag1.numel() else math.nan}
