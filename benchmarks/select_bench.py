@@ -63,7 +63,7 @@ def policies(keep: float = 0.1) -> dict[str, Callable[[], object]]:
 
 @contextmanager
 def old_path() -> Iterator[None]:
-    """The steps as before issue 38: the fused kernels take no rows (`kv.base.fused_rows`), and the
+    """The steps as before issue 38: the fused kernels take no rows (`kv.choose.fused_rows`), and the
     Gaussian threshold runs one program per row. Kept on while a path is compiled and captured:
     the compiled code guards on the first, and each launch reads the second."""
     with mock.patch.object(select_op, "MAX_ROW", 0), override(entmax_threshold=EntmaxThresholdConfig(split=1)):

@@ -199,7 +199,8 @@ def test_rescored_quest_keeps_the_best_exact_tokens_of_its_candidate_pages(data,
             assert forced <= kept
     # Within the candidate tokens, exactly the best exact scores survive (checked on the whole
     # candidate set: a token outside the kept set never outscores a kept, unforced one of its head).
-    from policyzoo.kv.base import candidate_budget, choose_topk, forced_pages, group_page_bounds, page_budget
+    from policyzoo.kv.choose import candidate_budget, choose_topk
+    from policyzoo.kv.scoring import forced_pages, group_page_bounds, page_budget
 
     k_max, count = page_budget(state, one._budget, case.page, one.sinks, one.window, "Quest")
     wide_k, wide_count = candidate_budget(k_max, count, factor, c.num_pages)
@@ -252,7 +253,8 @@ def test_nominated_quest_keeps_the_best_sketch_bounds_among_the_box_candidates(d
     """The box bound nominates ``factor`` times the pages; the kept pages lie within them, keep the
     forced pages, meet the budget, and every kept unforced page's sketch bound is at least that of
     every nominated page left out (up to the ranking's bf16 precision)."""
-    from policyzoo.kv.base import candidate_budget, choose_topk, forced_pages, group_page_bounds, page_budget
+    from policyzoo.kv.choose import candidate_budget, choose_topk
+    from policyzoo.kv.scoring import forced_pages, group_page_bounds, page_budget
 
     case = data.draw(cases(sketch=(True,)))
     policy = Quest(page=case.page, nominate=factor, **nominate_args(args))

@@ -39,7 +39,7 @@ def test_readme_policy_runs_and_respects_its_budget():
 def test_readme_policy_decodes_compiled_like_eager_where_its_scores_tie():
     """Qwen3 normalises its keys, so every key norm is the same number up to rounding; compiled and
     eager round differently, and only a ranking that treats them as ties (lowest position first,
-    `kv.base.choose_topk`) keeps the same tokens in both."""
+    `kv.choose.choose_topk`) keeps the same tokens in both."""
     import copy
 
     KeyNormTopK = _readme_policy()

@@ -177,7 +177,7 @@ def page_rows(draw):
 
 def steps_of(args, scale, k_max, count, opts):
     """`select_pages` as the steps: the grouped bound's kernel, then the reference's masks, counts,
-    ranking and selection (as `kv.base.choose_topk_steps` composes them)."""
+    ranking and selection (as `kv.choose.choose_topk_steps` composes them)."""
     q, lo, hi, start, length = args
     scores = kernels.quest_page_bound_grouped.triton(q, lo, hi, scale, "max").cpu()
     first, last = ref.visible_pages(start.cpu(), length.cpu(), opts["page_size"], lo.shape[2])
@@ -227,7 +227,7 @@ def test_select_pages_reference_is_the_steps_on_the_reference_path():
 @here
 def test_select_ops_refuse_rows_longer_than_they_take():
     """The kernels hold a row in registers: longer rows are refused by the op, and the public
-    functions send them to the reference; the policies take the steps (`kv.base.fused_rows`)."""
+    functions send them to the reference; the policies take the steps (`kv.choose.fused_rows`)."""
     scores = torch.randn(1, 2, 40, device=DEVICE)
     forced = torch.zeros(1, 40, dtype=torch.bool, device=DEVICE)
     count = torch.tensor([5], device=DEVICE)
@@ -244,7 +244,7 @@ def test_given_scores_take_the_fused_kernel_up_to_the_configured_row():
     """`choose_topk` sends rows of given scores to `select_scores` up to
     `MAX_SCORES_ROW` entries (the steps were faster beyond it on the H200), and
     the choice is the same either way; the box selection's limit is the kernel's own row."""
-    from policyzoo.kv.base import choose_topk, fused_rows
+    from policyzoo.kv.choose import choose_topk, fused_rows
 
     assert fused_rows(2048) and not fused_rows(2049) and kernels.select_pages_takes(8192)
     g = torch.Generator().manual_seed(5)

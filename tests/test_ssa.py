@@ -432,7 +432,8 @@ def test_rescored_strata_rank_pages_by_their_log_mass(data, cases, contract, arg
     pages; elsewhere the bound ``u_p + log n_p`` less its mean overshoot on the head's candidates."""
     if args["proxy"] != "page":
         return
-    from policyzoo.kv.base import page_bound_scores, page_log_mass
+    from policyzoo.kv.choose import page_log_mass
+    from policyzoo.kv.scoring import page_bound_scores
 
     case = data.draw(cases())
     state = case.state()

@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from policyzoo import SSA, AttentionTopK, Certified, CommunityKV, EntmaxKV, Forecast, PrHS, Quest, Window
-from policyzoo.kv.base import choose_topk, forced_pages, group_page_bounds, page_budget
+from policyzoo.kv.choose import choose_topk
+from policyzoo.kv.scoring import forced_pages, group_page_bounds, page_budget
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

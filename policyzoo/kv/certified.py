@@ -37,7 +37,9 @@ from torch import Tensor
 
 from ..selection import Selection
 from ..cache import SKETCH
-from .base import KVSelector, KVState, check_budget, page_bound_scores, selection_logits, token_bound_scores
+from .base import KVSelector, KVState, check_budget
+from .choose import selection_logits
+from .scoring import page_bound_scores, token_bound_scores
 from .wrapper import PolicyWrapper
 from .registry import register
 

@@ -44,7 +44,7 @@ import math
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
@@ -52,7 +52,9 @@ from torch import Tensor
 from .. import kernels
 from ..cache import PagedKVCache
 from ..selection import Selection
-from .base import Budget, KVSelector, KVState, check_count, forced_at, round_for_ranking
+from .base import Budget, KVSelector, KVState, check_count
+from .choose import round_for_ranking
+from .scoring import forced_at
 from ..workers import INLINE, cpus
 from .community_graph import LEIDENS, ClusteringTime, Leiden, Partition, graph_communities, require_leiden
 from .registry import register

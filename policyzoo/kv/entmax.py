@@ -51,18 +51,13 @@ from ..kernels.reference import (  # noqa: F401  (re-exported: the references li
     gaussian_relu_sq,
 )
 from ..selection import Selection
-from .base import (
-    Aggregate,
-    Budget,
-    KVSelector,
-    KVState,
+from .base import Aggregate, Budget, KVSelector, KVState, check_count
+from .choose import check_rescore, choose_pages
+from .scoring import (
     aggregate_groups,
     PageBound,
     bound_summaries,
-    check_count,
     check_page_bound,
-    check_rescore,
-    choose_pages,
     forced_pages,
     group_page_bounds,
     page_bound_scores,
@@ -99,12 +94,12 @@ class EntmaxKV(KVSelector):
             quantile that must clear the threshold.
         iters: Newton steps of the threshold estimate (`gaussian_entmax_threshold`).
         rescore: 0, or a candidate factor >= 1: that many times the chosen pages are candidates and
-            the best tokens by exact score are kept (`kv.base.rescore_pages`; as `Quest`'s).
+            the best tokens by exact score are kept (`kv.choose.rescore_pages`; as `Quest`'s).
         aggregate: how the second stage folds a GQA group's exact logits: ``"max"`` (the group's
             best logit) or ``"sum"`` (its summed softmax mass). Pages are always ranked by the
             group's max.
         bound: the page bound: ``"box"`` (the page min/max) or ``"sketch"`` (the 4-bit key sketch,
-            about a nat over a page's best key instead of many; `kv.base.page_bound_scores`).
+            about a nat over a page's best key instead of many; `kv.scoring.page_bound_scores`).
     """
 
     budget: int | float = 0.25

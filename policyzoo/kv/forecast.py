@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from .. import _compat
 from ..selection import Selection
-from .base import Budget, KVSelector, KVState, check_count, choose_topk, policy_params, read_policy_file
+from .base import Budget, KVSelector, KVState, check_count, policy_params, read_policy_file
+from .choose import choose_topk
 from .registry import register
 
 

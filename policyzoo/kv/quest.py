@@ -5,17 +5,17 @@ page, computed from the cache's summaries without reading the keys; the top page
 
 With ``rescore=r`` the bound only nominates: the top ``r`` times as many pages are candidates, their
 keys are scored exactly, and the best tokens are kept, the same number of tokens as the pages would
-hold (`kv.base.rescore_pages`). The bound of a page of 16 overshoots its best key by many nats on real
+hold (`kv.choose.rescore_pages`). The bound of a page of 16 overshoots its best key by many nats on real
 models (13 on SmolLM2), so it ranks pages poorly; exact scores over a few times the budget find what
 the bound misses, at the cost of reading the candidates' keys.
 
 With ``bound="sketch"`` the pages are ranked by a bound from a 4-bit copy of every key on its page's
-min/max grid (`kv.base.page_bound_scores`): about one nat over the page's best key instead of 13, for
+min/max grid (`kv.scoring.page_bound_scores`): about one nat over the page's best key instead of 13, for
 an eighth of the KV bytes read to choose. The same sketch makes the certified dropped mass
 (`kv.certified`) informative.
 
 With ``bound="sketch", nominate=f`` the selection has two levels: the box bound nominates ``f`` times
-the budget's pages, and the sketch ranks those candidates alone (`kv.base.nominate_pages`), so the
+the budget's pages, and the sketch ranks those candidates alone (`kv.choose.nominate_pages`), so the
 step reads the box summaries and the candidates' codes, not the sketch of the whole cache.
 """
 
@@ -26,18 +26,13 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..selection import Selection
-from .base import (
-    Aggregate,
-    Budget,
+from .base import Aggregate, Budget, KVSelector, KVState, check_count
+from .choose import check_rescore, choose_pages
+from .scoring import (
     PageBound,
-    KVSelector,
-    KVState,
     aggregate_groups,
     bound_summaries,
-    check_count,
     check_page_bound,
-    check_rescore,
-    choose_pages,
     forced_pages,
     group_page_bounds,
     page_bound_scores,

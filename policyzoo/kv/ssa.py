@@ -67,27 +67,18 @@ import torch
 from torch import Tensor
 
 from ..selection import Selection
-from .base import (
-    Aggregate,
-    Budget,
-    KVSelector,
-    KVState,
+from .base import Aggregate, Budget, KVSelector, KVState, check_budget, check_count
+from .choose import candidate_budget, check_rescore, box_pages, choose_topk, page_log_mass
+from .scoring import (
     PageBound,
     aggregate_groups,
     bound_summaries,
-    check_budget,
-    check_count,
     check_page_bound,
-    candidate_budget,
-    check_rescore,
-    box_pages,
-    choose_topk,
     exact_scores,
     forced_pages,
     forced_tokens,
     group_page_bounds,
     page_bound_scores,
-    page_log_mass,
 )
 from .registry import register
 
@@ -120,10 +111,10 @@ class SSA(KVSelector):
         rescore: page proxy only: 0, or a candidate factor >= 1: that many times the pages of both
             strata are candidates by bound, and the proxy becomes each page's log softmax numerator,
             exact for the candidates (from their keys) and estimated for the rest from their bound
-            and the bound's overshoot on the candidates (`kv.base.page_log_mass`); both strata rank
+            and the bound's overshoot on the candidates (`kv.choose.page_log_mass`); both strata rank
             and sample on it.
         bound: page proxy only: the page bound, ``"box"`` (the page min/max) or ``"sketch"`` (the
-            4-bit key sketch, about a nat over a page's best key; `kv.base.page_bound_scores`).
+            4-bit key sketch, about a nat over a page's best key; `kv.scoring.page_bound_scores`).
     """
 
     budget: int | float = 0.1

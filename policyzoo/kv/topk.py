@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..selection import Selection
-from .base import Aggregate, Budget, KVSelector, KVState, aggregate_groups, check_count, choose_topk, exact_scores, forced_tokens
+from .base import Aggregate, Budget, KVSelector, KVState, check_count
+from .choose import choose_topk
+from .scoring import aggregate_groups, exact_scores, forced_tokens
 from .registry import register
 
 

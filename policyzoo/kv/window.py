@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 
 from ..selection import Selection
-from .base import KVSelector, KVState, check_count, choose_topk, forced_tokens
+from .base import KVSelector, KVState, check_count
+from .choose import choose_topk
+from .scoring import forced_tokens
 from .registry import register
 
 

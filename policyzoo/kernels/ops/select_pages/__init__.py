@@ -1,7 +1,7 @@
 """Fused selection: a page policy's choice in one launch. Two ops share the kernel's selection:
 ``policyzoo::select_pages`` scores the pages itself (the box bound folded by the group's max, as
 `Quest` ranks them) and ``policyzoo::select_scores`` takes scores already made (any policy's
-`kv.base.choose_topk`).
+`kv.choose.choose_topk`).
 
 Specification: ``reference.py`` (the steps they replace: the grouped bound, the masks, the bf16
 ranking and `select_top`); kernel: ``kernel.py``. The histograms and counters come from the

@@ -26,7 +26,7 @@ score the pages also prepare the selection, and the last one of each row to fini
    before). It zeroes the histogram and the counters again, so the workspace is zero between launches.
 
 Ties therefore go to the lowest position, as in `select_top`, and the kept count is
-``min(max(count, forced), k_max, valid)`` as in `kv.base.choose_topk`. A row is held in registers by
+``min(max(count, forced), k_max, valid)`` as in `kv.choose.choose_topk`. A row is held in registers by
 its last program as a power-of-two tile and a smaller tail (`select_top.tiles`), so rows of up to
 `MAX_ROW` entries; the op sends longer ones elsewhere.
 """
