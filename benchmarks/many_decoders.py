@@ -24,7 +24,6 @@ import platform
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -32,7 +31,6 @@ import torch
 from benchmarks import common, e2e
 from benchmarks.sweep import copy_bandwidth
 from policyzoo.bytes import BUILTIN, ByteAccount
-from policyzoo.compiled import CompileFallbackWarning
 
 # The sequence that fell back to eager from its fifth Decoder on before compiled steps had code of
 # their own: dense first (every ratio divides by it).
@@ -43,14 +41,9 @@ def measure_row(dec, row: dict, n: int, new_tokens: int, acct: ByteAccount, bw: 
     """Time ``dec``'s `generate` at context ``n`` into ``row``, with its fallbacks, floor, bound and
     the GPU's clocks, temperature and power as the row ended (`common.gpu_state`)."""
     name = row["setting"]
-    with common.recorded(row, f"{name} n={n}"), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CompileFallbackWarning)
-        row.update(e2e.measure(dec, 1, n, new_tokens))
+    with common.recorded(row, f"{name} n={n}"):
+        row.update(e2e.measure(dec, 1, n, new_tokens))  # its fallbacks included (``fallbacks``, ``fallback``)
         row.update(common.gpu_state())
-        fallbacks = [str(w.message) for w in caught if issubclass(w.category, CompileFallbackWarning)]
-        row["fallbacks"] = len(fallbacks)
-        if fallbacks:
-            row["fallback"] = fallbacks[0][:200]
         row["floor_ms"] = acct.floor_ms(n, bw, r_p, common.kv_ratio(name, n), r_select=common.selection_ratio(name))
         row["bound"] = acct.floor_ms(n, bw, 1.0, 1.0) / row["floor_ms"]
         log(f"{row['order']} {name:<18} n={n:>6}: generate {row['generate_ms']:.3f} ms/token, step {row['step_ms']:.3f} ms, "

@@ -50,7 +50,7 @@ class Workers:
     @property
     def size(self) -> int:
         """Processes running now (0: none started)."""
-        return self._size if self._pool is not None else 0
+        return self._size
 
     def executor(self, size: int) -> Executor:
         if size <= 1:
