@@ -211,11 +211,17 @@ def decoder(model, name: str, offload: Offload | None = None) -> Decoder:
     proj = proj_f() if proj_f else None
     layers = model.config.num_hidden_layers
     kv = None if kv_f is None else kv_f(layers=layers) if "layers" in inspect.signature(kv_f).parameters else kv_f()
+    return Decoder(model, kv=kv, proj=calibrated(proj, model), offload=offload)
+
+
+def calibrated(proj, model):
+    """``proj``, calibrated on 512 random tokens first where it needs calibrated values and has none
+    (`Threshold`, `TopK(mode="fast")`): speed does not depend on which inputs set the thresholds."""
     if (isinstance(proj, Threshold) and not proj.thresholds) or (isinstance(proj, TopK) and proj.mode == "fast" and not proj.ratios):
         vocab = model.get_output_embeddings().weight.shape[0]
         text = torch.randint(vocab, (1, 512), generator=torch.Generator().manual_seed(0))
         proj.calibrate(model, [text])
-    return Decoder(model, kv=kv, proj=proj, offload=offload)
+    return proj
 
 
 def source_digest(root: Path = ROOT) -> str:

@@ -7,8 +7,9 @@ values at fixed budgets):
     python -m benchmarks.gate_bench --tiny --out /tmp/gate   # on a CPU: a smoke test of the logic
 
 What it does:
-  1. builds one Decoder with the KV policy (``--kv``, default Quest at keep 0.2, pages of 16, window 64)
-     and the projection sparsifier (``--proj``, default TopK(0.5)), compiled on CUDA;
+  1. builds one Decoder with the KV policy (``--kv``, a spec; default Quest at keep ``--kv-keep`` 0.2,
+     pages of 16, window 64) and the projection sparsifier (``--proj``, a spec; default
+     TopK(``--proj-keep`` 0.5)), compiled on CUDA;
   2. calibrates a Gate on that Decoder (`Gate.calibrate`, contexts ``--calib-contexts``) and saves it;
      ``--quality`` (a JSON file: a plain {setting: ppl increase} dict or eval results, see
      `policyzoo.gate.load_quality`) with ``--max-ppl-increase`` adds the quality budget;
@@ -48,9 +49,10 @@ import torch
 from policyzoo import Decoder, Quest, TopK
 from policyzoo.bytes import SETTINGS, ByteAccount, format_context, parse_tokens
 from policyzoo.gate import Gate, device_name
+from policyzoo.spec import parse_kv, parse_proj
 from policyzoo.timing import time_ms
 
-from .common import DEVICE, fill_cache, llama8b
+from .common import DEVICE, calibrated, fill_cache, llama8b
 
 POLICIES = ("gate", "always-both", "always-proj", "always-kv", "always-dense")
 
@@ -64,8 +66,8 @@ def decode_ms(dec: Decoder, steps: int) -> float:
 def run(args: argparse.Namespace) -> dict:
     device = DEVICE
     model = llama8b(device, args.layers, args.tiny)
-    kv = Quest(args.kv_keep, page=16, window=args.window)
-    proj = TopK(args.proj_keep)
+    kv = parse_kv(args.kv) if args.kv else Quest(args.kv_keep, page=16, window=args.window)
+    proj = calibrated(parse_proj(args.proj), model) if args.proj else TopK(args.proj_keep)
     dec = Decoder(model, kv=kv, proj=proj, compile=args.compile)
     calib = [parse_tokens(c) for c in args.calib_contexts.split(",")]
     contexts = [parse_tokens(c) for c in args.request_contexts.split(",")]
@@ -129,7 +131,9 @@ def run(args: argparse.Namespace) -> dict:
     }  # fmt: skip
     if not args.tiny:
         acct = ByteAccount.from_config("llama-3.1-8b")
-        meta["byte_crossover_K"] = acct.crossover(args.proj_keep, args.kv_keep) / 1024
+        budget = getattr(kv, "budget", None)  # a keep ratio, or tokens (then the --kv-keep default stands in)
+        r_kv = budget if isinstance(budget, float) and budget <= 1 else args.kv_keep
+        meta["byte_crossover_K"] = acct.crossover(proj.keep, r_kv) / 1024
     record = {"meta": meta, "gate": gate.to_dict(), "rows": rows, "summary": summary, "generate_checks": checks}
     (out / "gate_bench.json").write_text(json.dumps(record, indent=1))
     (out / "gate_bench.md").write_text(markdown(record))
@@ -199,6 +203,8 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-keep", type=float, default=0.2, help="Quest keep ratio (default 0.2)")
     p.add_argument("--window", type=int, default=64, help="Quest local window (default 64)")
     p.add_argument("--proj-keep", type=float, default=0.5, help="TopK keep ratio (default 0.5)")
+    p.add_argument("--kv", default=None, help="the KV policy as a spec (e.g. quest:0.1); overrides --kv-keep and --window")
+    p.add_argument("--proj", default=None, help="the sparsifier as a spec (e.g. threshold:0.5); overrides --proj-keep")
     p.add_argument("--calib-contexts", default=None, help="default 1k,4k,16k,64k (tiny: 64,128,256,512)")
     p.add_argument("--calib-steps", type=int, default=8)
     p.add_argument("--calib-reps", type=int, default=3)

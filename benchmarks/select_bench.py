@@ -20,6 +20,14 @@ threshold in one program per row; the new path is the library as it is. Then:
 - ``attention``: decode attention over the policy's selection, with its bandwidth on the bytes it
   selects (the kept tokens' keys and values), beside dense attention's.
 
+With ``--tune`` it times launch parameters instead (each config checked against the default's
+result first): the box selection (`SelectPagesConfig`) beside what bounds it from below (the
+grouped page bound alone, and the selection from given scores), and decode attention
+(`AttentionConfig`) over every page and over the box selection, at each context; the fastest
+correct config of each case is printed last::
+
+    python -m benchmarks.select_bench --tune --contexts 4096,32768,131072
+
 Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interpreter when
 ``TRITON_INTERPRET=1 POLICYZOO_TRITON=1`` are set, eager, wall-clock timings that mean nothing).
 """
@@ -38,7 +46,7 @@ from unittest import mock
 import torch
 
 from policyzoo import EntmaxKV, Quest, inductor_compat, kernels
-from policyzoo.kernels import EntmaxThresholdConfig
+from policyzoo.kernels import AttentionConfig, EntmaxThresholdConfig, SelectPagesConfig
 from policyzoo.kernels.config import override
 from policyzoo.kernels.ops import select_pages as select_op
 from policyzoo.kv.base import KVState
@@ -174,11 +182,89 @@ def bench_context(n: int, names: list[str], rows: list[dict]) -> None:
     rows.append(row)
 
 
+SELECT_GRID = [dict(block_p=p, num_warps=w) for p in (32, 64, 128, 256) for w in (2, 4, 8, 16)] + [
+    dict(group=g) for g in (16, 64)]
+ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
+                  for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+                  for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (2048, 32))]
+
+
+def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Callable[[], object],
+          same: Callable[[object, object], bool]) -> None:
+    """Time ``call`` under the default `kind` config and each override of ``grid`` (fields over the
+    defaults), each checked first against the default's result (``same``); a row per config."""
+    if common.DEVICE != "cuda":
+        grid = grid[:2]  # a smoke test: the code path, not the timings
+    want = call()
+    default_us = time_us(call)
+    best = ("default", default_us)
+    rows.append({"section": "tune", "case": case, "context": n, "config": "default", "us": default_us})
+    for fields in grid:
+        label = " ".join(f"{k}={v}" for k, v in fields.items())
+        row = {"section": "tune", "case": case, "context": n, "config": label}
+        try:
+            with override(**{kind.keyword: kind(**fields)}):
+                ok = same(call(), want)
+                us = time_us(call)
+            row.update({"us": us, "correct": ok})
+            if ok and us < best[1]:
+                best = (label, us)
+        except Exception as e:  # a config that does not compile (registers, shared memory) is a row too
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+    rows.append({"section": "tune", "case": case, "context": n, "config": f"best: {best[0]}", "us": best[1]})
+    print(f"tune n={n:>7} {case:<28} default {default_us:7.1f} us, best {best[1]:7.1f} us: {best[0]}",
+          flush=True)
+
+
+def tune_context(n: int, rows: list[dict]) -> None:
+    """The launch-parameter grids at context ``n`` (see the module's ``--tune``)."""
+    dev = common.DEVICE
+    cache = filled_cache(n)
+    state = KVState(cache, 0, D**-0.5, workspace=kernels.Workspace(dev))
+    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+    policy = policies()["quest0.1"]()
+    box = policy.select(state, q)
+    page_min, page_max = cache.page_min[0], cache.page_max[0]
+
+    def bound():
+        return kernels.quest_page_bound_grouped(q, page_min, page_max, state.scale)
+
+    scores = bound()
+    forced = torch.zeros_like(scores, dtype=torch.bool)
+    forced[..., -1] = True
+    count = box.count.clone()
+    if kernels.select_pages_takes(scores.shape[-1]):
+        rows.append({"section": "tune", "case": "grouped bound alone", "context": n, "config": "default",
+                     "us": time_us(bound)})
+        rows.append({"section": "tune", "case": "select_scores alone", "context": n, "config": "default",
+                     "us": time_us(lambda: kernels.select_scores(scores, forced, count, box.k_max,
+                                                                 workspace=state.workspace))})
+        print(f"tune n={n:>7} grouped bound alone {rows[-2]['us']:7.1f} us; select from its scores "
+              f"{rows[-1]['us']:7.1f} us", flush=True)
+        _tune(rows, "box selection", n, SelectPagesConfig, SELECT_GRID, lambda: policy.select(state, q),
+              lambda a, b: same_choice(a, b)[0])
+
+    def attention(sel: Selection) -> Callable[[], object]:
+        return lambda: kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length,
+                                                state.scale)[0]
+
+    def close(a, b) -> bool:
+        return bool(((a.float() - b.float()).norm() / b.float().norm()) < 2e-2)
+
+    pages = math.ceil(n / PAGE)
+    dense = Selection(torch.arange(cache.num_pages, device=dev, dtype=torch.int32).expand(1, H_KV, -1).contiguous(),
+                      torch.full((1, H_KV), pages, device=dev, dtype=torch.int32), block=PAGE)
+    _tune(rows, "attention, every page", n, AttentionConfig, ATTENTION_GRID, attention(dense), close)
+    _tune(rows, "attention, box selection", n, AttentionConfig, ATTENTION_GRID, attention(box), close)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default=None, help="comma-separated contexts (default 32768,131072; --tiny: 256)")
     p.add_argument("--policies", default=",".join(policies()), help=f"of: {', '.join(policies())}")
     p.add_argument("--tiny", action="store_true", help="toy contexts (a CPU smoke test)")
+    p.add_argument("--tune", action="store_true", help="time launch-parameter grids instead (see the module doc)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (TINY_CONTEXTS if args.tiny else CONTEXTS)
@@ -190,7 +276,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = {"device": torch.cuda.get_device_name() if common.DEVICE == "cuda" else "cpu", "torch": torch.__version__,
             "source": common.source_digest(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for n in contexts:
-        bench_context(n, names, rows)
+        if args.tune:
+            tune_context(n, rows)
+        else:
+            bench_context(n, names, rows)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

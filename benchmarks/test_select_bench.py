@@ -27,3 +27,19 @@ def test_select_bench_runs_on_cpu(tmp_path):
     assert all(r["attention_us"] > 0 and 0 < r["kv_keep"] <= 1 for r in policies)
     threshold = [r for r in rows if r["setting"] == "gaussian threshold"]
     assert len(threshold) == 1 and threshold[0]["rel_diff"] < 1e-9
+
+
+def test_select_bench_tune_runs_on_cpu(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
+    out = tmp_path / "tune.json"
+    cmd = [sys.executable, "-m", "benchmarks.select_bench", "--tune", "--tiny", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r for r in rows if "error" in r] == []
+    cases = {r["case"] for r in rows}
+    assert cases == {"grouped bound alone", "select_scores alone", "box selection", "attention, every page",
+                     "attention, box selection"}
+    timed = [r for r in rows if "correct" in r]
+    assert timed and all(r["correct"] and r["us"] > 0 for r in timed)  # every config chose what the default chose
+    assert sum(r["config"].startswith("best: ") for r in rows) == 3
