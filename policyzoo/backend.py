@@ -148,9 +148,12 @@ class LayerBackend(Backend):
     def select(self, args: ForwardArgs, q: Tensor, k: Tensor, v: Tensor) -> Selection:
         self.cache.write(self.layer, k, v)
         args.policy.append(self.state, k, v)
-        sel = args.policy.select(self.state, q)
-        if args.phase == "decode":  # a dense reference pass leaves the policy's record alone
-            self.contexts.record(self.layer, sel)
+        if args.phase != "decode":  # a dense reference pass leaves the policy's record alone
+            return args.policy.select(self.state, q)
+        sel = self.contexts.reusable(args.policy)
+        if sel is None:
+            sel = args.policy.select(self.state, q)
+        self.contexts.record(self.layer, sel)
         return sel
 
     def fetch(self, args: ForwardArgs, q: Tensor, sel: Selection) -> Fetched:
@@ -423,6 +426,10 @@ class LayerContexts:
 
     def record(self, layer: int, sel: Selection) -> None:
         self.main.below = sel
+
+    def reusable(self, policy: KVSelector) -> Selection | None:
+        """None: one compiled layer serves every layer, each called alone, so each selects."""
+        return None
 
 
 __all__ = [

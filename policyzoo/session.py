@@ -564,6 +564,7 @@ class DecodeSession:
         returns the step's arguments (`policyzoo.hf` runs the forward; `step` does it itself)."""
         self._take_room()
         args = self._step_args()
+        self.contexts.end_step()  # nothing of a step an exception cut short (a layer reuses `below`)
         self.cache.length += 1
         return args
 
@@ -586,6 +587,7 @@ class DecodeSession:
     def _advance(self, args: ForwardArgs) -> tuple[Tensor, Tensor]:
         """Advance the cache (every layer writes at the new ``length - 1``), run the model, choose the
         next tokens and feed them to the next step."""
+        self.contexts.end_step()  # nothing of a step an exception cut short (a layer reuses `below`)
         self.cache.length += 1
         logits = self._forward(args)
         self.close_step()

@@ -5,10 +5,15 @@ layer's tensors; an audit wraps the backends without changing what they compute.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from unittest import mock
+
+import pytest
 import torch
 from tiny_models import hybrid_model, padded_batch, tiny_model
 
-from policyzoo import Decoder, Offload, Quest
+from policyzoo import Decoder, Dense, Offload, Quest, Window
 from policyzoo.backend import Audited, LayerBackend, WindowLayer, build_backends, layer_cache
 from policyzoo.kv import Forecast
 
@@ -101,3 +106,29 @@ def test_audited_wraps_a_backend_and_forwards_what_it_is():
     wrapped = Audited(inner, recorder=None)  # type: ignore[arg-type]
     assert wrapped.inner is inner and wrapped.layer == 1 and wrapped.cache is inner.cache and wrapped.state is inner.state
     assert wrapped.window is None and wrapped.attention is inner.attention
+
+
+@pytest.mark.parametrize("make", [Dense, lambda: Window(sinks=2, window=8)], ids=["dense", "window"])
+def test_a_selection_the_same_in_every_layer_is_made_once_a_step(make):
+    """`Dense` and `Window` select from the cache's geometry alone: a decode step makes their
+    selection in its first layer and the later layers reuse it, with the tokens of a select in every
+    layer. A subclass with a select of its own selects in every layer."""
+    policy = make()
+    calls = []
+
+    class Counting(type(policy)):
+        def select(self, state, q):
+            calls.append(state.layer)
+            return super().select(state, q)
+
+    ids, mask = padded_batch(2, 30, seed=3)
+    model = tiny_model("llama", layers=3)
+    counting = Counting(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+    assert policy.same_every_layer and not counting.same_every_layer
+    every_layer = Decoder(copy.deepcopy(model), kv=counting).generate(ids, 4, attention_mask=mask)
+    assert calls.count(1) == calls.count(2) == 3  # 3 decode steps, each layer selecting
+    dec = Decoder(model, kv=policy)
+    with mock.patch.object(type(policy), "select", autospec=True, side_effect=type(policy).select) as select:
+        once = dec.generate(ids, 4, attention_mask=mask)
+    assert select.call_count == 3  # one a decode step (the prefill selects nothing for these policies)
+    assert torch.equal(once, every_layer)

@@ -149,6 +149,13 @@ class KVSelector:
     layer_invariant: bool = False
     # Whether the policy rescores candidates exactly in a second stage (``rescore`` > 0).
     two_stage: bool = False
+    # Whether `select` reads the cache's geometry alone (its lengths, starts and pages), never the
+    # layer's keys, summaries, query or state: its selection is then the same in every layer of a
+    # step, so a decode step makes it once, in the first layer, and the later layers reuse it
+    # (`ContextStore.reusable`), which spares each layer the kernels that build it. A subclass
+    # whose own `select` reads more (or records anything) is not: `Dense` and `Window` declare it
+    # only for their own `select`.
+    same_every_layer: bool = False
 
     def new_request(self) -> object | None:
         """A fresh state object for one request (one batch of sequences), shared by every layer as

@@ -21,6 +21,11 @@ class Dense(KVSelector):
     summaries = ()  # reads no summary: a dense decode step refreshes none
     layer_invariant = True
 
+    @property
+    def same_every_layer(self) -> bool:  # type: ignore[override]
+        # Its select reads the cache's geometry alone; a subclass with a select of its own says for itself.
+        return type(self).select is Dense.select
+
     def select(self, state: KVState, q: Tensor) -> Selection:
         cache = state.cache
         b, h_kv = q.shape[0], state.keys.shape[1]

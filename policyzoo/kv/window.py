@@ -28,6 +28,11 @@ class Window(KVSelector):
     summaries = ()
     layer_invariant = True
 
+    @property
+    def same_every_layer(self) -> bool:  # type: ignore[override]
+        # Its select reads the cache's geometry alone; a subclass with a select of its own says for itself.
+        return type(self).select is Window.select
+
     def __post_init__(self) -> None:
         check_count(self.sinks, "sinks")
         check_count(self.window, "window", minimum=1)

@@ -50,6 +50,8 @@ class PolicyWrapper(KVSelector):
     selects_ahead = _of_policy("selects_ahead")  # type: ignore[assignment]
     layer_invariant = _of_policy("layer_invariant")  # type: ignore[assignment]
     two_stage = _of_policy("two_stage")  # type: ignore[assignment]
+    # Not derived: a wrapper's selection is its own, which may differ by layer where the policy's does not.
+    same_every_layer = False
 
     @property
     def summaries(self) -> tuple[str, ...]:  # type: ignore[override]
