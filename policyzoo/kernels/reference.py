@@ -15,6 +15,7 @@ from .ops.decode_attention.reference import (
     dense_probs,
     entmax15_threshold,
 )
+from .ops.dense_gemv.reference import dense_gemv, dense_gemv_t
 from .ops.entmax_threshold.reference import (
     censored_relu_sq,
     gaussian_entmax_threshold,
@@ -45,6 +46,8 @@ __all__ = [
     "censored_relu_sq",
     "decode_attention",
     "decode_attention_entmax15",
+    "dense_gemv",
+    "dense_gemv_t",
     "dense_probs",
     "entmax15_threshold",
     "gathered_logits",
