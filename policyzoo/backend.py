@@ -150,7 +150,7 @@ class LayerBackend(Backend):
         args.policy.append(self.state, k, v)
         if args.phase != "decode":  # a dense reference pass leaves the policy's record alone
             return args.policy.select(self.state, q)
-        sel = self.contexts.reusable(args.policy)
+        sel = self.contexts.reusable(args.policy.same_every_layer)
         if sel is None:
             sel = args.policy.select(self.state, q)
         self.contexts.record(self.layer, sel)
@@ -427,7 +427,7 @@ class LayerContexts:
     def record(self, layer: int, sel: Selection) -> None:
         self.main.below = sel
 
-    def reusable(self, policy: KVSelector) -> Selection | None:
+    def reusable(self, same_every_layer: bool) -> Selection | None:
         """None: one compiled layer serves every layer, each called alone, so each selects."""
         return None
 

@@ -29,15 +29,10 @@ compiled step replays a CUDA graph, whose outputs are overwritten by the next re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from ..selection import Selection
-
-if TYPE_CHECKING:
-    from .base import KVSelector
 
 PARTS = ("previous", "below", "hidden", "rotary")
 
@@ -138,10 +133,10 @@ class ContextStore:
                 )
             _copy_selection(buf, sel)
 
-    def reusable(self, policy: KVSelector) -> Selection | None:
-        """The selection an earlier layer made at this step, where ``policy`` makes the same one in
-        every layer (`KVSelector.same_every_layer`); else None, and the layer selects."""
-        return self.below if policy.same_every_layer else None
+    def reusable(self, same_every_layer: bool) -> Selection | None:
+        """The selection an earlier layer made at this step, where the policy makes the same one in
+        every layer (its `KVSelector.same_every_layer`); else None, and the layer selects."""
+        return self.below if same_every_layer else None
 
     def record_hidden(self, layer: int, hidden: Tensor) -> None:
         """The hidden state entering layer ``layer`` (its last token's row), if the policy reads it."""
