@@ -19,6 +19,8 @@ import inspect
 
 from policyzoo import SSA, AttentionTopK, CommunityKV, Decoder, EntmaxKV, Forecast, Offload, PrHS, Quest, Threshold, TopK, Window
 from policyzoo.bytes import BUILTIN
+from policyzoo.kernels import DenseGemvConfig
+from policyzoo.kernels.config import override
 from policyzoo.synthetic import fill_random
 from policyzoo.timing import time_ms
 
@@ -134,7 +136,21 @@ def settings() -> dict[str, tuple]:
         "topk-fast0.5": (None, lambda: TopK(0.5, mode="fast"), 0.5, 1.0),
         "threshold0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: Threshold(0.5), 0.5, 0.2),
         "topk-fast0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5, mode="fast"), 0.5, 0.2),
+        # The same settings with their dense decode projections through the dense GEMV kernel
+        # (`DENSE_GEMV`) instead of cuBLAS.
+        "dense-gemv": (None, None, 1.0, 1.0),
+        "threshold0.5-gemv": (None, lambda: Threshold(0.5), 0.5, 1.0),
+        "quest0.1-gemv": (lambda: Quest(0.1, page=PAGE, window=64), None, 1.0, 0.1),
     }
+
+
+# What a setting named ``...-gemv`` builds its Decoder under (`kernels.config.override`).
+DENSE_GEMV = {"dense_gemv": DenseGemvConfig(decode_rows=4)}
+
+
+def kernel_overrides(name: str) -> dict:
+    """The launch configs setting ``name``'s Decoder is built under (`kernels.config.override`)."""
+    return DENSE_GEMV if name.endswith("-gemv") else {}
 
 
 def runs_partition(n: int, lo, hi, weight, gamma: float, seed: int, size: int) -> torch.Tensor:
@@ -211,7 +227,8 @@ def decoder(model, name: str, offload: Offload | None = None) -> Decoder:
     proj = proj_f() if proj_f else None
     layers = model.config.num_hidden_layers
     kv = None if kv_f is None else kv_f(layers=layers) if "layers" in inspect.signature(kv_f).parameters else kv_f()
-    return Decoder(model, kv=kv, proj=calibrated(proj, model), offload=offload)
+    with override(**kernel_overrides(name)):
+        return Decoder(model, kv=kv, proj=calibrated(proj, model), offload=offload)
 
 
 def calibrated(proj, model):

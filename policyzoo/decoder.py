@@ -171,7 +171,7 @@ class Decoder:
         if self.proj is not None:
             self.proj.install(model, self.switch, self.workspace)
         elif fuse:  # fusing copies the weights: not offloaded ones
-            fuse_shared_inputs(model, self.switch)  # q/k/v and gate/up as one GEMM each (kernel path)
+            fuse_shared_inputs(model, self.switch, self.workspace)  # q/k/v and gate/up as one GEMM each (kernel path)
 
     def detach(self) -> None:
         """Give the model back: remove this Decoder's hooks and projection wrappers (the linears come

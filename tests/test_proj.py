@@ -219,6 +219,34 @@ def test_dense_decoding_fuses_shared_inputs_on_the_kernel_path(monkeypatch, fami
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("proj", [None, "threshold"])
+def test_dense_decode_rows_go_through_the_dense_gemv_kernel_where_the_config_says(monkeypatch, proj):
+    # `DenseGemvConfig.decode_rows`, in force when the Decoder is built: every dense projection of
+    # that many rows or fewer (decode) runs the dense GEMV kernel, larger ones (prefill) cuBLAS; the
+    # logits are the plain path's. o and down are wrapped only for it (they share no input).
+    from policyzoo import kernels
+    from policyzoo.kernels import DenseGemvConfig
+    from policyzoo.kernels.config import override
+
+    thresholds = {f"{i}.down": 0.3 for i in range(2)}
+    make = (lambda: None) if proj is None else (lambda: Threshold(0.5, thresholds=dict(thresholds), targets=("down",)))
+    model = tiny_model("llama")
+    ids, mask = padded_batch(3, 12)
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    _, expected = _decode_logits(copy.deepcopy(model), ids, mask, make())
+    rows = []
+    real = kernels.dense_gemv_t
+    monkeypatch.setattr(kernels, "dense_gemv_t", lambda x, *a, **k: rows.append(x.numel() // x.shape[-1]) or real(x, *a, **k))
+    with override(dense_gemv=DenseGemvConfig(decode_rows=4)):
+        dec, got = _decode_logits(model, ids, mask, make())
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert isinstance(attn.o_proj, SparseLinear) and attn.o_proj.sparsifier is None and attn.o_proj.dense_rows == 4
+    assert attn.q_proj.group.dense_rows == 4 and mlp.down_proj.dense_rows == 4
+    per_step = 2 * (4 if proj is None else 3)  # layers x (q|k|v, o, gate|up, down unless sparse)
+    assert set(rows) == {3} and len(rows) == 3 * per_step  # the 3 decode steps' rows, never the prompt's
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+
+
 def test_gated_dense_setting_uses_the_fused_gemm_and_threshold_keeps_its_own_selection(monkeypatch):
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
     model = tiny_model("llama")

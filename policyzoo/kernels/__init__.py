@@ -14,7 +14,7 @@ from . import config, reference, route
 from .ops.attention_edges import AttentionEdgesConfig, attention_edges
 from .ops.cache_append import cache_append
 from .ops.decode_attention import AttentionConfig, decode_attention, decode_attention_entmax15
-from .ops.dense_gemv import DenseGemvConfig, dense_gemv, dense_gemv_t
+from .ops.dense_gemv import DenseGemvConfig, dense_gemv, dense_gemv_decode_rows, dense_gemv_t
 from .ops.entmax_threshold import EntmaxThresholdConfig, gaussian_entmax_threshold
 from .ops.gathered_logits import GatheredLogitsConfig, gathered_logits
 from .ops.page_fetch import PageFetchConfig, page_fetch
@@ -43,6 +43,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_entmax15",
     "dense_gemv",
+    "dense_gemv_decode_rows",
     "dense_gemv_t",
     "dense_probs",
     "gaussian_entmax_threshold",

@@ -108,20 +108,25 @@ class ProjectionSparsifier:
             workspace = kernels.Workspace(param.device)
         for i, layer in enumerate(decoder_layers(model)):
             _wrap(layer, i, self.targets, switch, self, workspace)
-        fuse_shared_inputs(model, switch)
+        fuse_shared_inputs(model, switch, workspace)
 
 
-def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch) -> None:
+def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch, workspace: kernels.Workspace | None = None) -> None:
     """Group q/k/v and gate/up of every layer into `SharedInput`s on the kernel path.
 
     Projections not wrapped yet are wrapped dense (no sparsifier). A group forms only when its
-    members share one sparsifier (or none): a projection sparsified alone keeps its own GEMV.
+    members share one sparsifier (or none): a projection sparsified alone keeps its own GEMV. Where
+    the dense GEMV kernel takes decode rows (`kernels.dense_gemv_decode_rows`), the other
+    projections (o, down) are wrapped dense too, so that their decode rows reach it.
     """
     if not kernels.use_triton(next(model.parameters())):
         return  # the reference path keeps the model's own linears
+    alone = [t for t in PROJECTIONS if not any(t in group for group in SHARED_INPUT)]
     for i, layer in enumerate(decoder_layers(model)):
+        if kernels.dense_gemv_decode_rows():
+            _wrap(layer, i, [t for t in alone if not isinstance(_linear(layer, t), SparseLinear)], switch, None, workspace)
         for group in SHARED_INPUT:
-            _wrap(layer, i, [t for t in group if not isinstance(_linear(layer, t), SparseLinear)], switch, None)
+            _wrap(layer, i, [t for t in group if not isinstance(_linear(layer, t), SparseLinear)], switch, None, workspace)
             members = [_linear(layer, t) for t in group]
             same = all(m.sparsifier is members[0].sparsifier for m in members)
             if same and all(m.w_t is not None and m.group is None for m in members):
@@ -180,7 +185,8 @@ class SparseLinear(nn.Module):
     Where the sparse GEMV kernel runs (CUDA), the weight is stored input-major once, at wrap time:
     ``w_t [d_in, d_out]``, so each kept input feature is one contiguous row read. The linear's own
     weight becomes a transposed view of it (same values, no second copy; dense matmuls take either
-    layout).
+    layout). Its dense projection of up to ``dense_rows`` rows (`kernels.dense_gemv_decode_rows`,
+    read here) goes through the dense GEMV kernel, larger ones through the linear (cuBLAS).
     """
 
     def __init__(self, linear: nn.Linear, name: str, sparsifier: ProjectionSparsifier | None, switch: ProjectionSwitch,
@@ -196,6 +202,7 @@ class SparseLinear(nn.Module):
             w_t = linear.weight.detach().t().contiguous()  # no copy when the weight already is such a view
             linear.weight = nn.Parameter(w_t.t(), requires_grad=False)
         self.register_buffer("w_t", w_t, persistent=False)
+        self.dense_rows = kernels.dense_gemv_decode_rows() if w_t is not None else 0
         self.group: SharedInput | None = None
 
     def sparse_now(self) -> bool:
@@ -207,6 +214,8 @@ class SparseLinear(nn.Module):
             if self.group is not None:
                 y = self.group.output(self, x)
                 return y.view(*x.shape[:-1], y.shape[-1])
+            if self.w_t is not None and x.numel() <= self.dense_rows * x.shape[-1]:
+                return kernels.dense_gemv_t(x, self.w_t, self.linear.bias, workspace=self.workspace)
             return self.linear(x)
         if self.switch.recorder is not None:
             self.switch.recorder.record_projection(self.name, self.sparsifier.keep_mask(self.name, x))
@@ -250,6 +259,7 @@ class SharedInput:
             m.linear.weight = nn.Parameter(m.w_t.t(), requires_grad=False)
             m.group = self
             offset += n
+        self.dense_rows = members[0].dense_rows  # rows up to which the dense GEMM is the dense GEMV kernel
         self._input: Tensor | None = None
         self._outputs: tuple[Tensor, ...] = ()
         self._pending = 0
@@ -265,6 +275,8 @@ class SharedInput:
                 if y is None:  # the sparsifier cannot serve the group in one pass
                     return member.sparsifier.project(member.name, x2, member.w_t, member.linear.bias,
                                                      workspace=member.workspace)
+            elif x2.shape[0] <= self.dense_rows:
+                y = kernels.dense_gemv_t(x2, self.w_t, self.bias, workspace=self.members[0].workspace)
             else:
                 y = torch.nn.functional.linear(x2, self.w_t.t(), self.bias)
             self._input, self._outputs, self._pending = x, y.split(self.sizes, dim=-1), len(self.members)

@@ -69,14 +69,25 @@ class DenseGemvConfig(LaunchConfig):
     dot_from_rows: int = 2
     """Batch rows from which programs take row blocks through tl.dot; below, one program per row and
     output block (each row reads the weight: L2 may serve the repeats)."""
+    decode_rows: int = 0
+    """Batch rows up to which a Decoder's dense projections (those it wraps: q|k|v, o, gate|up,
+    down) go through this kernel instead of cuBLAS; 0: none. Read once per projection, when a
+    Decoder wraps it (`dense_gemv_decode_rows`), so a compiled step never reads it."""
 
     def __post_init__(self) -> None:
         powers_of_two(self, "num_warps", "sum_block", "block_b")
         powers_of_two(self, "block_n", "block_k", zero=True)
         at_least(self, 16, "tl.dot's size", "block_b")
         positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split", "dot_from_rows")
-        non_negative(self, "split")
+        non_negative(self, "split", "decode_rows")
         booleans(self, "fuse_epilogue")
+
+
+def dense_gemv_decode_rows() -> int:
+    """Batch rows up to which a Decoder's dense decode projections go through `dense_gemv_t` instead
+    of cuBLAS: the config in force's `DenseGemvConfig.decode_rows` (0 by default: cuBLAS
+    everywhere, until an end-to-end measurement says the kernel wins)."""
+    return current(DenseGemvConfig).decode_rows
 
 
 def row_block(rows: int, cfg: DenseGemvConfig) -> int:
@@ -192,4 +203,4 @@ def dense_gemv_t(x: Tensor, w_t: Tensor, bias: Tensor | None = None, *, workspac
     return y.view(*x.shape[:-1], w_t.shape[1])
 
 
-__all__ = ["DenseGemvConfig", "dense_gemv", "dense_gemv_config", "dense_gemv_t"]
+__all__ = ["DenseGemvConfig", "dense_gemv", "dense_gemv_config", "dense_gemv_decode_rows", "dense_gemv_t"]
