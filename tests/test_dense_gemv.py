@@ -214,8 +214,10 @@ def test_empty_batch_and_single_input():
 
 def test_config_by_shape():
     rule = dense_op.dense_gemv_config
-    o = rule(4096, 4096, 1, False)  # one row: 256 blocks of 16, 2 slices of 2048, fused
-    assert (o.block_n, o.block_k, o.split, o.fuse_epilogue) == (16, 256, 2, True)
+    o = rule(4096, 4096, 1, False)  # one row output-major: 256 blocks of 16 whole rows, 8 warps
+    assert (o.block_n, o.block_k, o.num_warps, o.split, o.fuse_epilogue) == (16, 512, 8, 1, False)
+    split_o = rule(4096, 4096, 1, True)  # input-major: split by the program target, 4 warps
+    assert (split_o.block_n, split_o.num_warps, split_o.split, split_o.fuse_epilogue) == (64, 4, 8, True)
     qkv = rule(4096, 6144, 1, True)  # 96 blocks of 64: 6 slices of 5.33 tiles -> 6 slices of 768
     assert (qkv.block_n, qkv.block_k, qkv.split) == (64, 128, 6)
     head = rule(4096, 128256, 1, False)  # 8016 blocks: no split
@@ -223,6 +225,7 @@ def test_config_by_shape():
     rows = rule(4096, 4096, 4, False)  # row blocks through tl.dot
     assert (rows.block_n, rows.block_k) == (64, 64)
     assert rule(20, 10, 1, False).block_k == 32  # tiles no wider than the inputs
+    assert rule(4096, 4096, 4, False).num_warps == 4
     with override(dense_gemv=DenseGemvConfig(block_n=8, block_k=8, split=5, fuse_epilogue=False)):
         assert (rule(4096, 64, 1, True).block_n, rule(4096, 64, 1, True).split) == (8, 5)
         assert (rule(4096, 64, 4, True).block_n, rule(4096, 64, 4, True).block_k) == (16, 16)  # tl.dot's size

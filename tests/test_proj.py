@@ -12,7 +12,7 @@ from tiny_models import padded_batch, tiny_model
 
 from policyzoo import Decoder, Threshold, TopK
 from policyzoo.kernels import sparse_linear
-from policyzoo.proj.base import SparseLinear, kept_features, topk_mask
+from policyzoo.proj.base import DenseDecodeLinear, SparseLinear, kept_features, topk_mask
 
 
 @settings(max_examples=50, deadline=None)
@@ -177,6 +177,29 @@ def test_shared_input_groups_compile_into_one_graph(monkeypatch, make):
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
+def test_dense_gemv_projections_compile_into_one_graph(monkeypatch):
+    # The routed dense projections (`DenseGemvConfig.decode_rows`) are custom ops to dynamo: one
+    # graph, no break, the eager tokens.
+    from torch._dynamo.utils import counters
+
+    from policyzoo.kernels import DenseGemvConfig
+    from policyzoo.kernels.config import override
+
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
+    model = tiny_model("llama")
+    ids, mask = padded_batch(2, 10)
+    with override(dense_gemv=DenseGemvConfig(decode_rows=2)):
+        expected = Decoder(copy.deepcopy(model)).generate(ids, 5, attention_mask=mask)
+        torch._dynamo.reset()
+        counters.clear()
+        dec = Decoder(model, compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = dec.generate(ids, 5, attention_mask=mask)
+    assert isinstance(model.model.layers[0].mlp.down_proj, DenseDecodeLinear)
+    assert torch.equal(out, expected)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+
+
 def test_threshold_compiles_into_one_graph_with_thresholds_made_at_install():
     """The thresholds are device tensors made when the Decoder installs the sparsifier: a compiled
     step that made them (as it did) loses them to the next CUDA-graph replay. Calibrating again
@@ -235,16 +258,21 @@ def test_dense_decode_rows_go_through_the_dense_gemv_kernel_where_the_config_say
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
     _, expected = _decode_logits(copy.deepcopy(model), ids, mask, make())
     rows = []
-    real = kernels.dense_gemv_t
-    monkeypatch.setattr(kernels, "dense_gemv_t", lambda x, *a, **k: rows.append(x.numel() // x.shape[-1]) or real(x, *a, **k))
+    for name in ("dense_gemv", "dense_gemv_t"):  # o and down in their own layout; the groups input-major
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda x, *a, real=real, **k: rows.append(x.numel() // x.shape[-1]) or real(x, *a, **k))
     with override(dense_gemv=DenseGemvConfig(decode_rows=4)):
         dec, got = _decode_logits(model, ids, mask, make())
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    assert isinstance(attn.o_proj, SparseLinear) and attn.o_proj.sparsifier is None and attn.o_proj.dense_rows == 4
-    assert attn.q_proj.group.dense_rows == 4 and mlp.down_proj.dense_rows == 4
+    assert isinstance(attn.o_proj, DenseDecodeLinear) and attn.o_proj.rows == 4
+    assert attn.o_proj.linear.weight.is_contiguous()  # not moved to the input-major layout
+    assert attn.q_proj.group.dense_rows == 4
+    assert isinstance(mlp.down_proj, SparseLinear if proj else DenseDecodeLinear)
     per_step = 2 * (4 if proj is None else 3)  # layers x (q|k|v, o, gate|up, down unless sparse)
     assert set(rows) == {3} and len(rows) == 3 * per_step  # the 3 decode steps' rows, never the prompt's
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    dec.detach()  # the model's own linears come back
+    assert type(attn.o_proj) is torch.nn.Linear and type(mlp.down_proj) is torch.nn.Linear
 
 
 def test_gated_dense_setting_uses_the_fused_gemm_and_threshold_keeps_its_own_selection(monkeypatch):

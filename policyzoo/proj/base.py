@@ -117,14 +117,19 @@ def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch, workspace: ke
     Projections not wrapped yet are wrapped dense (no sparsifier). A group forms only when its
     members share one sparsifier (or none): a projection sparsified alone keeps its own GEMV. Where
     the dense GEMV kernel takes decode rows (`kernels.dense_gemv_decode_rows`), the other
-    projections (o, down) are wrapped dense too, so that their decode rows reach it.
+    projections (o, down) not sparsified become `DenseDecodeLinear`s, so that their decode rows
+    reach it too.
     """
     if not kernels.use_triton(next(model.parameters())):
         return  # the reference path keeps the model's own linears
     alone = [t for t in PROJECTIONS if not any(t in group for group in SHARED_INPUT)]
+    rows = kernels.dense_gemv_decode_rows()
     for i, layer in enumerate(decoder_layers(model)):
-        if kernels.dense_gemv_decode_rows():
-            _wrap(layer, i, [t for t in alone if not isinstance(_linear(layer, t), SparseLinear)], switch, None, workspace)
+        for target in alone if rows else ():
+            parent_name, linear_name = PROJECTIONS[target]
+            linear = getattr(getattr(layer, parent_name), linear_name)
+            if not isinstance(linear, SparseLinear):
+                setattr(getattr(layer, parent_name), linear_name, DenseDecodeLinear(linear, rows, workspace))
         for group in SHARED_INPUT:
             _wrap(layer, i, [t for t in group if not isinstance(_linear(layer, t), SparseLinear)], switch, None, workspace)
             members = [_linear(layer, t) for t in group]
@@ -161,7 +166,7 @@ def _wrap(
         parent_name, linear_name = PROJECTIONS[target]
         parent = getattr(layer, parent_name)
         linear = getattr(parent, linear_name)
-        if isinstance(linear, SparseLinear):
+        if isinstance(linear, (SparseLinear, DenseDecodeLinear)):
             linear = linear.linear
         setattr(parent, linear_name, SparseLinear(linear, f"{i}.{target}", sparsifier, switch, workspace))
 
@@ -172,10 +177,29 @@ def uninstall(model: nn.Module) -> None:
         for parent_name, linear_name in PROJECTIONS.values():
             parent = getattr(layer, parent_name)
             linear = getattr(parent, linear_name)
-            if isinstance(linear, SparseLinear):
+            if isinstance(linear, DenseDecodeLinear):
+                setattr(parent, linear_name, linear.linear)
+            elif isinstance(linear, SparseLinear):
                 if not linear.linear.weight.is_contiguous():  # an input-major view made at wrap time
                     linear.linear.weight = nn.Parameter(linear.linear.weight.contiguous(), requires_grad=False)
                 setattr(parent, linear_name, linear.linear)
+
+
+class DenseDecodeLinear(nn.Module):
+    """A dense `nn.Linear` whose inputs of up to ``rows`` rows (decode) go through the dense GEMV
+    kernel (`kernels.dense_gemv`, over the weight in its own output-major layout), larger ones (a
+    prompt) through the linear itself (cuBLAS). ``workspace``: the kernels' scratch."""
+
+    def __init__(self, linear: nn.Linear, rows: int, workspace: kernels.Workspace | None = None) -> None:
+        super().__init__()
+        self.linear = linear
+        self.rows = rows
+        self.workspace = workspace
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() <= self.rows * x.shape[-1]:
+            return kernels.dense_gemv(x, self.linear.weight, self.linear.bias, workspace=self.workspace)
+        return self.linear(x)
 
 
 class SparseLinear(nn.Module):

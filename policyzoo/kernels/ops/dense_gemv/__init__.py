@@ -42,16 +42,16 @@ class DenseGemvConfig(LaunchConfig):
     """Outputs per program; 0: from the shapes (output-major: 16 for one row, 64 for row blocks;
     input-major: 64 for one row, 128 for row blocks)."""
     block_k: int = 0
-    """Input features per tile of a program's loop; 0: from the shapes (output-major: 256 for one
+    """Input features per tile of a program's loop; 0: from the shapes (output-major: 512 for one
     row, 64 for row blocks; input-major: 128 for one row, 32 for row blocks; never above d_in rounded
     up to a power of two, 16 at least)."""
-    num_warps: int = 4
-    """Warps per program."""
+    num_warps: int = 0
+    """Warps per program; 0: from the shapes (8 for one row output-major, else 4)."""
     num_stages: int = 3
     """Software pipelining of the tile loop."""
     split: int = 0
-    """Slices of the inputs per output block (split-K); 0: from the shapes (`target_programs`,
-    `min_tiles_per_split`)."""
+    """Slices of the inputs per output block (split-K); 0: from the shapes (one row output-major: no
+    split; else by `target_programs` and `min_tiles_per_split`)."""
     target_programs: int = 512
     """Programs that a split from the shapes aims at (about four per SM of an H200)."""
     min_tiles_per_split: int = 4
@@ -75,8 +75,8 @@ class DenseGemvConfig(LaunchConfig):
     Decoder wraps it (`dense_gemv_decode_rows`), so a compiled step never reads it."""
 
     def __post_init__(self) -> None:
-        powers_of_two(self, "num_warps", "sum_block", "block_b")
-        powers_of_two(self, "block_n", "block_k", zero=True)
+        powers_of_two(self, "sum_block", "block_b")
+        powers_of_two(self, "block_n", "block_k", "num_warps", zero=True)
         at_least(self, 16, "tl.dot's size", "block_b")
         positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split", "dot_from_rows")
         non_negative(self, "split", "decode_rows")
@@ -114,14 +114,19 @@ def dense_gemv_config(d_in: int, d_out: int, rows: int, input_major: bool) -> De
 def _choose(cfg: DenseGemvConfig, d_in: int, d_out: int, rows: int, input_major: bool) -> DenseGemvConfig:
     block_b = row_block(rows, cfg)
     dot = block_b > 1
+    # One row output-major: narrow blocks of long rows, 8 warps, no split, the fastest config of the
+    # o, down and LM head shapes in `benchmarks.gemv_dense` on the H100 and the H200 alike.
+    row_reader = not dot and not input_major
     if not cfg.block_n:
         cfg = dataclasses.replace(cfg, block_n=(128 if dot else 64) if input_major else (64 if dot else 16))
     if not cfg.block_k:
-        block_k = (32 if dot else 128) if input_major else (64 if dot else 256)
+        block_k = (32 if dot else 128) if input_major else (64 if dot else 512)
         cfg = dataclasses.replace(cfg, block_k=min(block_k, max(16, next_power_of_2(d_in))))
+    if not cfg.num_warps:
+        cfg = dataclasses.replace(cfg, num_warps=8 if row_reader else 4)
     if dot:
         cfg = dataclasses.replace(cfg, block_n=max(cfg.block_n, 16), block_k=max(cfg.block_k, 16))
-    split = cfg.split
+    split = cfg.split or (1 if row_reader else 0)
     if split == 0:
         programs = cdiv(d_out, cfg.block_n) * cdiv(max(rows, 1), block_b)
         split = max(1, min(cdiv(cfg.target_programs, programs), d_in // (cfg.min_tiles_per_split * cfg.block_k)))
