@@ -152,3 +152,24 @@ def test_sparse_gemv(benchmark, impl, kind):
     args = (x, sparsity, w_t, None)
     got = benchmark(timed(reference if impl == "reference" else kernel), *args)
     close(got.float(), reference(*args).float(), dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["output_major", "input_major"])
+def test_dense_gemv(benchmark, impl, layout):
+    """The dense GEMV of a decode row (the down projection's shape on CUDA) against cuBLAS (its
+    reference, `F.linear`), in nn.Linear's layout and input-major."""
+    b, d_in, d_out, _ = GEMV
+    d_in, d_out = d_out, d_in  # the down projection: many inputs, fewer outputs
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(b, d_in, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(d_out, d_in, generator=g) * d_in**-0.5).to(dtype).to(DEVICE)
+    benchmark.group = f"dense_gemv {layout}"
+    if layout == "output_major":
+        reference, kernel, weight = ref.dense_gemv, kernels.dense_gemv.triton, w
+    else:
+        reference, kernel, weight = ref.dense_gemv_t, kernels.dense_gemv_t.triton, w.t().contiguous()
+    args = (x, weight, None)
+    got = benchmark(timed(reference if impl == "reference" else functools.partial(kernel, workspace=WORKSPACE)), *args)
+    close(got.float(), reference(*args).float(), dtype)
