@@ -28,6 +28,9 @@ correct config of each case is printed last::
 
     python -m benchmarks.select_bench --tune --contexts 4096,32768,131072
 
+With ``--breakdown`` it times the fused selections stopped after each of their steps (scoring,
+histogram tally, arrival, the last program's choice), to say which step a target waits on.
+
 Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interpreter when
 ``TRITON_INTERPRET=1 POLICYZOO_TRITON=1`` are set, eager, wall-clock timings that mean nothing).
 """
@@ -35,6 +38,7 @@ Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -259,12 +263,76 @@ def tune_context(n: int, rows: list[dict]) -> None:
     _tune(rows, "attention, box selection", n, AttentionConfig, ATTENTION_GRID, attention(box), close)
 
 
+FINISH_GRID = [dict(finish="launch", finish_warps=w) for w in (4, 8, 16, 32)] + [
+    dict(finish="split", finish_block=b, num_warps=w) for b in (256, 512, 1024) for w in (4, 8)]
+STAGE_NAMES = {1: "score and store the keys", 2: "+ the histogram tally", 3: "+ the arrival counter",
+               4: "+ the last program's choice (the op)"}
+
+
+def breakdown_context(n: int, rows: list[dict]) -> None:
+    """Where the fused selection's time goes at context ``n``: each launch of the box selection
+    (`kernels.select_pages`) and of the selection from given scores (`kernels.select_scores`) stopped
+    after each of its steps (the kernels' ``STAGES``). Stages 2 and 3 leave the histograms dirty, so
+    their timed call zeroes the workspace first; the zeroing alone is timed too and subtracted."""
+    from policyzoo.kernels.ops.quest_page_bound import page_score_config
+    from policyzoo.kernels.ops.select_top import tiles
+
+    if not select_op.HAS_TRITON or not kernels.select_pages_takes(math.ceil(n / PAGE)):
+        print(f"breakdown n={n}: no fused kernel here (Triton: {select_op.HAS_TRITON})", flush=True)
+        return
+    kernel = select_op.kernel
+    dev = common.DEVICE
+    cache = filled_cache(n)
+    state = KVState(cache, 0, D**-0.5, workspace=kernels.Workspace(dev))
+    q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+    box = policies()["quest0.1"]().select(state, q)
+    page_min, page_max = cache.page_min[0], cache.page_max[0]
+    n_pages = page_min.shape[2]
+    scores = kernels.quest_page_bound_grouped(q, page_min, page_max, state.scale)
+    forced = torch.zeros_like(scores, dtype=torch.bool)
+    forced[..., -1] = True
+    count = box.count.clone()
+    scratch = torch.zeros(kernel.workspace_entries(H_KV), dtype=torch.int32, device=dev)
+    cfg = select_op.select_pages_config(n_pages)
+
+    def pages(stages: int, cfg=cfg):
+        return kernel.select_pages(q, page_min, page_max, cache.start, cache.length, state.scale, box.k_max, count,
+                                   PAGE, 0, 0, 0.0, 0, scratch, cfg, page_score_config(D), tiles(n_pages), stages)
+
+    def given(stages: int, cfg=cfg):
+        return kernel.select_scores(scores, forced, count, box.k_max, scratch, cfg, tiles(n_pages), stages)
+
+    zero_us = time_us(scratch.zero_)
+    rows.append({"section": "breakdown", "context": n, "case": "zero the workspace", "us": zero_us})
+    for case, launch in (("box selection", pages), ("selection from given scores", given)):
+        for stages, what in STAGE_NAMES.items():
+            dirty = stages in (2, 3)
+            us = time_us((lambda s=stages: (scratch.zero_(), launch(s))) if dirty else (lambda s=stages: launch(s)))
+            net = us - zero_us if dirty else us
+            rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
+                         "us": net, "us_with_zeroing": us if dirty else None})
+            print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us", flush=True)
+        scratch.zero_()
+        want = launch(4)
+        for fields in FINISH_GRID:
+            other = dataclasses.replace(cfg, **fields)
+            got = launch(4, other)
+            same = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+            us = time_us(lambda c=other: launch(4, c))
+            label = " ".join(f"{k}={v}" for k, v in fields.items())
+            rows.append({"section": "breakdown", "context": n, "case": case, "stages": 4, "what": label, "us": us,
+                         "correct": same})
+            print(f"breakdown n={n:>7} {case:<28} 4: {label:<38} {us:7.1f} us{'' if same else ' WRONG'}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default=None, help="comma-separated contexts (default 32768,131072; --tiny: 256)")
     p.add_argument("--policies", default=",".join(policies()), help=f"of: {', '.join(policies())}")
     p.add_argument("--tiny", action="store_true", help="toy contexts (a CPU smoke test)")
     p.add_argument("--tune", action="store_true", help="time launch-parameter grids instead (see the module doc)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time the fused selections stopped after each of their steps instead (see breakdown_context)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (TINY_CONTEXTS if args.tiny else CONTEXTS)
@@ -276,7 +344,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta = {"device": torch.cuda.get_device_name() if common.DEVICE == "cuda" else "cpu", "torch": torch.__version__,
             "source": common.source_digest(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for n in contexts:
-        if args.tune:
+        if args.breakdown:
+            breakdown_context(n, rows)
+        elif args.tune:
             tune_context(n, rows)
         else:
             bench_context(n, names, rows)

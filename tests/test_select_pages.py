@@ -12,6 +12,8 @@ and on the kernels' path. Without a GPU the kernels run in Triton's interpreter 
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import sys
 
@@ -89,6 +91,13 @@ def assert_same(got, want, what=""):
 
 
 # ------------------------------------------------------------------------------ select_scores
+def finishes():
+    """Who chooses a row after its tally (`SelectPagesConfig.finish`), with the sizes of a second
+    launch: one program a row, or blocks of 16 or 64 entries (several programs a row)."""
+    return st.sampled_from([{}, dict(finish="launch", finish_warps=4), dict(finish="split", finish_block=16),
+                            dict(finish="split", finish_block=64)])
+
+
 @st.composite
 def score_rows(draw):
     """``(scores, forced, count, k_max)`` on the kernel's device: ties (frequent after the bf16
@@ -115,13 +124,13 @@ def score_rows(draw):
 @here
 @SETTINGS
 @given(rows=score_rows(), block_n=st.sampled_from([16, 64, 512]), group=st.sampled_from([4, 32]),
-       workspace=st.booleans())
-def test_select_scores_matches_the_reference(rows, block_n, group, workspace):
+       workspace=st.booleans(), finish=finishes())
+def test_select_scores_matches_the_reference(rows, block_n, group, workspace, finish):
     """The same indices and counts as the steps' specification, over one or several programs per
-    row (the last one to arrive selects); the workspace is zero again after each call."""
+    row, whoever finishes the choice; the workspace is zero again after each call."""
     scores, forced, count, k_max = rows
     want = ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max)
-    with override(select_pages=SelectPagesConfig(block_n=block_n, group=group)), poisoned():
+    with override(select_pages=SelectPagesConfig(block_n=block_n, group=group, **finish)), poisoned():
         got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE if workspace else None)
     assert got[0].shape == (*scores.shape[:2], k_max) and got[0].dtype == torch.int32 and got[1].dtype == torch.int32
     assert_same(got, want)
@@ -137,12 +146,11 @@ def test_select_scores_rows_of_bf16_patterns():
     scores = torch.stack([vals, torch.full_like(vals, 3.0)])[None].to(DEVICE)
     forced = torch.zeros(1, vals.numel(), dtype=torch.bool, device=DEVICE)
     forced[0, 9] = True
-    for k_max in (1, 4, 9, 17):
-        for c in (0, 1, 3, 8, 17):
-            count = torch.tensor([c], device=DEVICE)
-            with override(select_pages=SelectPagesConfig(block_n=16, group=4)), poisoned():
-                got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
-            assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"k_max={k_max} count={c}")
+    for k_max, c, finish in itertools.product((1, 4, 9, 17), (0, 1, 3, 8, 17), ("last", "launch", "split")):
+        count = torch.tensor([c], device=DEVICE)
+        with override(select_pages=SelectPagesConfig(block_n=16, group=4, finish=finish, finish_block=16)), poisoned():
+            got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
+        assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"{k_max=} {c=} {finish=}")
     assert workspace_is_zero()
 
 
@@ -191,20 +199,21 @@ def steps_of(args, scale, k_max, count, opts):
 
 @here
 @SETTINGS
-@given(rows=page_rows(), block_p=st.sampled_from([16, 64]), group=st.sampled_from([8, 32]))
+@given(rows=page_rows(), block_p=st.sampled_from([16, 64]), group=st.sampled_from([8, 32]), finish=finishes())
 @example(  # a keep ratio that lands on a whole count: 30 visible pages at 0.1 keep 3 (float64 rule, not fp32)
     rows=([torch.randn(1, 2, 32), torch.randn(1, 1, 30, 32), torch.randn(1, 1, 30, 32) + 3,
            torch.tensor([0]), torch.tensor(480)], 32**-0.5, 12, None,
           dict(page_size=16, sinks=0, window=0, ratio=0.1, pages=0)),
-    block_p=16, group=8,
+    block_p=16, group=8, finish=dict(finish="split", finish_block=16),
 )
-def test_select_pages_matches_the_steps(rows, block_p, group):
-    """The same pages and counts as the grouped bound's kernel followed by the steps' reference."""
+def test_select_pages_matches_the_steps(rows, block_p, group, finish):
+    """The same pages and counts as the grouped bound's kernel followed by the steps' reference,
+    whoever finishes the choice."""
     args, scale, k_max, count, opts = rows
     args = [a.to(DEVICE) for a in args]
     with override(page_score=PageScoreConfig(block_p=block_p)):
         want = steps_of(args, scale, k_max, count, opts)
-        with override(select_pages=SelectPagesConfig(block_p=block_p, group=group)), poisoned():
+        with override(select_pages=SelectPagesConfig(block_p=block_p, group=group, **finish)), poisoned():
             got = kernels.select_pages.triton(*args, scale, k_max, count, **opts, workspace=WORKSPACE)
     assert_same(got, want)
     assert workspace_is_zero()

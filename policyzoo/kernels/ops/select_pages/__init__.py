@@ -38,6 +38,9 @@ MAX_ROW = MAX_BLOCK_N
 MAX_SCORES_ROW = 2048
 
 
+FINISHES = ("last", "launch", "split")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SelectPagesConfig(LaunchConfig):
     """Launch parameters of the fused selection. A program scores ``block_p`` pages (or converts
@@ -56,9 +59,20 @@ class SelectPagesConfig(LaunchConfig):
     distinct bin of a group)."""
     num_warps: int = 4
     """Warps per program."""
+    finish: str = "last"
+    """Who chooses a row once its keys are tallied: ``"last"``, the row's last scoring program (one
+    launch, with the scoring's warps); ``"launch"``, a second launch of one program per row with
+    `finish_warps` warps; ``"split"``, a second launch of `finish_block` entries per program, each
+    finding the row's threshold itself and writing its own entries."""
+    finish_warps: int = 16
+    """Warps of a ``"launch"`` finish."""
+    finish_block: int = 512
+    """Entries per program of a ``"split"`` finish."""
 
     def __post_init__(self) -> None:
-        powers_of_two(self, "block_p", "block_n", "group", "num_warps")
+        powers_of_two(self, "block_p", "block_n", "group", "num_warps", "finish_warps", "finish_block")
+        if self.finish not in FINISHES:
+            raise ValueError(f"finish must be one of {FINISHES}, got {self.finish!r}")
 
 
 def select_pages_config(n: int) -> SelectPagesConfig:

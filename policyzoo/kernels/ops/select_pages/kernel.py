@@ -25,6 +25,10 @@ score the pages also prepare the selection, and the last one of each row to fini
    every key above the threshold, and the first keys equal to it while fewer than wanted came
    before). It zeroes the histogram and the counters again, so the workspace is zero between launches.
 
+A launch's ``STAGES`` (4, all of them, unless a probe asks) stop each program after step 1 (1), 2 (2)
+or its arrival (3): the breakdown probe (`benchmarks.select_bench --breakdown`) times each step so.
+Only 4 selects, and 2-3 leave the workspace dirty.
+
 Ties therefore go to the lowest position, as in `select_top`, and the kept count is
 ``min(max(count, forced), k_max, valid)`` as in `kv.choose.choose_topk`. A row is held in registers by
 its last program as a power-of-two tile and a smaller tail (`select_top.tiles`), so rows of up to
@@ -104,27 +108,62 @@ def _row_keys(keys_row, offs, n):
 
 
 @triton.jit
-def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max,
-            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr):
-    """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
-    ascending order and zeros after them; the row's histogram and counters back to zero."""
+def _row_count(cnt_ptr, s_cb, s_ch, b, kv, start_ptr, len_ptr, n_pages, page, ratio_bits, fixed,
+               COUNT: tl.constexpr):
+    """The entries row ``(b, kv)`` wants (int64): given per row or per KV head (``COUNT`` 1), a keep
+    ratio of its visible pages (2, in float64 as `kv.Budget.count`) or a fixed number (0)."""
+    if COUNT == 1:
+        count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
+    elif COUNT == 2:
+        start = tl.load(start_ptr + b)
+        length = tl.load(len_ptr)
+        n_visible = tl.minimum(tl.cdiv(length, page), n_pages) - start // page
+        n_visible = tl.where(length > start, n_visible, 0)
+        ratio = ratio_bits.to(tl.float64, bitcast=True)
+        count = tl.ceil(n_visible.to(tl.float64) * ratio - tl.full((), 1e-9, tl.float64)).to(tl.int64)
+    else:
+        count = tl.full((), 0, tl.int64) + fixed
+    return count
+
+
+@triton.jit
+def _top_bin(hist_row, ctr_row, count, k_max, NB: tl.constexpr):
+    """From a row's finished histogram and forced count: ``(kept, w, top, n_above)``, the entries it
+    keeps (``min(max(count, forced), k_max, valid)``), the same at least 1 (kept 0 selects nothing,
+    which `_emit` masks; the search needs a key), the bin of the ``w``-th largest key (the highest bin
+    with at least ``w`` keys at or above it) and the keys in the bins above it."""
     bins = tl.arange(0, NB)
     h = tl.load(hist_row + bins, cache_modifier=".cg")
     n_valid = tl.sum(h, 0)
     n_forced = tl.load(ctr_row + 1, cache_modifier=".cg")
     want = tl.minimum(tl.maximum(count, n_forced.to(tl.int64)), k_max)
     kept = tl.minimum(want, n_valid.to(tl.int64)).to(tl.int32)
-    tl.store(kept_ptr + row, kept)
-    offs = tl.arange(0, ROW_BLOCK)
-    for p0 in range(0, k_max, ROW_BLOCK):  # padding: positions kept..k_max-1 hold 0
-        p = p0 + offs
-        tl.store(idx_row + p, tl.zeros((ROW_BLOCK,), tl.int32), mask=(p < k_max) & (p >= kept))
-
-    # The bin of the kept-th largest key: the highest bin with at least that many keys at or above it.
-    w = tl.maximum(kept, 1)  # kept 0 selects nothing (`_emit` masks it); the search needs a key
+    w = tl.maximum(kept, 1)
     at_or_above = n_valid - tl.cumsum(h, 0) + h
     top = tl.max(tl.where(at_or_above >= w, bins, -1), 0)
     n_above = tl.sum(tl.where(bins > top, h, 0), 0)
+    return kept, w, top, n_above
+
+
+@triton.jit
+def _pad(idx_row, kept, k_max, first, step, BLOCK: tl.constexpr):
+    """Zeros at positions ``kept .. k_max-1`` of a row's indices, blocks ``first, first + step, ...``."""
+    offs = tl.arange(0, BLOCK)
+    for p0 in range(first * BLOCK, k_max, step * BLOCK):
+        p = p0 + offs
+        tl.store(idx_row + p, tl.zeros((BLOCK,), tl.int32), mask=(p < k_max) & (p >= kept))
+
+
+@triton.jit
+def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max,
+            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr):
+    """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
+    ascending order and zeros after them; the row's histogram and counters back to zero."""
+    bins = tl.arange(0, NB)
+    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
+    tl.store(kept_ptr + row, kept)
+    offs = tl.arange(0, ROW_BLOCK)
+    _pad(idx_row, kept, k_max, 0, 1, ROW_BLOCK)
     # Its 16 keys: halve them over the row's keys, held in registers.
     offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
     key = _row_keys(keys_row, offs, n)
@@ -169,7 +208,7 @@ def _select_pages_kernel(
     n_pages, k_max, scale, page, sinks, window, ratio_bits, fixed, ctr_offset,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr,
-    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
+    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = 4,
 ):
     pid_p = tl.program_id(0)
     kv = tl.program_id(1)
@@ -197,19 +236,16 @@ def _select_pages_kernel(
     tl.store(keys_row + offs_p, key.to(tl.int16), mask=p_mask)
     hist_row = ws_ptr + row * NB
     ctr_row = ws_ptr + ctr_offset + row * 2
-    _tally(key, forced, hist_row, ctr_row, BLOCK_P, GROUP, LOW)
-    if _arrive(ctr_row):
-        if COUNT == 1:  # given per row or per KV head
-            count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
-        elif COUNT == 2:  # a keep ratio of the visible pages, in float64 as `kv.Budget.count`
-            n_visible = tl.minimum(tl.cdiv(length, page), n_pages) - start // page
-            n_visible = tl.where(length > start, n_visible, 0)
-            ratio = ratio_bits.to(tl.float64, bitcast=True)
-            count = tl.ceil(n_visible.to(tl.float64) * ratio - tl.full((), 1e-9, tl.float64)).to(tl.int64)
-        else:
-            count = tl.full((), 0, tl.int64) + fixed
-        _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n_pages, k_max,
-                NB, LOW, ROW_BLOCK, ROW_TAIL)
+    if STAGES >= 2:
+        _tally(key, forced, hist_row, ctr_row, BLOCK_P, GROUP, LOW)
+    if STAGES >= 3:
+        last = _arrive(ctr_row)
+        if STAGES >= 4:
+            if last:
+                count = _row_count(cnt_ptr, s_cb, s_ch, b, kv, start_ptr, len_ptr, n_pages, page, ratio_bits, fixed,
+                                   COUNT)
+                _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n_pages,
+                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL)
 
 
 @triton.jit
@@ -218,7 +254,7 @@ def _select_scores_kernel(
     s_sb, s_sh, s_fb, s_fh, s_cb, s_ch,
     n, k_max, ctr_offset,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = 4,
 ):
     pid = tl.program_id(0)
     kv = tl.program_id(1)
@@ -235,11 +271,88 @@ def _select_scores_kernel(
     tl.store(keys_row + offs, key.to(tl.int16), mask=inside)
     hist_row = ws_ptr + row * NB
     ctr_row = ws_ptr + ctr_offset + row * 2
-    _tally(key, forced, hist_row, ctr_row, BLOCK, GROUP, LOW)
+    if STAGES >= 2:
+        _tally(key, forced, hist_row, ctr_row, BLOCK, GROUP, LOW)
+    if STAGES >= 3:
+        last = _arrive(ctr_row)
+        if STAGES >= 4:
+            if last:
+                count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
+                _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n, k_max,
+                        NB, LOW, ROW_BLOCK, ROW_TAIL)
+
+
+@triton.jit
+def _finish_kernel(
+    keys_ptr, ws_ptr, cnt_ptr, start_ptr, len_ptr, idx_ptr, kept_ptr,
+    s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, ctr_offset,
+    COUNT: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
+):
+    """The choice as a second launch, one program per row (grid ``(rows,)``): `_finish`, with warps
+    of its own instead of the scoring programs'."""
+    row = tl.program_id(0)
+    hist_row = ws_ptr + row * NB
+    ctr_row = ws_ptr + ctr_offset + row * 2
+    count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
+                       COUNT)
+    _finish(keys_ptr + row.to(tl.int64) * n, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row,
+            count, n, k_max, NB, LOW, ROW_BLOCK, ROW_TAIL)
+
+
+@triton.jit
+def _split_finish_kernel(
+    keys_ptr, ws_ptr, cnt_ptr, start_ptr, len_ptr, idx_ptr, kept_ptr,
+    s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, ctr_offset,
+    COUNT: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The choice as a second launch, ``BLOCK`` entries of a row per program (grid ``(cdiv(n, BLOCK),
+    rows)``). Each program finds the row's threshold key itself: the top bin from the histogram, then
+    that bin's 16 keys counted over the row's keys; the same scan counts the kept keys before its
+    block, so it writes its own entries' output positions (`_emit`) without waiting for the others.
+    The row's last program to have read the histogram zeroes it and the counters."""
+    e = tl.program_id(0)
+    row = tl.program_id(1)
+    hist_row = ws_ptr + row * NB
+    ctr_row = ws_ptr + ctr_offset + row * 2
+    count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
+                       COUNT)
+    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
     if _arrive(ctr_row):
-        count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
-        _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n, k_max,
-                NB, LOW, ROW_BLOCK, ROW_TAIL)
+        tl.store(hist_row + tl.arange(0, NB), tl.zeros((NB,), tl.int32))
+        tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+
+    keys_row = keys_ptr + row.to(tl.int64) * n
+    first_key = top * (1 << LOW) - 32768
+    subs = tl.arange(0, 1 << LOW)
+    offs = tl.arange(0, BLOCK)
+    begin = e * BLOCK
+    row_sub = tl.zeros((1 << LOW,), tl.int32)  # the top bin's keys of the row, by their low bits
+    before_sub = tl.zeros((1 << LOW,), tl.int32)  # the same before this program's block
+    before_above = tl.zeros((), tl.int32)  # keys above the top bin before this program's block
+    for c0 in range(0, n, BLOCK):
+        key = _row_keys(keys_row, c0 + offs, n)
+        low = key - first_key
+        in_bin = (low >= 0) & (low < (1 << LOW)) & (key != -32768)
+        tally = tl.sum(((low[:, None] == subs[None, :]) & in_bin[:, None]).to(tl.int32), 0)
+        row_sub += tally
+        earlier = c0 < begin
+        before_sub += tl.where(earlier, tally, 0)
+        n_up = tl.sum(((low >= (1 << LOW)) & (key != -32768)).to(tl.int32), 0)
+        before_above += tl.where(earlier, n_up, 0)
+    # The kept-th largest key: the highest low part with at least `w - n_above` keys at or above it.
+    at_or_above = tl.sum(row_sub, 0) - tl.cumsum(row_sub, 0) + row_sub
+    t_low = tl.max(tl.where(at_or_above >= w - n_above, subs, -1), 0)
+    t = first_key + t_low
+    wanted = kept - (n_above + tl.sum(tl.where(subs > t_low, row_sub, 0), 0))  # keys equal to t to keep
+    above = before_above + tl.sum(tl.where(subs > t_low, before_sub, 0), 0)
+    inside = tl.sum(tl.where(subs == t_low, before_sub, 0), 0)
+    idx_row = idx_ptr + row.to(tl.int64) * k_max
+    mine = begin + offs
+    key = _row_keys(keys_row, mine, n)
+    _emit(idx_row, key, mine, key != -32768, t, t + 1, wanted, above, inside, kept)
+    _pad(idx_row, kept, k_max, e, tl.num_programs(0), BLOCK)
+    if e == 0:
+        tl.store(kept_ptr + row, kept)
 
 
 def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, int]:
@@ -258,10 +371,11 @@ def _ratio_bits(ratio: float) -> int:
 
 def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
                  k_max: int, count: Tensor | None, page_size: int, sinks: int, window: int, ratio: float, pages: int,
-                 scratch: Tensor, cfg, bound_cfg, tiles: tuple[int, int]) -> tuple[Tensor, Tensor]:
+                 scratch: Tensor, cfg, bound_cfg, tiles: tuple[int, int], stages: int = 4) -> tuple[Tensor, Tensor]:
     """Launch the box selection (`reference.select_pages`) with ``cfg`` (a `SelectPagesConfig`), the
     bound's method from ``bound_cfg`` (the `PageScoreConfig` of the grouped bound), ``scratch`` the
-    zeroed int32 workspace (`workspace_entries`) and ``tiles`` the row's register tiles."""
+    zeroed int32 workspace (`workspace_entries`) and ``tiles`` the row's register tiles. ``stages`` < 4
+    stops each program early, for the breakdown probe (`STAGES`): no selection is made then."""
     route.check_device(q)
     b, h, d = q.shape
     _, h_kv, n_pages, _ = page_min.shape
@@ -276,25 +390,51 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
     dot = bound_cfg.method == "dot"
     block_p = max(16, cfg.block_p) if dot else cfg.block_p
     grid = (triton.cdiv(n_pages, block_p), h_kv, b)
+    ratio_bits = _ratio_bits(ratio)
     _select_pages_kernel[grid](
         q, page_min, page_max, start, length, count if count is not None else kept, keys, scratch, idx, kept,
         q.stride(0), q.stride(1),
         page_min.stride(0), page_min.stride(1), page_min.stride(2),
         page_max.stride(0), page_max.stride(1), page_max.stride(2), s_cb, s_ch,
-        n_pages, k_max, float(scale), page_size, sinks, max(window, 1), _ratio_bits(ratio), pages,
+        n_pages, k_max, float(scale), page_size, sinks, max(window, 1), ratio_bits, pages,
         rows * HIST_BINS,
         G=h // h_kv, G_PAD=max(16, triton.next_power_of_2(h // h_kv)), D=d, D_PAD=triton.next_power_of_2(d),
         BLOCK_P=block_p, DOT=dot,
         # As the grouped bound's launch: fp32 dots where a dtype is fp32 or differs, and under the interpreter.
         IEEE=route.INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32,
         COUNT=mode, GROUP=min(block_p, cfg.group), NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
-        num_warps=cfg.num_warps,
+        STAGES=_first_stages(cfg, stages), num_warps=cfg.num_warps,
     )
+    if cfg.finish != "last" and stages >= 4:
+        _launch_finish(keys, scratch, count, s_cb, s_ch, start, length, idx, kept, h_kv, n_pages, k_max, page_size,
+                       ratio_bits, pages, mode, cfg, tiles)
     return idx, kept
 
 
+def _first_stages(cfg, stages: int) -> int:
+    """The scoring launch's `STAGES`: all of them where its last program chooses, else up to the tally."""
+    return stages if cfg.finish == "last" else min(stages, 2)
+
+
+def _launch_finish(keys: Tensor, scratch: Tensor, count: Tensor | None, s_cb: int, s_ch: int, start: Tensor,
+                   length: Tensor, idx: Tensor, kept: Tensor, h_kv: int, n: int, k_max: int, page: int,
+                   ratio_bits: int, fixed: int, mode: int, cfg, tiles: tuple[int, int]) -> None:
+    """The choice of rows whose keys and histograms are made, as a second launch (``cfg.finish``)."""
+    rows = kept.numel()
+    args = (keys, scratch, count if count is not None else kept, start, length, idx, kept,
+            s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, rows * HIST_BINS)
+    if cfg.finish == "launch":
+        block, tail = tiles
+        _finish_kernel[(rows,)](*args, COUNT=mode, NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
+                                num_warps=cfg.finish_warps)
+    else:
+        block = min(cfg.finish_block, triton.next_power_of_2(n))
+        _split_finish_kernel[(triton.cdiv(n, block), rows)](*args, COUNT=mode, NB=HIST_BINS, LOW=LOW_BITS, BLOCK=block,
+                                                            num_warps=cfg.num_warps)
+
+
 def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scratch: Tensor, cfg,
-                  tiles: tuple[int, int]) -> tuple[Tensor, Tensor]:
+                  tiles: tuple[int, int], stages: int = 4) -> tuple[Tensor, Tensor]:
     """Launch the selection from given scores (`reference.select_scores`); as `select_pages`."""
     route.check_device(scores)
     b, h_kv, n = scores.shape
@@ -313,8 +453,11 @@ def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scr
         scores.stride(0), scores.stride(1), s_fb, s_fh, s_cb, s_ch,
         n, k_max, b * h_kv * HIST_BINS,
         BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
-        ROW_BLOCK=block, ROW_TAIL=tail, num_warps=cfg.num_warps,
+        ROW_BLOCK=block, ROW_TAIL=tail, STAGES=_first_stages(cfg, stages), num_warps=cfg.num_warps,
     )
+    if cfg.finish != "last" and stages >= 4:
+        _launch_finish(keys, scratch, count, s_cb, s_ch, kept, kept, idx, kept, h_kv, n, k_max, 1, 0, 0, 1, cfg,
+                       tiles)
     return idx, kept
 
 
