@@ -15,17 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
+from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
 
-if torch.cuda.is_available():
-    MODE = "cuda"  # test the compiled kernel
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    MODE = "interpret"  # set before the process started (or by conftest)
-elif "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-    MODE = "interpret"
-else:
-    MODE = "subprocess"  # triton loaded in compiled mode: interpreted kernels cannot run in this process
+import torch  # noqa: E402
 
 import math  # noqa: E402
 import subprocess  # noqa: E402

@@ -17,17 +17,9 @@ import itertools
 import os
 import sys
 
-import torch
+from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
 
-if torch.cuda.is_available():
-    MODE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    MODE = "interpret"
-elif "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-    MODE = "interpret"
-else:
-    MODE = "subprocess"
+import torch  # noqa: E402
 
 import subprocess  # noqa: E402
 from contextlib import ExitStack, contextmanager  # noqa: E402
