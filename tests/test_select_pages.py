@@ -86,8 +86,9 @@ def assert_same(got, want, what=""):
 def finishes():
     """Who chooses a row after its tally (`SelectPagesConfig.finish`), with the sizes of a second
     launch: one program a row, or blocks of 16 or 64 entries (several programs a row)."""
-    return st.sampled_from([{}, dict(finish="launch", finish_warps=4), dict(finish="split", finish_block=16),
-                            dict(finish="split", finish_block=64)])
+    return st.sampled_from([{}, dict(finish="launch", finish_warps=4, finish_min_row=0),
+                            dict(finish="split", finish_block=16, finish_min_row=0),
+                            dict(finish="split", finish_block=64, finish_min_row=0)])
 
 
 @st.composite
@@ -140,7 +141,7 @@ def test_select_scores_rows_of_bf16_patterns():
     forced[0, 9] = True
     for k_max, c, finish in itertools.product((1, 4, 9, 17), (0, 1, 3, 8, 17), ("last", "launch", "split")):
         count = torch.tensor([c], device=DEVICE)
-        with override(select_pages=SelectPagesConfig(block_n=16, group=4, finish=finish, finish_block=16)), poisoned():
+        with override(select_pages=SelectPagesConfig(block_n=16, group=4, finish=finish, finish_block=16, finish_min_row=0)), poisoned():
             got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
         assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"{k_max=} {c=} {finish=}")
     assert workspace_is_zero()
@@ -196,7 +197,7 @@ def steps_of(args, scale, k_max, count, opts):
     rows=([torch.randn(1, 2, 32), torch.randn(1, 1, 30, 32), torch.randn(1, 1, 30, 32) + 3,
            torch.tensor([0]), torch.tensor(480)], 32**-0.5, 12, None,
           dict(page_size=16, sinks=0, window=0, ratio=0.1, pages=0)),
-    block_p=16, group=8, finish=dict(finish="split", finish_block=16),
+    block_p=16, group=8, finish=dict(finish="split", finish_block=16, finish_min_row=0),
 )
 def test_select_pages_matches_the_steps(rows, block_p, group, finish):
     """The same pages and counts as the grouped bound's kernel followed by the steps' reference,
@@ -337,3 +338,13 @@ def test_policies_choose_what_their_steps_choose(data, cases, name, kernels_path
     assert torch.equal(got.indices[valid], want.indices[valid]), name
     if want.log_weight is not None:
         torch.testing.assert_close(got.log_weight, want.log_weight)
+
+
+def test_short_rows_are_finished_by_their_last_program():
+    """A second launch (`SelectPagesConfig.finish`) is for rows of `finish_min_row` entries and more;
+    shorter rows keep the one launch, and a bad finish is refused by name."""
+    with override(select_pages=SelectPagesConfig(finish="split", finish_min_row=1024)):
+        assert select_op.select_pages_config(1023).finish == "last"
+        assert select_op.select_pages_config(1024).finish == "split"
+    with pytest.raises(ValueError, match="finish must be one of"):
+        SelectPagesConfig(finish="first")
