@@ -43,3 +43,18 @@ def test_select_bench_tune_runs_on_cpu(tmp_path):
     timed = [r for r in rows if "correct" in r]
     assert timed and all(r["correct"] and r["us"] > 0 for r in timed)  # every config chose what the default chose
     assert sum(r["config"].startswith("best: ") for r in rows) == 3
+
+
+def test_select_bench_breakdown_runs_on_cpu(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
+    out = tmp_path / "breakdown.json"
+    cmd = [sys.executable, "-m", "benchmarks.select_bench", "--breakdown", "--tiny", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    rows = json.loads(out.read_text())["rows"]
+    cases = {(r["case"], r.get("stages")) for r in rows}
+    for case in ("box selection", "selection from given scores"):
+        assert {(case, s) for s in (1, 2, 3, 4)} <= cases
+    finishes = [r for r in rows if "correct" in r]
+    assert {r["what"].split()[0] for r in finishes} == {"finish=launch", "finish=split"}
+    assert all(r["correct"] and r["us"] > 0 for r in finishes)  # each finish chose what the one launch chose
