@@ -13,13 +13,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_select_bench_runs_on_cpu(tmp_path):
+def run_tiny(tmp_path, *flags: str) -> list[dict]:
+    """The probe's rows at its toy context with ``flags``, the kernels in the Triton interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     out = tmp_path / "select-bench.json"
-    cmd = [sys.executable, "-m", "benchmarks.select_bench", "--tiny", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.select_bench", *flags, "--tiny", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_select_bench_runs_on_cpu(tmp_path):
+    rows = run_tiny(tmp_path)
     assert [r for r in rows if "error" in r] == []
     policies = [r for r in rows if r["setting"] not in ("dense", "gaussian threshold")]
     assert {r["setting"] for r in policies} == {"quest0.1", "quest0.1-sketch", "quest0.1-nominate4", "entmax-kv0.1"}
@@ -30,12 +35,7 @@ def test_select_bench_runs_on_cpu(tmp_path):
 
 
 def test_select_bench_tune_runs_on_cpu(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
-    out = tmp_path / "tune.json"
-    cmd = [sys.executable, "-m", "benchmarks.select_bench", "--tune", "--tiny", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = run_tiny(tmp_path, "--tune")
     assert [r for r in rows if "error" in r] == []
     cases = {r["case"] for r in rows}
     assert cases == {"grouped bound alone", "select_scores alone", "box selection", "attention, every page",
@@ -46,12 +46,7 @@ def test_select_bench_tune_runs_on_cpu(tmp_path):
 
 
 def test_select_bench_breakdown_runs_on_cpu(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
-    out = tmp_path / "breakdown.json"
-    cmd = [sys.executable, "-m", "benchmarks.select_bench", "--breakdown", "--tiny", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = run_tiny(tmp_path, "--breakdown")
     cases = {(r["case"], r.get("stages")) for r in rows}
     for case in ("box selection", "selection from given scores"):
         assert {(case, s) for s in (1, 2, 3, 4)} <= cases

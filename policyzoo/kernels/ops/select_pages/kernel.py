@@ -98,6 +98,12 @@ def _tally(key, forced, hist_row, ctr_row, BLOCK: tl.constexpr, GROUP: tl.conste
 
 
 @triton.jit
+def _row_workspace(ws_ptr, ctr_offset, row, NB: tl.constexpr):
+    """``(hist_row, ctr_row)``: a row's histogram and its two counters (arrivals, forced) in the workspace."""
+    return ws_ptr + row * NB, ws_ptr + ctr_offset + row * 2
+
+
+@triton.jit
 def _count_in(key, lo, hi):
     return tl.sum(((key >= lo) & (key < hi)).to(tl.int32), 0)
 
@@ -234,8 +240,7 @@ def _select_pages_kernel(
     key = _ranking_keys(bound, forced, valid)
     keys_row = keys_ptr + row.to(tl.int64) * n_pages
     tl.store(keys_row + offs_p, key.to(tl.int16), mask=p_mask)
-    hist_row = ws_ptr + row * NB
-    ctr_row = ws_ptr + ctr_offset + row * 2
+    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
     if STAGES >= 2:
         _tally(key, forced, hist_row, ctr_row, BLOCK_P, GROUP, LOW)
     if STAGES >= 3:
@@ -269,8 +274,7 @@ def _select_scores_kernel(
     key = _ranking_keys(score, forced, valid)
     keys_row = keys_ptr + row.to(tl.int64) * n
     tl.store(keys_row + offs, key.to(tl.int16), mask=inside)
-    hist_row = ws_ptr + row * NB
-    ctr_row = ws_ptr + ctr_offset + row * 2
+    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
     if STAGES >= 2:
         _tally(key, forced, hist_row, ctr_row, BLOCK, GROUP, LOW)
     if STAGES >= 3:
@@ -291,8 +295,7 @@ def _finish_kernel(
     """The choice as a second launch, one program per row (grid ``(rows,)``): `_finish`, with warps
     of its own instead of the scoring programs'."""
     row = tl.program_id(0)
-    hist_row = ws_ptr + row * NB
-    ctr_row = ws_ptr + ctr_offset + row * 2
+    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
     count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
                        COUNT)
     _finish(keys_ptr + row.to(tl.int64) * n, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row,
@@ -312,8 +315,7 @@ def _split_finish_kernel(
     The row's last program to have read the histogram zeroes it and the counters."""
     e = tl.program_id(0)
     row = tl.program_id(1)
-    hist_row = ws_ptr + row * NB
-    ctr_row = ws_ptr + ctr_offset + row * 2
+    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
     count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
                        COUNT)
     kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
@@ -405,9 +407,8 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
         COUNT=mode, GROUP=min(block_p, cfg.group), NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
         STAGES=_first_stages(cfg, stages), num_warps=cfg.num_warps,
     )
-    if cfg.finish != "last" and stages >= 4:
-        _launch_finish(keys, scratch, count, s_cb, s_ch, start, length, idx, kept, h_kv, n_pages, k_max, page_size,
-                       ratio_bits, pages, mode, cfg, tiles)
+    _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n_pages, k_max, mode,
+                   start=start, length=length, page=page_size, ratio_bits=ratio_bits, fixed=pages)
     return idx, kept
 
 
@@ -416,12 +417,18 @@ def _first_stages(cfg, stages: int) -> int:
     return stages if cfg.finish == "last" else min(stages, 2)
 
 
-def _launch_finish(keys: Tensor, scratch: Tensor, count: Tensor | None, s_cb: int, s_ch: int, start: Tensor,
-                   length: Tensor, idx: Tensor, kept: Tensor, h_kv: int, n: int, k_max: int, page: int,
-                   ratio_bits: int, fixed: int, mode: int, cfg, tiles: tuple[int, int]) -> None:
-    """The choice of rows whose keys and histograms are made, as a second launch (``cfg.finish``)."""
+def _launch_finish(cfg, stages: int, tiles: tuple[int, int], keys: Tensor, scratch: Tensor, count: Tensor | None,
+                   s_cb: int, s_ch: int, idx: Tensor, kept: Tensor, h_kv: int, n: int, k_max: int, mode: int, *,
+                   start: Tensor | None = None, length: Tensor | None = None, page: int = 1, ratio_bits: int = 0,
+                   fixed: int = 0) -> None:
+    """The choice of rows whose keys and histograms are made, as a second launch (``cfg.finish``);
+    nothing where the scoring launch chose (``"last"``) or a probe stopped it (``stages`` < 4). The
+    count's arguments as `_row_count` takes them (``start`` and ``length`` for a keep ratio)."""
+    if cfg.finish == "last" or stages < 4:
+        return
     rows = kept.numel()
-    args = (keys, scratch, count if count is not None else kept, start, length, idx, kept,
+    args = (keys, scratch, count if count is not None else kept, kept if start is None else start,
+            kept if length is None else length, idx, kept,
             s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, rows * HIST_BINS)
     if cfg.finish == "launch":
         block, tail = tiles
@@ -455,9 +462,7 @@ def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scr
         BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
         ROW_BLOCK=block, ROW_TAIL=tail, STAGES=_first_stages(cfg, stages), num_warps=cfg.num_warps,
     )
-    if cfg.finish != "last" and stages >= 4:
-        _launch_finish(keys, scratch, count, s_cb, s_ch, kept, kept, idx, kept, h_kv, n, k_max, 1, 0, 0, 1, cfg,
-                       tiles)
+    _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n, k_max, mode=1)
     return idx, kept
 
 
