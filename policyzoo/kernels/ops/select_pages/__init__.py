@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ...config import LaunchConfig, current, next_power_of_2, non_negative, powers_of_two
+from ...config import LaunchConfig, current, next_power_of_2, powers_of_two
 from ...route import HAS_TRITON, need_triton, routed
 from ...workspace import Workspace, buffer, zeroed
 from ..quest_page_bound import page_score_config
@@ -36,9 +36,6 @@ MAX_ROW = MAX_BLOCK_N
 # against `select_top`'s wider final pass; benchmarks/results/2026-12-04-h200-run23). A constant, not
 # a launch setting: the choice is made while a step is traced, where no scoped config is read.
 MAX_SCORES_ROW = 2048
-
-
-FINISHES = ("last", "launch", "split")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,30 +56,13 @@ class SelectPagesConfig(LaunchConfig):
     distinct bin of a group)."""
     num_warps: int = 4
     """Warps per program."""
-    finish: str = "last"
-    """Who chooses a row once its keys are tallied: ``"last"``, the row's last scoring program (one
-    launch, with the scoring's warps); ``"launch"``, a second launch of one program per row with
-    `finish_warps` warps; ``"split"``, a second launch of `finish_block` entries per program, each
-    finding the row's threshold itself and writing its own entries."""
-    finish_min_row: int = 2048
-    """Rows of fewer entries are finished by their last scoring program whatever `finish` says (a
-    second launch costs more than a short row's choice)."""
-    finish_warps: int = 16
-    """Warps of a ``"launch"`` finish."""
-    finish_block: int = 512
-    """Entries per program of a ``"split"`` finish."""
-
     def __post_init__(self) -> None:
-        powers_of_two(self, "block_p", "block_n", "group", "num_warps", "finish_warps", "finish_block")
-        non_negative(self, "finish_min_row")
-        if self.finish not in FINISHES:
-            raise ValueError(f"finish must be one of {FINISHES}, got {self.finish!r}")
+        powers_of_two(self, "block_p", "block_n", "group", "num_warps")
 
 
 def select_pages_config(n: int) -> SelectPagesConfig:
     """The launch parameters of a call on rows of ``n`` entries: the config in force
-    (`config.current`), its block of given scores no wider than the row needs (16 at least), its
-    finish ``"last"`` for rows shorter than `finish_min_row`. The pages' block stays as set: the
+    (`config.current`), its block of given scores no wider than the row needs (16 at least). The pages' block stays as set: the
     bound's tile is then the grouped bound's (`PageScoreConfig`), whose values the choice must
     reproduce."""
     return _choose(current(SelectPagesConfig), n)
@@ -90,8 +70,7 @@ def select_pages_config(n: int) -> SelectPagesConfig:
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
 def _choose(cfg: SelectPagesConfig, n: int) -> SelectPagesConfig:
-    return dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, next_power_of_2(n))),
-                               finish=cfg.finish if n >= cfg.finish_min_row else "last")
+    return dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, next_power_of_2(n))))
 
 
 def takes(n: int) -> bool:

@@ -19,9 +19,9 @@ score the pages also prepare the selection, and the last one of each row to fini
 3. An arrival counter per row finds the row's last program (a barrier orders every thread's stores
    before the counter's release, the counter's acquire orders them before that program's reads,
    which go past L1: the sparse GEMV's pattern). That program (`_finish`) reads the histogram: from
-   its cumulative counts, the bin holding the ``kept``-th largest key; four halvings of that bin's
-   16 keys over the row's keys, held in registers, give the exact threshold key and the count above
-   it; one prefix sum then writes the kept positions in ascending order (`select_top`'s `_emit`:
+   its cumulative counts, the bin holding the ``kept``-th largest key; two radix-4 steps over that bin's
+   16 keys (each counting three thresholds over the row's keys, held in registers, in one reduction)
+   give the exact threshold key and the count above it; one prefix sum then writes the kept positions in ascending order (`select_top`'s `_emit`:
    every key above the threshold, and the first keys equal to it while fewer than wanted came
    before). It zeroes the histogram and the counters again, so the workspace is zero between launches.
 
@@ -104,8 +104,29 @@ def _row_workspace(ws_ptr, ctr_offset, row, NB: tl.constexpr):
 
 
 @triton.jit
-def _count_in(key, lo, hi):
-    return tl.sum(((key >= lo) & (key < hi)).to(tl.int32), 0)
+def _count_above3(key, base, step, end):
+    """The keys in ``[base + i * step, end)`` for i = 1, 2, 3, in one reduction: three flags 21 bits
+    apart in an int64 (a row has at most 2^14 keys), unpacked as ``(c1, c2, c3)``, ``c1 >= c2 >= c3``."""
+    below = key < end
+    flags = ((key >= base + step) & below).to(tl.int64)
+    flags += ((key >= base + 2 * step) & below).to(tl.int64) << 21
+    flags += ((key >= base + 3 * step) & below).to(tl.int64) << 42
+    return tl.sum(flags, 0)
+
+
+@triton.jit
+def _radix4(key, key_tail, first_key, end_key, low, n_hi, need, STEP: tl.constexpr, ROW_TAIL: tl.constexpr):
+    """One step of the search for the threshold key within a bin: of ``first_key + low + i * STEP``
+    (i = 0..3), the highest with at least ``need`` of the bin's keys at or above it, as ``(low, n_hi)``
+    with ``n_hi`` the bin's keys above the next candidate up (above the threshold after the last step)."""
+    packed = _count_above3(key, first_key + low, STEP, end_key)
+    if ROW_TAIL > 0:
+        packed += _count_above3(key_tail, first_key + low, STEP, end_key)
+    mask = (1 << 21) - 1
+    c1, c2, c3 = (packed & mask).to(tl.int32), ((packed >> 21) & mask).to(tl.int32), (packed >> 42).to(tl.int32)
+    up1, up2, up3 = c1 >= need, c2 >= need, c3 >= need  # nested: the counts fall with the threshold
+    n_hi = tl.where(up3, n_hi, tl.where(up2, c3, tl.where(up1, c2, c1)))
+    return low + STEP * (up1.to(tl.int32) + up2.to(tl.int32) + up3.to(tl.int32)), n_hi
 
 
 @triton.jit
@@ -137,25 +158,26 @@ def _top_bin(hist_row, ctr_row, count, k_max, NB: tl.constexpr):
     """From a row's finished histogram and forced count: ``(kept, w, top, n_above)``, the entries it
     keeps (``min(max(count, forced), k_max, valid)``), the same at least 1 (kept 0 selects nothing,
     which `_emit` masks; the search needs a key), the bin of the ``w``-th largest key (the highest bin
-    with at least ``w`` keys at or above it) and the keys in the bins above it."""
+    with at least ``w`` keys at or above it) and the keys in the bins above it (the most keys at or
+    above any bin holding fewer than ``w``: the counts fall with the bin)."""
     bins = tl.arange(0, NB)
     h = tl.load(hist_row + bins, cache_modifier=".cg")
-    n_valid = tl.sum(h, 0)
     n_forced = tl.load(ctr_row + 1, cache_modifier=".cg")
+    at_or_above = tl.cumsum(h, 0, reverse=True)
+    n_valid = tl.sum(h, 0)
     want = tl.minimum(tl.maximum(count, n_forced.to(tl.int64)), k_max)
     kept = tl.minimum(want, n_valid.to(tl.int64)).to(tl.int32)
     w = tl.maximum(kept, 1)
-    at_or_above = n_valid - tl.cumsum(h, 0) + h
     top = tl.max(tl.where(at_or_above >= w, bins, -1), 0)
-    n_above = tl.sum(tl.where(bins > top, h, 0), 0)
+    n_above = tl.max(tl.where(at_or_above < w, at_or_above, 0), 0)
     return kept, w, top, n_above
 
 
 @triton.jit
-def _pad(idx_row, kept, k_max, first, step, BLOCK: tl.constexpr):
-    """Zeros at positions ``kept .. k_max-1`` of a row's indices, blocks ``first, first + step, ...``."""
+def _pad(idx_row, kept, k_max, BLOCK: tl.constexpr):
+    """Zeros at positions ``kept .. k_max-1`` of a row's indices."""
     offs = tl.arange(0, BLOCK)
-    for p0 in range(first * BLOCK, k_max, step * BLOCK):
+    for p0 in range(0, k_max, BLOCK):
         p = p0 + offs
         tl.store(idx_row + p, tl.zeros((BLOCK,), tl.int32), mask=(p < k_max) & (p >= kept))
 
@@ -165,38 +187,33 @@ def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max
             NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr):
     """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
     ascending order and zeros after them; the row's histogram and counters back to zero."""
-    bins = tl.arange(0, NB)
-    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
-    tl.store(kept_ptr + row, kept)
+    tl.static_assert(LOW == 4)  # the search below: two radix-4 steps over a bin's 16 keys
+    # The row's keys, held in registers, are asked for before the histogram is read, so that the two
+    # reads from L2 overlap.
     offs = tl.arange(0, ROW_BLOCK)
-    _pad(idx_row, kept, k_max, 0, 1, ROW_BLOCK)
-    # Its 16 keys: halve them over the row's keys, held in registers.
     offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
     key = _row_keys(keys_row, offs, n)
     key_tail = _row_keys(keys_row, offs_tail, n)
+    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
+    tl.store(kept_ptr + row, kept)
+    _pad(idx_row, kept, k_max, ROW_BLOCK)
+    # The top bin's 16 keys: the highest with at least `need` of the bin's keys at or above it, in two
+    # steps of four (the three inner thresholds of each counted in one reduction).
     first_key = top * (1 << LOW) - 32768
     end_key = first_key + (1 << LOW)
     need = w - n_above  # >= 1: the bins above hold fewer than w keys
-    lo = tl.zeros((), tl.int32)
-    hi = tl.full((), 1 << LOW, tl.int32)
-    n_hi = tl.zeros((), tl.int32)  # keys of the bin at or above first_key + hi
-    for _ in tl.static_range(LOW):
-        mid = (lo + hi) // 2
-        n_ge = _count_in(key, first_key + mid, end_key)
-        if ROW_TAIL > 0:
-            n_ge += _count_in(key_tail, first_key + mid, end_key)
-        up = n_ge >= need
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid)
-        n_hi = tl.where(up, n_hi, n_ge)
-    t = first_key + lo  # the kept-th largest key
+    low = tl.zeros((), tl.int32)
+    n_hi = tl.zeros((), tl.int32)  # the bin's keys above first_key + low
+    low, n_hi = _radix4(key, key_tail, first_key, end_key, low, n_hi, need, 4, ROW_TAIL)
+    low, n_hi = _radix4(key, key_tail, first_key, end_key, low, n_hi, need, 1, ROW_TAIL)
+    t = first_key + low  # the kept-th largest key
     wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
     zero = tl.zeros((), tl.int32)
     above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
     if ROW_TAIL > 0:
         _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
     tl.debug_barrier()  # every thread has read the histogram before any zeroes it
-    tl.store(hist_row + bins, tl.zeros((NB,), tl.int32))
+    tl.store(hist_row + tl.arange(0, NB), tl.zeros((NB,), tl.int32))
     tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
 
@@ -286,77 +303,6 @@ def _select_scores_kernel(
                         NB, LOW, ROW_BLOCK, ROW_TAIL)
 
 
-@triton.jit
-def _finish_kernel(
-    keys_ptr, ws_ptr, cnt_ptr, start_ptr, len_ptr, idx_ptr, kept_ptr,
-    s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, ctr_offset,
-    COUNT: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
-):
-    """The choice as a second launch, one program per row (grid ``(rows,)``): `_finish`, with warps
-    of its own instead of the scoring programs'."""
-    row = tl.program_id(0)
-    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
-    count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
-                       COUNT)
-    _finish(keys_ptr + row.to(tl.int64) * n, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row,
-            count, n, k_max, NB, LOW, ROW_BLOCK, ROW_TAIL)
-
-
-@triton.jit
-def _split_finish_kernel(
-    keys_ptr, ws_ptr, cnt_ptr, start_ptr, len_ptr, idx_ptr, kept_ptr,
-    s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, ctr_offset,
-    COUNT: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """The choice as a second launch, ``BLOCK`` entries of a row per program (grid ``(cdiv(n, BLOCK),
-    rows)``). Each program finds the row's threshold key itself: the top bin from the histogram, then
-    that bin's 16 keys counted over the row's keys; the same scan counts the kept keys before its
-    block, so it writes its own entries' output positions (`_emit`) without waiting for the others.
-    The row's last program to have read the histogram zeroes it and the counters."""
-    e = tl.program_id(0)
-    row = tl.program_id(1)
-    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
-    count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
-                       COUNT)
-    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
-    if _arrive(ctr_row):
-        tl.store(hist_row + tl.arange(0, NB), tl.zeros((NB,), tl.int32))
-        tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
-
-    keys_row = keys_ptr + row.to(tl.int64) * n
-    first_key = top * (1 << LOW) - 32768
-    subs = tl.arange(0, 1 << LOW)
-    offs = tl.arange(0, BLOCK)
-    begin = e * BLOCK
-    row_sub = tl.zeros((1 << LOW,), tl.int32)  # the top bin's keys of the row, by their low bits
-    before_sub = tl.zeros((1 << LOW,), tl.int32)  # the same before this program's block
-    before_above = tl.zeros((), tl.int32)  # keys above the top bin before this program's block
-    for c0 in range(0, n, BLOCK):
-        key = _row_keys(keys_row, c0 + offs, n)
-        low = key - first_key
-        in_bin = (low >= 0) & (low < (1 << LOW)) & (key != -32768)
-        tally = tl.sum(((low[:, None] == subs[None, :]) & in_bin[:, None]).to(tl.int32), 0)
-        row_sub += tally
-        earlier = c0 < begin
-        before_sub += tl.where(earlier, tally, 0)
-        n_up = tl.sum(((low >= (1 << LOW)) & (key != -32768)).to(tl.int32), 0)
-        before_above += tl.where(earlier, n_up, 0)
-    # The kept-th largest key: the highest low part with at least `w - n_above` keys at or above it.
-    at_or_above = tl.sum(row_sub, 0) - tl.cumsum(row_sub, 0) + row_sub
-    t_low = tl.max(tl.where(at_or_above >= w - n_above, subs, -1), 0)
-    t = first_key + t_low
-    wanted = kept - (n_above + tl.sum(tl.where(subs > t_low, row_sub, 0), 0))  # keys equal to t to keep
-    above = before_above + tl.sum(tl.where(subs > t_low, before_sub, 0), 0)
-    inside = tl.sum(tl.where(subs == t_low, before_sub, 0), 0)
-    idx_row = idx_ptr + row.to(tl.int64) * k_max
-    mine = begin + offs
-    key = _row_keys(keys_row, mine, n)
-    _emit(idx_row, key, mine, key != -32768, t, t + 1, wanted, above, inside, kept)
-    _pad(idx_row, kept, k_max, e, tl.num_programs(0), BLOCK)
-    if e == 0:
-        tl.store(kept_ptr + row, kept)
-
-
 def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, int]:
     """``count`` per row ``[B]`` or per KV head ``[B, H_kv]`` as ``(tensor, batch stride, head stride)``."""
     if count is None:
@@ -405,39 +351,9 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
         # As the grouped bound's launch: fp32 dots where a dtype is fp32 or differs, and under the interpreter.
         IEEE=route.INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32,
         COUNT=mode, GROUP=min(block_p, cfg.group), NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
-        STAGES=_first_stages(cfg, stages), num_warps=cfg.num_warps,
+        STAGES=stages, num_warps=cfg.num_warps,
     )
-    _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n_pages, k_max, mode,
-                   start=start, length=length, page=page_size, ratio_bits=ratio_bits, fixed=pages)
     return idx, kept
-
-
-def _first_stages(cfg, stages: int) -> int:
-    """The scoring launch's `STAGES`: all of them where its last program chooses, else up to the tally."""
-    return stages if cfg.finish == "last" else min(stages, 2)
-
-
-def _launch_finish(cfg, stages: int, tiles: tuple[int, int], keys: Tensor, scratch: Tensor, count: Tensor | None,
-                   s_cb: int, s_ch: int, idx: Tensor, kept: Tensor, h_kv: int, n: int, k_max: int, mode: int, *,
-                   start: Tensor | None = None, length: Tensor | None = None, page: int = 1, ratio_bits: int = 0,
-                   fixed: int = 0) -> None:
-    """The choice of rows whose keys and histograms are made, as a second launch (``cfg.finish``);
-    nothing where the scoring launch chose (``"last"``) or a probe stopped it (``stages`` < 4). The
-    count's arguments as `_row_count` takes them (``start`` and ``length`` for a keep ratio)."""
-    if cfg.finish == "last" or stages < 4:
-        return
-    rows = kept.numel()
-    args = (keys, scratch, count if count is not None else kept, kept if start is None else start,
-            kept if length is None else length, idx, kept,
-            s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, rows * HIST_BINS)
-    if cfg.finish == "launch":
-        block, tail = tiles
-        _finish_kernel[(rows,)](*args, COUNT=mode, NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
-                                num_warps=cfg.finish_warps)
-    else:
-        block = min(cfg.finish_block, triton.next_power_of_2(n))
-        _split_finish_kernel[(triton.cdiv(n, block), rows)](*args, COUNT=mode, NB=HIST_BINS, LOW=LOW_BITS, BLOCK=block,
-                                                            num_warps=cfg.num_warps)
 
 
 def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scratch: Tensor, cfg,
@@ -460,9 +376,8 @@ def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scr
         scores.stride(0), scores.stride(1), s_fb, s_fh, s_cb, s_ch,
         n, k_max, b * h_kv * HIST_BINS,
         BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
-        ROW_BLOCK=block, ROW_TAIL=tail, STAGES=_first_stages(cfg, stages), num_warps=cfg.num_warps,
+        ROW_BLOCK=block, ROW_TAIL=tail, STAGES=stages, num_warps=cfg.num_warps,
     )
-    _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n, k_max, mode=1)
     return idx, kept
 
 
