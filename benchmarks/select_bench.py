@@ -38,6 +38,8 @@ Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interp
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import time
@@ -292,23 +294,69 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     scratch = torch.zeros(kernel.workspace_entries(H_KV), dtype=torch.int32, device=dev)
     cfg = select_op.select_pages_config(n_pages)
 
-    def pages(stages: int):
+    def pages(stages: int, cfg=cfg):
         return kernel.select_pages(q, page_min, page_max, cache.start, cache.length, state.scale, box.k_max, count,
                                    PAGE, 0, 0, 0.0, 0, scratch, cfg, page_score_config(D), tiles(n_pages), stages)
 
-    def given(stages: int):
+    def given(stages: int, cfg=cfg):
         return kernel.select_scores(scores, forced, count, box.k_max, scratch, cfg, tiles(n_pages), stages)
+
+    def timed(launch, stages: int) -> tuple[float, float | None]:
+        """``(net, with_zeroing)``: stages 2 and 3 leave the workspace dirty, so their calls zero it first."""
+        if stages not in (2, 3):
+            return time_us(lambda: launch(stages)), None
+        us = time_us(lambda: (scratch.zero_(), launch(stages)))
+        return us - zero_us, us
 
     zero_us = time_us(scratch.zero_)
     rows.append({"section": "breakdown", "context": n, "case": "zero the workspace", "us": zero_us})
-    for case, launch in (("box selection", pages), ("selection from given scores", given)):
+    cases = (("box selection", pages, kernel._select_pages_kernel),
+             ("selection from given scores", given, kernel._select_scores_kernel))
+    for case, launch, fn in cases:
         for stages, what in STAGE_NAMES.items():
-            dirty = stages in (2, 3)
-            us = time_us((lambda s=stages: (scratch.zero_(), launch(s))) if dirty else (lambda s=stages: launch(s)))
-            net = us - zero_us if dirty else us
+            known = compiled_kernels(fn)
+            net, with_zeroing = timed(launch, stages)
+            compiled = resources(fn, known)
             rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
-                         "us": net, "us_with_zeroing": us if dirty else None})
-            print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us", flush=True)
+                         "us": net, "us_with_zeroing": with_zeroing, **compiled})
+            print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us {compiled or ''}", flush=True)
+    # The choice's cost under other launch shapes of the box selection: stage 4 against stage 3.
+    for fields in CHOICE_GRID:
+        other = dataclasses.replace(cfg, **fields)
+        launch = functools.partial(pages, cfg=other)
+        known = compiled_kernels(kernel._select_pages_kernel)
+        arrived, _ = timed(launch, 3)
+        chosen, _ = timed(launch, 4)
+        label = " ".join(f"{k}={v}" for k, v in fields.items())
+        rows.append({"section": "breakdown", "context": n, "case": "box selection", "what": label,
+                     "us_arrived": arrived, "us": chosen, **resources(kernel._select_pages_kernel, known)})
+        print(f"breakdown n={n:>7} box selection {label:<26} after arrival {arrived:6.1f} us, with the choice "
+              f"{chosen:6.1f} us {rows[-1].get('regs') or ''}", flush=True)
+
+
+CHOICE_GRID = [dict(block_p=p, num_warps=w) for p, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+
+
+def compiled_kernels(fn) -> set[int]:
+    """The ids of a Triton function's compiled variants so far (`resources` names the newer ones)."""
+    return {id(k) for k in _variants(fn)}
+
+
+def _variants(fn) -> list:
+    caches = getattr(fn, "device_caches", {})
+    return [k for cache in caches.values() for k in (cache[0] if isinstance(cache, tuple) else cache).values()]
+
+
+def resources(fn, known: set[int]) -> dict:
+    """Registers and spills per thread of the variants of ``fn`` compiled since ``known`` (empty where
+    none was, or off CUDA, where the interpreter compiles nothing)."""
+    new = [k for k in _variants(fn) if id(k) not in known]
+    for k in new:
+        try:
+            k._init_handles()
+        except Exception:  # the attributes below stay unknown then
+            pass
+    return {"regs": [getattr(k, "n_regs", None) for k in new], "spills": [getattr(k, "n_spills", None) for k in new]} if new else {}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import select_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,3 +53,6 @@ def test_select_bench_breakdown_runs_on_cpu(tmp_path):
     for case in ("box selection", "selection from given scores"):
         assert {(case, s) for s in (1, 2, 3, 4)} <= cases
     assert all(r["us"] > 0 for r in rows if r.get("stages") == 4)
+    # the choice's cost under each launch shape of CHOICE_GRID: after the arrival, and with the choice
+    grid = [r for r in rows if "us_arrived" in r]
+    assert len(grid) == len(select_bench.CHOICE_GRID) and all(r["us"] > 0 and r["us_arrived"] > 0 for r in grid)
