@@ -159,6 +159,7 @@ def build_case(
     num_layers: int = 1,
     dtype: torch.dtype = torch.float32,
     sketch: bool = False,
+    device: torch.device | str = "cpu",
 ) -> Case:
     """Fill a cache the way the Decoder does and draw a query.
 
@@ -166,24 +167,26 @@ def build_case(
     are appended. ``extra`` spare slots are added to the capacity (a partial last page is then
     common). ``reuse`` first fills the cache with a longer garbage sequence, as when the Decoder
     reuses a cache across ``generate`` calls. ``sharp`` scales the query (peakier attention).
-    ``sketch`` makes the cache keep the 4-bit key sketch beside the page summaries.
+    ``sketch`` makes the cache keep the 4-bit key sketch beside the page summaries. ``device``: where
+    the cache and the query live (the values are drawn on the CPU, so every device gets the same).
     """
     gen = torch.Generator().manual_seed(seed)
     total = prompt + steps
     capacity = total + extra
     summaries = SUMMARIES + ((SKETCH,) if sketch else ())
-    cache = PagedKVCache(num_layers, b, h_kv, d, capacity, page_size=page, dtype=dtype, summaries=summaries)
+    cache = PagedKVCache(num_layers, b, h_kv, d, capacity, page_size=page, dtype=dtype, summaries=summaries,
+                         device=device)
 
     def rand(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
     if reuse:
-        cache.reset(torch.zeros(b, dtype=torch.long), cache.capacity)
+        cache.reset(torch.zeros(b, dtype=torch.long, device=device), cache.capacity)
         for layer in range(num_layers):
             junk = rand(b, h_kv, cache.capacity, d) + GARBAGE
             cache.write_prefill(layer, junk, junk)
 
-    start = torch.tensor(starts, dtype=torch.long)
+    start = torch.tensor(starts, dtype=torch.long, device=device)
     k_all = rand(num_layers, b, h_kv, total, d)
     v_all = rand(num_layers, b, h_kv, total, d)
     # Left padding carries garbage (real models write pad-token keys there).
@@ -219,6 +222,7 @@ def _cases(
     min_extra: int = 0,
     dtypes: tuple[torch.dtype, ...] = (torch.float32,),
     sketch: tuple[bool, ...] = (False,),
+    device: torch.device | str = "cpu",
 ) -> Case:
     b = draw(st.integers(1, 3))
     h_kv = draw(st.integers(1, 3))
@@ -239,6 +243,7 @@ def _cases(
     return build_case(
         b=b, h_kv=h_kv, g=g, d=d, page=page, prompt=prompt, steps=steps, starts=starts, seed=seed,
         extra=extra, reuse=reuse, sharp=sharp, num_layers=num_layers, dtype=dtype, sketch=draw(st.sampled_from(sketch)),
+        device=device,
     )  # fmt: skip
 
 

@@ -334,8 +334,8 @@ POLICIES = {
 @given(data=st.data(), name=st.sampled_from(sorted(POLICIES)), kernels_path=st.booleans())
 def test_policies_choose_what_their_steps_choose(data, cases, name, kernels_path):
     """Each policy that takes the fused path selects exactly what it selected through the steps,
-    on the reference path and on the kernels' path (POLICYZOO_TRITON=1)."""
-    case = data.draw(cases(page_sizes=(4, 16), max_prompt=40, sketch=(True,)))
+    on the reference path and on the kernels' path (POLICYZOO_TRITON=1), on the kernels' device."""
+    case = data.draw(cases(page_sizes=(4, 16), max_prompt=40, sketch=(True,), device=DEVICE))
     policy = POLICIES[name](case.page)
     with pytest.MonkeyPatch.context() as mp:
         if kernels_path:

@@ -19,9 +19,9 @@ score the pages also prepare the selection, and the last one of each row to fini
 3. An arrival counter per row finds the row's last program (a barrier orders every thread's stores
    before the counter's release, the counter's acquire orders them before that program's reads,
    which go past L1: the sparse GEMV's pattern). That program (`_finish`) reads the histogram: from
-   its cumulative counts, the bin holding the ``kept``-th largest key; two radix-4 steps over that bin's
-   16 keys (each counting three thresholds over the row's keys, held in registers, in one reduction)
-   give the exact threshold key and the count above it; one prefix sum then writes the kept positions in ascending order (`select_top`'s `_emit`:
+   its cumulative counts, the bin holding the ``kept``-th largest key; four halvings of that bin's
+   16 keys over the row's keys, held in registers, give the exact threshold key and the count above
+   it; one prefix sum then writes the kept positions in ascending order (`select_top`'s `_emit`:
    every key above the threshold, and the first keys equal to it while fewer than wanted came
    before). It zeroes the histogram and the counters again, so the workspace is zero between launches.
 
@@ -104,29 +104,8 @@ def _row_workspace(ws_ptr, ctr_offset, row, NB: tl.constexpr):
 
 
 @triton.jit
-def _count_above3(key, base, step, end):
-    """The keys in ``[base + i * step, end)`` for i = 1, 2, 3, in one reduction: three flags 21 bits
-    apart in an int64 (a row has at most 2^14 keys), unpacked as ``(c1, c2, c3)``, ``c1 >= c2 >= c3``."""
-    below = key < end
-    flags = ((key >= base + step) & below).to(tl.int64)
-    flags += ((key >= base + 2 * step) & below).to(tl.int64) << 21
-    flags += ((key >= base + 3 * step) & below).to(tl.int64) << 42
-    return tl.sum(flags, 0)
-
-
-@triton.jit
-def _radix4(key, key_tail, first_key, end_key, low, n_hi, need, STEP: tl.constexpr, ROW_TAIL: tl.constexpr):
-    """One step of the search for the threshold key within a bin: of ``first_key + low + i * STEP``
-    (i = 0..3), the highest with at least ``need`` of the bin's keys at or above it, as ``(low, n_hi)``
-    with ``n_hi`` the bin's keys above the next candidate up (above the threshold after the last step)."""
-    packed = _count_above3(key, first_key + low, STEP, end_key)
-    if ROW_TAIL > 0:
-        packed += _count_above3(key_tail, first_key + low, STEP, end_key)
-    mask = (1 << 21) - 1
-    c1, c2, c3 = (packed & mask).to(tl.int32), ((packed >> 21) & mask).to(tl.int32), (packed >> 42).to(tl.int32)
-    up1, up2, up3 = c1 >= need, c2 >= need, c3 >= need  # nested: the counts fall with the threshold
-    n_hi = tl.where(up3, n_hi, tl.where(up2, c3, tl.where(up1, c2, c1)))
-    return low + STEP * (up1.to(tl.int32) + up2.to(tl.int32) + up3.to(tl.int32)), n_hi
+def _count_in(key, lo, hi):
+    return tl.sum(((key >= lo) & (key < hi)).to(tl.int32), 0)
 
 
 @triton.jit
@@ -158,18 +137,17 @@ def _top_bin(hist_row, ctr_row, count, k_max, NB: tl.constexpr):
     """From a row's finished histogram and forced count: ``(kept, w, top, n_above)``, the entries it
     keeps (``min(max(count, forced), k_max, valid)``), the same at least 1 (kept 0 selects nothing,
     which `_emit` masks; the search needs a key), the bin of the ``w``-th largest key (the highest bin
-    with at least ``w`` keys at or above it) and the keys in the bins above it (the most keys at or
-    above any bin holding fewer than ``w``: the counts fall with the bin)."""
+    with at least ``w`` keys at or above it) and the keys in the bins above it."""
     bins = tl.arange(0, NB)
     h = tl.load(hist_row + bins, cache_modifier=".cg")
-    n_forced = tl.load(ctr_row + 1, cache_modifier=".cg")
-    at_or_above = tl.cumsum(h, 0, reverse=True)
     n_valid = tl.sum(h, 0)
+    n_forced = tl.load(ctr_row + 1, cache_modifier=".cg")
     want = tl.minimum(tl.maximum(count, n_forced.to(tl.int64)), k_max)
     kept = tl.minimum(want, n_valid.to(tl.int64)).to(tl.int32)
     w = tl.maximum(kept, 1)
+    at_or_above = n_valid - tl.cumsum(h, 0) + h
     top = tl.max(tl.where(at_or_above >= w, bins, -1), 0)
-    n_above = tl.max(tl.where(at_or_above < w, at_or_above, 0), 0)
+    n_above = tl.sum(tl.where(bins > top, h, 0), 0)
     return kept, w, top, n_above
 
 
@@ -187,33 +165,38 @@ def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max
             NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr):
     """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
     ascending order and zeros after them; the row's histogram and counters back to zero."""
-    tl.static_assert(LOW == 4)  # the search below: two radix-4 steps over a bin's 16 keys
-    # The row's keys, held in registers, are asked for before the histogram is read, so that the two
-    # reads from L2 overlap.
+    bins = tl.arange(0, NB)
+    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
+    tl.store(kept_ptr + row, kept)
     offs = tl.arange(0, ROW_BLOCK)
+    _pad(idx_row, kept, k_max, ROW_BLOCK)
+    # Its 16 keys: halve them over the row's keys, held in registers.
     offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
     key = _row_keys(keys_row, offs, n)
     key_tail = _row_keys(keys_row, offs_tail, n)
-    kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
-    tl.store(kept_ptr + row, kept)
-    _pad(idx_row, kept, k_max, ROW_BLOCK)
-    # The top bin's 16 keys: the highest with at least `need` of the bin's keys at or above it, in two
-    # steps of four (the three inner thresholds of each counted in one reduction).
     first_key = top * (1 << LOW) - 32768
     end_key = first_key + (1 << LOW)
     need = w - n_above  # >= 1: the bins above hold fewer than w keys
-    low = tl.zeros((), tl.int32)
-    n_hi = tl.zeros((), tl.int32)  # the bin's keys above first_key + low
-    low, n_hi = _radix4(key, key_tail, first_key, end_key, low, n_hi, need, 4, ROW_TAIL)
-    low, n_hi = _radix4(key, key_tail, first_key, end_key, low, n_hi, need, 1, ROW_TAIL)
-    t = first_key + low  # the kept-th largest key
+    lo = tl.zeros((), tl.int32)
+    hi = tl.full((), 1 << LOW, tl.int32)
+    n_hi = tl.zeros((), tl.int32)  # keys of the bin at or above first_key + hi
+    for _ in tl.static_range(LOW):
+        mid = (lo + hi) // 2
+        n_ge = _count_in(key, first_key + mid, end_key)
+        if ROW_TAIL > 0:
+            n_ge += _count_in(key_tail, first_key + mid, end_key)
+        up = n_ge >= need
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid)
+        n_hi = tl.where(up, n_hi, n_ge)
+    t = first_key + lo  # the kept-th largest key
     wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
     zero = tl.zeros((), tl.int32)
     above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
     if ROW_TAIL > 0:
         _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
     tl.debug_barrier()  # every thread has read the histogram before any zeroes it
-    tl.store(hist_row + tl.arange(0, NB), tl.zeros((NB,), tl.int32))
+    tl.store(hist_row + bins, tl.zeros((NB,), tl.int32))
     tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
 
