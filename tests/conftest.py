@@ -190,7 +190,7 @@ def build_case(
     k_all = rand(num_layers, b, h_kv, total, d)
     v_all = rand(num_layers, b, h_kv, total, d)
     # Left padding carries garbage (real models write pad-token keys there).
-    pad = torch.arange(total)[None, :] < start[:, None]  # [B, total]
+    pad = torch.arange(total, device=device)[None, :] < start[:, None]  # [B, total]
     pad = pad[None, :, None, :, None]
     k_all = torch.where(pad, k_all + GARBAGE, k_all)
     v_all = torch.where(pad, v_all - GARBAGE, v_all)
