@@ -301,6 +301,9 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     def given(stages: int, cfg=cfg):
         return kernel.select_scores(scores, forced, count, box.k_max, scratch, cfg, tiles(n_pages), stages)
 
+    zero_us = time_us(scratch.zero_)
+    rows.append({"section": "breakdown", "context": n, "case": "zero the workspace", "us": zero_us})
+
     def timed(launch, stages: int) -> tuple[float, float | None]:
         """``(net, with_zeroing)``: stages 2 and 3 leave the workspace dirty, so their calls zero it first."""
         if stages not in (2, 3):
@@ -308,8 +311,6 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
         us = time_us(lambda: (scratch.zero_(), launch(stages)))
         return us - zero_us, us
 
-    zero_us = time_us(scratch.zero_)
-    rows.append({"section": "breakdown", "context": n, "case": "zero the workspace", "us": zero_us})
     cases = (("box selection", pages, kernel._select_pages_kernel),
              ("selection from given scores", given, kernel._select_scores_kernel))
     for case, launch, fn in cases:
@@ -356,7 +357,9 @@ def resources(fn, known: set[int]) -> dict:
             k._init_handles()
         except Exception:  # the attributes below stay unknown then
             pass
-    return {"regs": [getattr(k, "n_regs", None) for k in new], "spills": [getattr(k, "n_spills", None) for k in new]} if new else {}
+    if not new:
+        return {}
+    return {"regs": [getattr(k, "n_regs", None) for k in new], "spills": [getattr(k, "n_spills", None) for k in new]}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -178,7 +178,7 @@ def build_case(
                          device=device)
 
     def rand(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+        return torch.randn(*shape, generator=gen).to(device, dtype)
 
     if reuse:
         cache.reset(torch.zeros(b, dtype=torch.long, device=device), cache.capacity)

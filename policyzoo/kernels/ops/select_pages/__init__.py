@@ -62,9 +62,9 @@ class SelectPagesConfig(LaunchConfig):
 
 def select_pages_config(n: int) -> SelectPagesConfig:
     """The launch parameters of a call on rows of ``n`` entries: the config in force
-    (`config.current`), its block of given scores no wider than the row needs (16 at least). The pages' block stays as set: the
-    bound's tile is then the grouped bound's (`PageScoreConfig`), whose values the choice must
-    reproduce."""
+    (`config.current`), its block of given scores no wider than the row needs (16 at least). The
+    pages' block stays as set: the bound's tile is then the grouped bound's (`PageScoreConfig`), whose
+    values the choice must reproduce."""
     return _choose(current(SelectPagesConfig), n)
 
 
