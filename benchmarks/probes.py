@@ -67,35 +67,53 @@ def _dense_layer(n: int):
 
 
 # ------------------------------------------------------------------------------------------ tune
+# Launch parameters the tune section tries: (BLOCK_T, warps, stages, target programs, min chunk tokens).
+TUNE_GRID = [(bt, w, st, tp, mc) for bt, w, st in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2),
+                                                   (128, 8, 3))
+             for tp, mc in ((512, 128), (1056, 128), (1056, 64), (1056, 32), (512, 256), (2112, 32))]
+# Bytes the tune section's rotated caches span at least: larger than any L2 cache, so every call
+# reads its keys and values from memory, as each layer of a decode step does.
+TUNE_ROTATED_BYTES = 256 * 2**20
+
+
 def section_tune(contexts, rows, grid=None):
-    """Time the dense split-K kernel over launch-parameter variants; SDPA on the same cache."""
+    """Time the dense split-K kernel over launch-parameter variants; SDPA on the same caches. Each
+    timing cycles through copies of the layer that together exceed the L2 cache (`TUNE_ROTATED_BYTES`)."""
     dev = common.DEVICE
-    grid = grid or [(bt, w, st, tp) for bt in (64, 128) for w in (4, 8) for st in (2, 3, 4) for tp in (512, 1056)]
+    grid = grid or TUNE_GRID
     if dev == "cpu":  # smoke test under the interpreter: one variant
         grid = grid[:1]
     for n in contexts:
-        q, keys, values, start, length, sel = _dense_layer(n)
+        kv_bytes = 2 * H_KV * n * D * 2
+        copies = 1 if dev == "cpu" else max(1, min(20, -(-TUNE_ROTATED_BYTES // kv_bytes)))
+        layers = [_dense_layer(n) for _ in range(copies)]
+        q, keys, values, start, length, sel = layers[0]
         scale = D**-0.5
         ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
-        t_sdpa = common.graph_time_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True))
-        kv_bytes = 2 * H_KV * n * D * 2
+        t_sdpa = common.graph_time_ms(_rotating([
+            partial(F.scaled_dot_product_attention, l[0][:, :, None], l[1], l[2], scale=scale, enable_gqa=True) for l in layers]))
         rows.append({"section": "tune", "setting": "torch SDPA", "context": n, "us": t_sdpa * 1e3,
-                     "TB/s": kv_bytes / (t_sdpa * 1e-3) / 1e12})
-        for bt, w, st, tp in grid:
-            row = {"section": "tune", "setting": f"BLOCK_T={bt} warps={w} stages={st} programs={tp}", "context": n}
+                     "TB/s": kv_bytes / (t_sdpa * 1e-3) / 1e12, "copies": copies})
+        kernel_calls = _rotating([
+            partial(torch.ops.policyzoo.decode_attention, l[0], l[1], l[2], l[5].indices, l[5].count, None, PAGE, l[3], l[4], scale)
+            for l in layers])
+        for bt, w, st, tp, mc in grid:
+            row = {"section": "tune", "setting": f"BLOCK_T={bt} warps={w} stages={st} programs={tp} min_chunk={mc}", "context": n,
+                   "copies": copies}
             try:
-                cfg = replace(current(AttentionConfig), block_t=bt, num_warps=w, num_stages=st, target_programs=tp)
+                cfg = replace(current(AttentionConfig), block_t=bt, num_warps=w, num_stages=st, target_programs=tp,
+                              min_chunk_tokens=mc)
                 with override(attention=cfg):
                     out, _ = torch.ops.policyzoo.decode_attention(q, keys, values, sel.indices, sel.count, None, PAGE,
                                                                   start, length, scale)
                     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    t = common.graph_time_ms(lambda: torch.ops.policyzoo.decode_attention(
-                        q, keys, values, sel.indices, sel.count, None, PAGE, start, length, scale))
+                    t = common.graph_time_ms(kernel_calls)
                 row.update({"us": t * 1e3, "TB/s": kv_bytes / (t * 1e-3) / 1e12, "vs_sdpa": t_sdpa / t, "rel_err": err})
-                print(f"tune n={n} {row['setting']:<42} {t*1e3:7.1f} us  x{t_sdpa/t:4.2f} of SDPA  err {err:.1e}", flush=True)
+                print(f"tune n={n} {row['setting']:<60} {t*1e3:7.1f} us  x{t_sdpa/t:4.2f} of SDPA  err {err:.1e}", flush=True)
             except Exception as e:  # a variant that does not compile (too many registers) is a row too
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(row)
+        del layers
 
 
 # ------------------------------------------------------------------------------------------ gemv

@@ -465,6 +465,7 @@ def main(argv=None) -> None:
     p.add_argument("--gemv-batches", default="1,4,16", help="batch sizes of the gemvfused section")
     p.add_argument("--gemv-dot-only", action="store_true",
                    help="gemvfused at batch 1: try only the tl.dot row-block tiles, not the scanning loop's grid")
+    p.add_argument("--tune-contexts", default="4096,32768,131072", help="contexts of the tune section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
     p.add_argument("--select-policies", default="", help="select section: these policies only (names up to the first space; default all)")
     p.add_argument("--compile-policies", default=",".join(compile_time.policies()),
@@ -541,7 +542,7 @@ def main(argv=None) -> None:
                                              deadline, new_tokens=args.new_tokens, backend=args.backend),
         "kernel": lambda: section_kernel(contexts, rows),
         "variants": lambda: probes.section_variants(rows, run, args.variants.split(",")),
-        "tune": lambda: probes.section_tune([c for c in contexts if c >= 32768] or contexts[-1:], rows),
+        "tune": lambda: probes.section_tune([int(c) for c in args.tune_contexts.split(",")], rows),
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
         "gemvfused": lambda: probes.section_gemv_fused(rows, deadline, batches=[int(b) for b in args.gemv_batches.split(",")],
