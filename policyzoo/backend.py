@@ -428,8 +428,9 @@ class LayerContexts:
         self.main.below = sel
 
     def reusable(self, same_every_layer: bool) -> Selection | None:
-        """None: one compiled layer serves every layer, each called alone, so each selects."""
-        return None
+        """The step's shared selection (`ContextStore.share`): a tensor input of the compiled layer,
+        made once before the layers."""
+        return self.main.shared if same_every_layer else None
 
 
 __all__ = [

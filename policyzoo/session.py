@@ -564,9 +564,20 @@ class DecodeSession:
         returns the step's arguments (`policyzoo.hf` runs the forward; `step` does it itself)."""
         self._take_room()
         args = self._step_args()
-        self.contexts.end_step()  # nothing of a step an exception cut short (a layer reuses `below`)
-        self.cache.length += 1
+        self._begin_step(args)
         return args
+
+    def _begin_step(self, args: ForwardArgs) -> None:
+        """Before a decode forward: nothing of a step an exception cut short remains, the cache
+        advances (every layer writes at the new ``length - 1``) and a policy that selects the same in
+        every layer (`KVSelector.same_every_layer`) selects, once for all layers (`ContextStore.share`)."""
+        self.contexts.end_step()
+        self.cache.length += 1
+        if args.phase == "decode" and args.policy.same_every_layer:
+            state = next((b.state for b in self.backends if b.window is None), None)
+            if state is not None:  # a query of no heads: such a select reads only its batch and device
+                q = torch.empty(self.cache.batch, 0, self.cache.head_dim, dtype=state.keys.dtype, device=self.cache.device)
+                self.contexts.share(args.policy.select(state, q))
 
     def close_step(self) -> None:
         """After a decode forward: what lived for the step goes, and the step index advances."""
@@ -587,8 +598,7 @@ class DecodeSession:
     def _advance(self, args: ForwardArgs) -> tuple[Tensor, Tensor]:
         """Advance the cache (every layer writes at the new ``length - 1``), run the model, choose the
         next tokens and feed them to the next step."""
-        self.contexts.end_step()  # nothing of a step an exception cut short (a layer reuses `below`)
-        self.cache.length += 1
+        self._begin_step(args)
         logits = self._forward(args)
         self.close_step()
         return logits, self._choose_and_feed(logits)

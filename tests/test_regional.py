@@ -4,13 +4,14 @@ tokens are those of eager decoding, and what cannot be compiled by layer compile
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 from tiny_models import LearnedQuest, padded_batch, tiny_model
 from torch._dynamo.utils import counters
 
-from policyzoo import SSA, AttentionTopK, Certified, Decoder, EntmaxKV, Quest, Threshold, TopK, Window
+from policyzoo import SSA, AttentionTopK, Certified, Decoder, Dense, EntmaxKV, Quest, Threshold, TopK, Window
 from policyzoo.regional import layer_invariant
 
 POLICIES = {
@@ -58,6 +59,25 @@ def test_one_compiled_layer_serves_every_layer_with_the_eager_tokens(name):
     # Outside the compiled steps the model is the plain eager one again.
     for block in dec.model.model.layers:
         assert block._compiled_call_impl is None
+
+
+@pytest.mark.parametrize("make", [Dense, lambda: Window(sinks=2, window=8)], ids=["dense", "window"])
+def test_a_selection_the_same_in_every_layer_is_made_once_a_step_outside_the_compiled_layer(make):
+    """The compiled layer reads the step's shared selection as an input: the policy's select runs
+    once a decode step, before the layers, and never inside the compiled layer (where it would run
+    in every layer of every replayed step, and only at tracing in Python)."""
+    policy = make()
+    ids, mask = padded_batch(2, 21)
+    eager_tokens = Decoder(tiny_model("llama", layers=3), kv=make()).generate(ids, 6, attention_mask=mask)
+    dec = Decoder(tiny_model("llama", layers=3), kv=policy)
+    torch._dynamo.reset()
+    dec.compile(backend="aot_eager")
+    assert dec.session.compiled_steps.regional
+    with mock.patch.object(type(policy), "select", autospec=True, side_effect=type(policy).select) as select:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            tokens = dec.generate(ids, 6, attention_mask=mask)
+    assert select.call_count == 5  # 5 decode steps after the prefill's token
+    assert torch.equal(tokens, eager_tokens)
 
 
 def test_settings_and_new_caches_keep_the_regional_step_right():

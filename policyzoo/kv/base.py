@@ -151,10 +151,11 @@ class KVSelector:
     two_stage: bool = False
     # Whether `select` reads the cache's geometry alone (its lengths, starts and pages), never the
     # layer's keys, summaries, query or state: its selection is then the same in every layer of a
-    # step, so a decode step makes it once, in the first layer, and the later layers reuse it
-    # (`ContextStore.reusable`), which spares each layer the kernels that build it. A subclass
-    # whose own `select` reads more (or records anything) is not: `Dense` and `Window` declare it
-    # only for their own `select`.
+    # step, so a decode step makes it once, before the layers, and every layer attends through it
+    # (`ContextStore.share`), which spares each layer the kernels that build it. That call's query
+    # has no heads (``[B, 0, D]``): only its batch and device may be read. A subclass whose own
+    # `select` reads more (or records anything) is not: `Dense` and `Window` declare it only for
+    # their own `select`.
     same_every_layer: bool = False
 
     def new_request(self) -> object | None:

@@ -64,7 +64,8 @@ class ContextStore:
 
     ``previous`` selections live in buffers made once per cache (`seed_previous`, eagerly, at the
     prefill) and are overwritten in place after each step's selection (`record`), so their addresses
-    stay fixed for CUDA graphs. ``below`` and ``hidden`` only live within one step (`end_step`
+    stay fixed for CUDA graphs. ``below``, ``hidden`` and ``shared`` (the step's one selection of a
+    policy that selects the same in every layer, `share`) only live within one step (`end_step`
     drops them), so they never leave a compiled graph.
     """
 
@@ -75,6 +76,7 @@ class ContextStore:
         self.hidden: list[Tensor | None] = [None] * num_layers
         self.rotary: tuple[Tensor, Tensor] | None = None  # the same for every layer of a step
         self.below: Selection | None = None
+        self.shared: Selection | None = None
         self.request: object | None = None  # the policy's per-request state (`KVSelector.new_request`)
         self.keep_previous = False  # set by the session from the policy in use
         self.keep_hidden = False
@@ -133,10 +135,15 @@ class ContextStore:
                 )
             _copy_selection(buf, sel)
 
+    def share(self, sel: Selection) -> None:
+        """Keep ``sel`` as this step's selection of every layer: the session makes it once, before
+        the layers, for a policy that selects the same in every layer (`KVSelector.same_every_layer`)."""
+        self.shared = sel
+
     def reusable(self, same_every_layer: bool) -> Selection | None:
-        """The selection an earlier layer made at this step, where the policy makes the same one in
-        every layer (its `KVSelector.same_every_layer`); else None, and the layer selects."""
-        return self.below if same_every_layer else None
+        """This step's shared selection (`share`), where the policy makes the same one in every
+        layer (its `KVSelector.same_every_layer`); else None, and the layer selects."""
+        return self.shared if same_every_layer else None
 
     def record_hidden(self, layer: int, hidden: Tensor) -> None:
         """The hidden state entering layer ``layer`` (its last token's row), if the policy reads it."""
@@ -152,6 +159,7 @@ class ContextStore:
     def end_step(self) -> None:
         """Drop what lives only within one step."""
         self.below = None
+        self.shared = None
         self.hidden = [None] * self.num_layers
         self.rotary = None
 
