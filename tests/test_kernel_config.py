@@ -127,13 +127,20 @@ def test_replace_validates_too():
 
 def test_attention_config_by_shape():
     rule = attention_op.attention_config
-    # 2K tokens, 8 KV heads x 1 row: 16 chunks of 128 tokens (the token floor), merged in one step.
-    assert (rule(2048, 1, 8).chunk, rule(2048, 1, 8).block_c) == (128, 16)
-    # 8,192 pages of 16 (128K): 512 programs over 8 heads, 64 chunks of 128 pages.
-    assert (rule(8192, 16, 8).chunk, rule(8192, 16, 8).block_c) == (128, 64)
+    # 2K tokens, 8 KV heads x 1 row: 512 programs over 8 heads, 64 chunks of 32 tokens (the token
+    # floor), merged in one step, walked in tiles of 32.
+    assert (rule(2048, 1, 8).chunk, rule(2048, 1, 8).block_c, rule(2048, 1, 8).block_t) == (32, 64, 32)
+    # 1K tokens: the floor of 32 tokens a chunk leaves 32 chunks.
+    assert (rule(1024, 1, 8).chunk, rule(1024, 1, 8).block_c) == (32, 32)
+    # 8,192 pages of 16 (128K): 64 chunks of 128 pages, in tiles of 64 tokens.
+    assert (rule(8192, 16, 8).chunk, rule(8192, 16, 8).block_c, rule(8192, 16, 8).block_t) == (128, 64, 64)
+    # 4K tokens in pages of 16: chunks of 4 pages = 64 tokens, still short: tiles of 32.
+    assert (rule(256, 16, 8).chunk, rule(256, 16, 8).block_t) == (4, 32)
+    # Chunks of 144 tokens (9 pages of 16) are long: tiles of 64.
+    assert rule(576, 16, 8).chunk == 9 and rule(576, 16, 8).block_t == 64
     # 512 chunks (one row, 128K tokens): merged in steps of 128 (`max_block_c`); no entry: one chunk.
     assert rule(1024, 128, 1).block_c == 128 and rule(0, 16, 8).chunk == 1
-    assert dataclasses.replace(rule(2048, 1, 8), chunk=0, block_c=0) == AttentionConfig()
+    assert dataclasses.replace(rule(2048, 1, 8), chunk=0, block_c=0, block_t=0) == AttentionConfig()
 
 
 def test_select_top_config_by_shape():
