@@ -292,12 +292,11 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     forced[..., -1] = True
     count = box.count.clone()
     scratch = torch.zeros(kernel.workspace_entries(H_KV), dtype=torch.int32, device=dev)
-    bound = page_score_config(D, n_pages)
-    cfg = select_op.select_pages_config(n_pages, bound)
+    cfg = select_op.select_pages_config(n_pages)
 
     def pages(stages: int, cfg=cfg):
         return kernel.select_pages(q, page_min, page_max, cache.start, cache.length, state.scale, box.k_max, count,
-                                   PAGE, 0, 0, 0.0, 0, scratch, cfg, bound, tiles(n_pages), stages)
+                                   PAGE, 0, 0, 0.0, 0, scratch, cfg, page_score_config(D), tiles(n_pages), stages)
 
     def given(stages: int, cfg=cfg):
         return kernel.select_scores(scores, forced, count, box.k_max, scratch, cfg, tiles(n_pages), stages)

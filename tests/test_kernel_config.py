@@ -38,7 +38,6 @@ from policyzoo.kernels.ops import decode_attention as attention_op
 from policyzoo.kernels.ops import entmax_threshold as entmax_op
 from policyzoo.kernels.ops import gathered_logits as gathered_op
 from policyzoo.kernels.ops import quest_page_bound as quest_op
-from policyzoo.kernels.ops import select_pages as pages_op
 from policyzoo.kernels.ops import select_top as select_op
 from policyzoo.kernels.ops import sketch_page_bound as sketch_op
 from policyzoo.kernels.ops import sparse_gemv as gemv_op
@@ -176,20 +175,11 @@ def test_gathered_logits_config_by_shape():
 
 
 def test_page_score_and_entmax_threshold_configs_by_shape():
-    rule = quest_op.page_score_config
-    assert rule(128, 2048) == PageScoreConfig(block_p=64) and rule(128, 8191).block_p == 64
-    assert rule(128, 8192).block_p == 128  # 128K tokens in pages of 16: 128 pages a program
-    assert rule(8, 100).method == "loop" and rule(8, 100).block_p == 64  # tl.dot needs 16
+    assert quest_op.page_score_config(128) == PageScoreConfig()
+    assert quest_op.page_score_config(8).method == "loop"  # tl.dot needs 16
     with override(page_score=PageScoreConfig(block_p=8)):
-        assert rule(64, 8192).block_p == 16
-        assert rule(8, 8192).block_p == 8
-    # The fused box selection scores with the grouped bound's tile, unless told otherwise.
-    assert pages_op.select_pages_config(8192, rule(128, 8192)).block_p == 128
-    assert pages_op.select_pages_config(2048, rule(128, 2048)).block_p == 64
-    with override(page_score=PageScoreConfig(block_p=32)):
-        assert pages_op.select_pages_config(8192, rule(128, 8192)).block_p == 32
-    with override(select_pages=SelectPagesConfig(block_p=256)):
-        assert pages_op.select_pages_config(8192, rule(128, 8192)).block_p == 256
+        assert quest_op.page_score_config(64).block_p == 16
+        assert quest_op.page_score_config(8).block_p == 8
     rule = entmax_op.entmax_threshold_config
     assert (rule(8192).split, rule(8192).block_p, rule(8192).num_warps) == (1, 2048, 16)  # one program: blocks of 2048
     assert (rule(300).block_p, rule(300).num_warps) == (512, 4)

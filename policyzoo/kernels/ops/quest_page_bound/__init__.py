@@ -33,49 +33,34 @@ class PageScoreConfig(LaunchConfig):
     method: str = "dot"
     """``"dot"``: the bound's two dot products per page with tl.dot (head dims under 16, below its
     minimum, take the loop); ``"loop"``: the G query heads in turn over a tile held in registers."""
-    block_p: int = 0
-    """Pages per program (16 at least with tl.dot); 0: from the row (`pages_per_program`)."""
+    block_p: int = 64
+    """Pages per program (16 at least with tl.dot)."""
     num_warps: int = 2
     """Warps per program."""
 
     def __post_init__(self) -> None:
         one_of(self, "method", self.METHODS)
-        powers_of_two(self, "num_warps")
-        powers_of_two(self, "block_p", zero=True)
+        powers_of_two(self, "block_p", "num_warps")
 
 
-# Rows of this many pages or more are scored 128 pages a program, shorter ones 64. On an H100 the
-# box selection over 8,192 pages (128K tokens, 8 KV heads) took 17.5 µs at 128 against 20 at 64,
-# while at 2,048 pages and below 64 was the faster (6.2 against 8.3 µs at 32K).
-LONG_ROW_PAGES = 8192
-
-
-def pages_per_program(n_pages: int) -> int:
-    """The page tile of a row of ``n_pages`` pages where the config leaves it 0 (`LONG_ROW_PAGES`)."""
-    return 128 if n_pages >= LONG_ROW_PAGES else 64
-
-
-def page_score_config(d: int, n_pages: int) -> PageScoreConfig:
-    """The launch parameters of a call with head dim ``d`` on rows of ``n_pages`` pages: the config
-    in force (`config.current`), its page tile from the row where it leaves it 0, with the loop where
-    tl.dot cannot serve (it needs 16 rows, columns and inner size: head dims under 16) and tiles of
-    16 pages at least for the dot. The fused box selection scores with the same tile (its values
-    must be these)."""
-    return _choose(current(PageScoreConfig), d, n_pages)
+def page_score_config(d: int) -> PageScoreConfig:
+    """The launch parameters of a call with head dim ``d``: the config in force (`config.current`),
+    with the loop where tl.dot cannot serve (it needs 16 rows, columns and inner size: head dims
+    under 16) and tiles of 16 pages at least for the dot."""
+    return _choose(current(PageScoreConfig), d)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: PageScoreConfig, d: int, n_pages: int) -> PageScoreConfig:
-    block_p = cfg.block_p or pages_per_program(n_pages)
+def _choose(cfg: PageScoreConfig, d: int) -> PageScoreConfig:
     if cfg.method == "dot" and next_power_of_2(d) >= 16:
-        return dataclasses.replace(cfg, block_p=max(16, block_p))
-    return dataclasses.replace(cfg, method="loop", block_p=block_p)
+        return dataclasses.replace(cfg, block_p=max(16, cfg.block_p))
+    return dataclasses.replace(cfg, method="loop")
 
 
 @torch.library.custom_op("policyzoo::quest_page_bound", mutates_args=())
 def _quest_page_bound_op(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "none") -> Tensor:
     need_triton()
-    return kernel.quest_page_bound(q, page_min, page_max, scale, agg, page_score_config(q.shape[-1], page_min.shape[2]))
+    return kernel.quest_page_bound(q, page_min, page_max, scale, agg, page_score_config(q.shape[-1]))
 
 
 @_quest_page_bound_op.register_fake
@@ -98,4 +83,4 @@ def quest_page_bound_grouped(q: Tensor, page_min: Tensor, page_max: Tensor, scal
     return torch.ops.policyzoo.quest_page_bound(q, page_min, page_max, float(scale), agg)
 
 
-__all__ = ["PageScoreConfig", "page_score_config", "pages_per_program", "quest_page_bound", "quest_page_bound_grouped"]
+__all__ = ["PageScoreConfig", "page_score_config", "quest_page_bound", "quest_page_bound_grouped"]

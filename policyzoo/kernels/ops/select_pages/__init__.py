@@ -21,7 +21,7 @@ from torch import Tensor
 from ...config import LaunchConfig, current, next_power_of_2, powers_of_two
 from ...route import HAS_TRITON, need_triton, routed
 from ...workspace import Workspace, buffer, zeroed
-from ..quest_page_bound import PageScoreConfig, page_score_config, pages_per_program
+from ..quest_page_bound import page_score_config
 from ..select_top import MAX_BLOCK_N, tiles
 from . import reference
 
@@ -46,9 +46,9 @@ class SelectPagesConfig(LaunchConfig):
 
     keyword = "select_pages"
 
-    block_p: int = 0
-    """Pages per program of the box selection (16 at least with the bound's tl.dot); 0: the grouped
-    bound's tile for the row (`PageScoreConfig`), whose values the choice must reproduce."""
+    block_p: int = 64
+    """Pages per program of the box selection (16 at least with the bound's tl.dot): 8,192 pages
+    and 8 KV heads make 1,024 programs, as the grouped bound's launch."""
     block_n: int = 512
     """Given scores per program of `select_scores`."""
     group: int = 32
@@ -57,23 +57,20 @@ class SelectPagesConfig(LaunchConfig):
     num_warps: int = 4
     """Warps per program."""
     def __post_init__(self) -> None:
-        powers_of_two(self, "block_n", "group", "num_warps")
-        powers_of_two(self, "block_p", zero=True)
+        powers_of_two(self, "block_p", "block_n", "group", "num_warps")
 
 
-def select_pages_config(n: int, bound: PageScoreConfig | None = None) -> SelectPagesConfig:
+def select_pages_config(n: int) -> SelectPagesConfig:
     """The launch parameters of a call on rows of ``n`` entries: the config in force
-    (`config.current`), its block of given scores no wider than the row needs (16 at least), and,
-    where it leaves the pages' block 0, the tile of ``bound`` (the grouped bound's config for these
-    rows, `page_score_config`; by default the one in force), so that the bound's values are the
-    grouped bound's, which the choice must reproduce."""
-    return _choose(current(SelectPagesConfig), n, bound)
+    (`config.current`), its block of given scores no wider than the row needs (16 at least). The
+    pages' block stays as set: the bound's tile is then the grouped bound's (`PageScoreConfig`), whose
+    values the choice must reproduce."""
+    return _choose(current(SelectPagesConfig), n)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: SelectPagesConfig, n: int, bound: PageScoreConfig | None) -> SelectPagesConfig:
-    block_p = cfg.block_p or (bound.block_p if bound is not None else pages_per_program(n))
-    return dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, next_power_of_2(n))), block_p=block_p)
+def _choose(cfg: SelectPagesConfig, n: int) -> SelectPagesConfig:
+    return dataclasses.replace(cfg, block_n=min(cfg.block_n, max(16, next_power_of_2(n))))
 
 
 def takes(n: int) -> bool:
@@ -105,10 +102,9 @@ def _select_pages_op(
         raise ValueError(f"select_pages takes rows of at most {MAX_ROW} pages, got {n_pages}")
     if k_max == 0 or b * h_kv == 0:
         return q.new_zeros(b, h_kv, k_max, dtype=torch.int32), q.new_zeros(b, h_kv, dtype=torch.int32)
-    bound = page_score_config(d, n_pages)
     return kernel.select_pages(q, page_min, page_max, start, length, scale, k_max, count, page_size, sinks, window,
-                               ratio, pages, _scratch(histograms, b * h_kv, q.device), select_pages_config(n_pages, bound),
-                               bound, tiles(n_pages))
+                               ratio, pages, _scratch(histograms, b * h_kv, q.device), select_pages_config(n_pages),
+                               page_score_config(d), tiles(n_pages))
 
 
 @_select_pages_op.register_fake
