@@ -319,6 +319,20 @@ def cuda_time_ms(fn: Callable[[], object], steps: int = 10, reps: int = 15, warm
     return time_ms(fn, calls=steps, reps=reps, warmup=warmup, device=DEVICE)
 
 
+# Bytes that a probe's rotated inputs span at least: more than any GPU's L2 cache (50 MB on an H100,
+# 60 MB on an H200), so that each timed call reads its inputs from memory, as a decode step reads each
+# layer's. A probe that times one copy of a layer smaller than the L2 cache times warm reads.
+ROTATED_BYTES = 256 * 2**20
+
+
+def rotated_copies(nbytes: int, calls: int = 20) -> int:
+    """How many copies of inputs of ``nbytes`` bytes a probe cycles through (`ROTATED_BYTES`, at most
+    one per call of a `graph_time_ms` graph; one on the CPU)."""
+    if DEVICE == "cpu":
+        return 1
+    return max(1, min(calls, -(-ROTATED_BYTES // max(nbytes, 1))))
+
+
 def graph_time_ms(fn: Callable[[], object], calls: int = 20) -> float:
     """Per-call time of ``fn`` captured ``calls`` times in one CUDA graph (no launch overhead)."""
     if DEVICE == "cpu":

@@ -71,21 +71,18 @@ def _dense_layer(n: int):
 TUNE_GRID = [(bt, w, st, tp, mc) for bt, w, st in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2),
                                                    (128, 8, 3))
              for tp, mc in ((512, 128), (1056, 128), (1056, 64), (1056, 32), (512, 256), (2112, 32))]
-# Bytes the tune section's rotated caches span at least: larger than any L2 cache, so every call
-# reads its keys and values from memory, as each layer of a decode step does.
-TUNE_ROTATED_BYTES = 256 * 2**20
 
 
 def section_tune(contexts, rows, grid=None):
     """Time the dense split-K kernel over launch-parameter variants; SDPA on the same caches. Each
-    timing cycles through copies of the layer that together exceed the L2 cache (`TUNE_ROTATED_BYTES`)."""
+    timing cycles through copies of the layer that together exceed the L2 cache (`common.ROTATED_BYTES`)."""
     dev = common.DEVICE
     grid = grid or TUNE_GRID
     if dev == "cpu":  # smoke test under the interpreter: one variant
         grid = grid[:1]
     for n in contexts:
         kv_bytes = 2 * H_KV * n * D * 2
-        copies = 1 if dev == "cpu" else max(1, min(20, -(-TUNE_ROTATED_BYTES // kv_bytes)))
+        copies = common.rotated_copies(kv_bytes)
         layers = [_dense_layer(n) for _ in range(copies)]
         q, keys, values, start, length, sel = layers[0]
         scale = D**-0.5

@@ -29,7 +29,11 @@ correct config of each case is printed last::
     python -m benchmarks.select_bench --tune --contexts 4096,32768,131072
 
 With ``--breakdown`` it times the fused selections stopped after each of their steps (scoring,
-histogram tally, arrival, the last program's choice), to say which step a target waits on.
+histogram tally, arrival, the last program's choice), to say which step a target waits on; the box
+selection's calls cycle through copies of the summaries past the L2 cache (`common.ROTATED_BYTES`).
+The other sections time one copy of the layer: at 128K its summaries (33.5 MB) and a selection's
+keys and values (54 MB at keep 0.1) are about the size of an L2 cache, so their figures are
+warmer than a decode step's.
 
 Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interpreter when
 ``TRITON_INTERPRET=1 POLICYZOO_TRITON=1`` are set, eager, wall-clock timings that mean nothing).
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import time
@@ -294,8 +299,15 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     scratch = torch.zeros(kernel.workspace_entries(H_KV), dtype=torch.int32, device=dev)
     cfg = select_op.select_pages_config(n_pages)
 
+    # The box selection reads the summaries (33.5 MB at 128K, which an L2 cache may hold): its timed
+    # calls cycle through copies of them, as a decode step reads each layer's from memory.
+    copies = common.rotated_copies(2 * page_min.numel() * page_min.element_size())
+    summaries = [(page_min, page_max)] + [(page_min.clone(), page_max.clone()) for _ in range(copies - 1)]
+    turn = itertools.count()
+
     def pages(stages: int, cfg=cfg):
-        return kernel.select_pages(q, page_min, page_max, cache.start, cache.length, state.scale, box.k_max, count,
+        lo, hi = summaries[next(turn) % copies]
+        return kernel.select_pages(q, lo, hi, cache.start, cache.length, state.scale, box.k_max, count,
                                    PAGE, 0, 0, 0.0, 0, scratch, cfg, page_score_config(D), tiles(n_pages), stages)
 
     def given(stages: int, cfg=cfg):
@@ -319,7 +331,7 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
             net, with_zeroing = timed(launch, stages)
             compiled = resources(fn, known)
             rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
-                         "us": net, "us_with_zeroing": with_zeroing, **compiled})
+                         "us": net, "us_with_zeroing": with_zeroing, "copies": copies if launch is pages else 1, **compiled})
             print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us {compiled or ''}", flush=True)
     # The choice's cost under other launch shapes of the box selection: stage 4 against stage 3.
     for fields in CHOICE_GRID:

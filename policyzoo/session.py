@@ -577,7 +577,12 @@ class DecodeSession:
             state = next((b.state for b in self.backends if b.window is None), None)
             if state is not None:  # a query of no heads: such a select reads only its batch and device
                 q = torch.empty(self.cache.batch, 0, self.cache.head_dim, dtype=state.keys.dtype, device=self.cache.device)
-                self.contexts.share(args.policy.select(state, q))
+                sel = args.policy.select(state, q)
+                if self._dynamic_capacity and not torch.compiler.is_compiling():
+                    # Made eagerly (around a regionally compiled layer): its width follows the capacity,
+                    # which the compiled layer must take as a symbol, as it takes the cache's.
+                    torch._dynamo.maybe_mark_dynamic(sel.indices, sel.indices.dim() - 1)
+                self.contexts.share(sel)
 
     def close_step(self) -> None:
         """After a decode forward: what lived for the step goes, and the step index advances."""

@@ -80,6 +80,22 @@ def test_a_selection_the_same_in_every_layer_is_made_once_a_step_outside_the_com
     assert torch.equal(tokens, eager_tokens)
 
 
+def test_the_shared_selection_follows_a_dynamic_capacity_without_a_recompile():
+    """With a dynamic capacity the shared selection's width (the cache's pages) is a symbol of the
+    compiled layer, as the cache's own sizes are: a longer prompt reuses the compiled layer."""
+    model = tiny_model("llama", layers=2)
+    eager = Decoder(copy.deepcopy(model))
+    dec = Decoder(model)
+    torch._dynamo.reset()
+    counters.clear()
+    dec.compile(backend="aot_eager", dynamic_capacity=True)
+    for n in (21, 90):
+        ids, mask = padded_batch(2, n)
+        with torch._dynamo.config.patch(error_on_recompile=n > 21):
+            assert torch.equal(dec.generate(ids, 4, attention_mask=mask), eager.generate(ids, 4, attention_mask=mask))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_settings_and_new_caches_keep_the_regional_step_right():
     """The dense setting and a larger cache (its own shapes: one compile each) after the KV setting;
     an audited step (eager) in between."""
