@@ -244,8 +244,7 @@ class PagedKVCache:
 
         Only the touched page is re-summarised (``page_size`` keys per head), so the cost per step
         is constant and the summaries always equal a recomputation over the visible tokens. On the
-        kernel path it is one launch where a summary is kept (`kernels.cache_append`); a bare append
-        is two ``index_copy_`` calls, which a compiled step fuses with the key's rotary embedding.
+        kernel path it is one launch (`kernels.cache_append`).
         """
         kept = tuple(getattr(self, name)[layer] if self.keeps(name) else None for name in SUMMARIES)
         kernels.cache_append(k, v, self.keys[layer], self.values[layer], kept, self.start, self.length, self.page_size)

@@ -844,25 +844,6 @@ def test_cache_append_refuses_unpaired_summaries_and_bad_shapes():
         append_kernel.cache_append(k[:, :1], k, keys, keys.clone(), (None,) * 4, start, length, 4)
 
 
-@here
-def test_cache_append_takes_the_kernel_only_to_refresh_a_summary(monkeypatch):
-    """A bare append (no summary kept: `Dense`, `Window`, the projection settings) runs as its
-    reference's two ``index_copy_``, which a compiled step fuses with the key's producer; an append
-    that refreshes a summary is the kernel's one launch. Both write the token at ``length - 1``."""
-    monkeypatch.setenv("POLICYZOO_TRITON", "1")
-    keys = torch.zeros(1, 2, 8, 4, device=DEVICE)
-    k, v = torch.randn(1, 2, 1, 4, device=DEVICE), torch.randn(1, 2, 1, 4, device=DEVICE)
-    pages = torch.zeros(1, 2, 2, 4, device=DEVICE)
-    start, length = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.tensor(3, device=DEVICE)
-    for summaries, launches in (((None,) * 4, []), ((pages, pages.clone(), None, None), ["cache_append"])):
-        got_k, got_v = keys.clone(), keys.clone()
-        with OpLog() as log:
-            kernels.cache_append(k, v, got_k, got_v, summaries, start, length, 4)
-        assert log.calls == launches
-        assert torch.equal(got_k[:, :, 2:3], k) and torch.equal(got_v[:, :, 2:3], v)
-        assert not got_k[:, :, [0, 1, *range(3, 8)]].any()
-
-
 # --------------------------------------------------------------------------------------------------
 # Dispatch: the switch, the custom ops, torch.compile
 

@@ -2,8 +2,7 @@
 
 `cache_append` writes a decode token at slot ``length - 1`` and refreshes its page's kept summaries.
 Specification: ``reference.py``; kernel: ``kernel.py`` (one launch; its warps follow the page size
-and head dim, so it has no launch config). The kernel takes the appends that keep a summary; a bare
-append runs as its reference (`_keeps_a_summary`).
+and head dim, so it has no launch config).
 """
 
 from __future__ import annotations
@@ -44,14 +43,7 @@ def _(k, v, keys, values, page_min, page_max, page_mean, page_std, start, length
     return None
 
 
-def _keeps_a_summary(k, v, keys, values, summaries, *args, **kwargs) -> bool:
-    """The kernel serves appends that refresh a page summary. A bare append (no summary kept) is two
-    ``index_copy_`` calls, which a compiled step fuses with the producer of ``k`` (the rotary
-    embedding): one launch fewer than the kernel after it."""
-    return any(s is not None for s in summaries)
-
-
-@routed(reference.cache_append, takes=_keeps_a_summary)
+@routed(reference.cache_append)
 def cache_append(
     k: Tensor,
     v: Tensor,
