@@ -31,9 +31,10 @@ correct config of each case is printed last::
 With ``--breakdown`` it times the fused selections stopped after each of their steps (scoring,
 histogram tally, arrival, the last program's choice), to say which step a target waits on; the box
 selection's calls cycle through copies of the summaries past the L2 cache (`common.ROTATED_BYTES`).
-The other sections time one copy of the layer: at 128K its summaries (33.5 MB) and a selection's
-keys and values (54 MB at keep 0.1) are about the size of an L2 cache, so their figures are
-warmer than a decode step's.
+The default section's timed calls cycle through copies of the layer as well (``--copies``; by
+default enough that the summaries and key sketches span that many bytes); ``--tune`` times one copy:
+at 128K its summaries (33.5 MB) and a selection's keys and values (54 MB at keep 0.1) are about
+the size of an L2 cache, so its figures are warmer than a decode step's.
 
 Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interpreter when
 ``TRITON_INTERPRET=1 POLICYZOO_TRITON=1`` are set, eager, wall-clock timings that mean nothing).
@@ -59,6 +60,7 @@ from policyzoo import EntmaxKV, Quest, inductor_compat, kernels
 from policyzoo.kernels import AttentionConfig, EntmaxThresholdConfig, SelectPagesConfig
 from policyzoo.kernels.config import override
 from policyzoo.kernels.ops import select_pages as select_op
+from policyzoo.cache import PagedKVCache
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
 
@@ -97,7 +99,7 @@ def same_choice(a: Selection, b: Selection) -> tuple[bool, int]:
     return differ == 0, differ
 
 
-def compiled(call: Callable[[], Selection]) -> Callable[[], Selection]:
+def compiled(call: Callable[[KVState], Selection]) -> Callable[[KVState], Selection]:
     """``call`` compiled as the select probe compiles it (eager off CUDA: a smoke test)."""
     if common.DEVICE != "cuda":
         return call
@@ -106,10 +108,29 @@ def compiled(call: Callable[[], Selection]) -> Callable[[], Selection]:
     return torch.compile(call, dynamic=False)
 
 
-def warm(fn: Callable[[], object]) -> None:
-    """The first call of a compiled path (its compile), outside the timing; nothing to warm off CUDA."""
+def warm(fn: Callable[[KVState], object], states: list[KVState]) -> None:
+    """The first call of a compiled path on each copy of the layer (its compile, and a recompile
+    wherever Dynamo tells the copies apart), outside the timing; nothing to warm off CUDA."""
     if common.DEVICE == "cuda":
-        fn()
+        for state in states:
+            fn(state)
+
+
+def rotating(fn: Callable[[KVState], object], states: list[KVState]) -> Callable[[], object]:
+    """One call of ``fn`` per call, on the next copy of the layer in turn (a captured graph then
+    cycles through the copies, each read from memory)."""
+    turn = itertools.count()
+    return lambda: fn(states[next(turn) % len(states)])
+
+
+def layer_copies(n: int, copies: int | None) -> list[PagedKVCache]:
+    """``copies`` caches of one layer at context ``n`` (None: enough that their summaries and key
+    sketches, what a selection reads, span `common.ROTATED_BYTES`)."""
+    first = filled_cache(n)
+    if copies is None:
+        read = sum(t.numel() * t.element_size() for t in (first.page_min[0], first.page_max[0], first.key_sketch[0]))
+        copies = common.rotated_copies(read)
+    return [first] + [filled_cache(n) for _ in range(copies - 1)]
 
 
 def selected_bytes(sel: Selection, cache, dtype_bytes: int = 2) -> float:
@@ -122,43 +143,49 @@ def time_us(fn: Callable[[], object]) -> float:
     return common.graph_time_ms(fn) * 1e3
 
 
-def bench_context(n: int, names: list[str], rows: list[dict]) -> None:
+def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None = None) -> None:
+    """The policies' selections and the attention over them at context ``n``, each timed call on the
+    next of ``copies`` copies of the layer (`layer_copies`), so that it reads the layer from memory."""
     dev = common.DEVICE
-    cache = filled_cache(n)
-    state = KVState(cache, 0, D**-0.5, workspace=kernels.Workspace(dev))
+    workspace = kernels.Workspace(dev)
+    caches = layer_copies(n, copies)
+    states = [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
+    state, cache = states[0], caches[0]
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
+    print(f"n={n:>7} timed over {len(states)} copies of the layer", flush=True)
 
-    def attend(sel: Selection):
-        return kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length, state.scale)
+    def attend(sel: Selection) -> Callable[[], object]:
+        return rotating(lambda s: kernels.decode_attention(q, s.keys, s.values, sel, s.cache.start, s.cache.length, s.scale),
+                        states)
 
     pages = math.ceil(n / PAGE)
     dense = Selection(torch.arange(cache.num_pages, device=dev, dtype=torch.int32).expand(1, H_KV, -1).contiguous(),
                       torch.full((1, H_KV), pages, device=dev, dtype=torch.int32), block=PAGE)
-    dense_us = time_us(lambda: attend(dense))
+    dense_us = time_us(attend(dense))
     dense_tbs = selected_bytes(dense, cache) / dense_us / 1e6
-    rows.append({"context": n, "setting": "dense", "attention_us": dense_us, "attention_TB/s": dense_tbs})
+    rows.append({"context": n, "setting": "dense", "attention_us": dense_us, "attention_TB/s": dense_tbs, "copies": len(states)})
     print(f"n={n:>7} dense attention {dense_us:7.1f} us, {dense_tbs:5.2f} TB/s of its {selected_bytes(dense, cache) / 1e6:.1f} MB",
           flush=True)
 
     made = policies()
     for name in names:
-        row = {"context": n, "setting": name}
-        with common.recorded(row, f"select_bench {name}@{n}"):
+        row = {"context": n, "setting": name, "copies": len(states)}
+        with common.recorded(row, f"select_bench {name}@{n}"), torch._dynamo.config.patch(recompile_limit=64):
             policy = made[name]()
-            call = lambda: policy.select(state, q)  # noqa: E731
+            call = lambda s: policy.select(s, q)  # noqa: E731
             with old_path():
-                old = call()
-            new = call()
+                old = call(state)
+            new = call(state)
             same, differ = same_choice(old, new)
             row.update({"same": same, "entries_differing": differ})
             with old_path():
                 old_fn = compiled(call)
-                warm(old_fn)
-                old_us = time_us(old_fn)
+                warm(old_fn, states)
+                old_us = time_us(rotating(old_fn, states))
             new_fn = compiled(call)
-            warm(new_fn)
-            new_us = time_us(new_fn)
-            attn_us = time_us(lambda: attend(new))
+            warm(new_fn, states)
+            new_us = time_us(rotating(new_fn, states))
+            attn_us = time_us(attend(new))
             nbytes = selected_bytes(new, cache)
             row.update({"old_select_us": old_us, "new_select_us": new_us, "speedup": old_us / new_us,
                         "kv_keep": float(new.kept_tokens(cache.token_valid()).mean()) / n,
@@ -382,8 +409,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tune", action="store_true", help="time launch-parameter grids instead (see the module doc)")
     p.add_argument("--breakdown", action="store_true",
                    help="time the fused selections stopped after each of their steps instead (see breakdown_context)")
+    p.add_argument("--copies", type=int, default=None,
+                   help="copies of the layer the default section's timed calls cycle through (default: enough to span "
+                        "common.ROTATED_BYTES of what a selection reads)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    if args.copies is not None and args.copies < 1:
+        p.error(f"--copies must be 1 or more, got {args.copies}")
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else (TINY_CONTEXTS if args.tiny else CONTEXTS)
     names = [n for n in args.policies.split(",") if n]
     unknown = sorted(set(names) - set(policies()))
@@ -398,7 +430,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         elif args.tune:
             tune_context(n, rows)
         else:
-            bench_context(n, names, rows)
+            bench_context(n, names, rows, args.copies)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

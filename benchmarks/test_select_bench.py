@@ -26,8 +26,9 @@ def run_tiny(tmp_path, *flags: str) -> list[dict]:
 
 
 def test_select_bench_runs_on_cpu(tmp_path):
-    rows = run_tiny(tmp_path)
+    rows = run_tiny(tmp_path, "--copies", "2")  # two copies of the layer: the timed calls rotate
     assert [r for r in rows if "error" in r] == []
+    assert all(r["copies"] == 2 for r in rows if "copies" in r) and any("copies" in r for r in rows)
     policies = [r for r in rows if r["setting"] not in ("dense", "gaussian threshold")]
     assert {r["setting"] for r in policies} == {"quest0.1", "quest0.1-sketch", "quest0.1-nominate4", "entmax-kv0.1"}
     assert all(r["same"] and r["old_select_us"] > 0 and r["new_select_us"] > 0 for r in policies)
