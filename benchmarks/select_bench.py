@@ -31,10 +31,10 @@ correct config of each case is printed last::
 With ``--breakdown`` it times the fused selections stopped after each of their steps (scoring,
 histogram tally, arrival, the last program's choice), to say which step a target waits on; the box
 selection's calls cycle through copies of the summaries past the L2 cache (`common.ROTATED_BYTES`).
-The default section's timed calls cycle through copies of the layer as well (``--copies``; by
-default enough that the summaries and key sketches span that many bytes); ``--tune`` times one copy:
-at 128K its summaries (33.5 MB) and a selection's keys and values (54 MB at keep 0.1) are about
-the size of an L2 cache, so its figures are warmer than a decode step's.
+The default section's and ``--tune``'s timed calls cycle through copies of the layer as well
+(``--copies``; by default enough that the summaries and key sketches span that many bytes): at 128K
+one layer's summaries (33.5 MB) and a selection's keys and values (54 MB at keep 0.1) are about the
+size of an L2 cache, so one copy would time warmer reads than a decode step's.
 
 Without a GPU it runs as a smoke test at toy sizes (kernels in the Triton interpreter when
 ``TRITON_INTERPRET=1 POLICYZOO_TRITON=1`` are set, eager, wall-clock timings that mean nothing).
@@ -254,18 +254,19 @@ def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Cal
           flush=True)
 
 
-def tune_context(n: int, rows: list[dict]) -> None:
-    """The launch-parameter grids at context ``n`` (see the module's ``--tune``)."""
+def tune_context(n: int, rows: list[dict], copies: int | None = None) -> None:
+    """The launch-parameter grids at context ``n`` (see the module's ``--tune``), each timed call on
+    the next of ``copies`` copies of the layer (`layer_copies`)."""
     dev = common.DEVICE
-    cache = filled_cache(n)
-    state = KVState(cache, 0, D**-0.5, workspace=kernels.Workspace(dev))
+    workspace = kernels.Workspace(dev)
+    caches = layer_copies(n, copies)
+    states = [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
+    state, cache = states[0], caches[0]
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
     policy = policies()["quest0.1"]()
     box = policy.select(state, q)
-    page_min, page_max = cache.page_min[0], cache.page_max[0]
-
-    def bound():
-        return kernels.quest_page_bound_grouped(q, page_min, page_max, state.scale)
+    print(f"tune n={n:>7} timed over {len(states)} copies of the layer", flush=True)
+    bound = rotating(lambda s: kernels.quest_page_bound_grouped(q, s.cache.page_min[0], s.cache.page_max[0], s.scale), states)
 
     scores = bound()
     forced = torch.zeros_like(scores, dtype=torch.bool)
@@ -279,12 +280,12 @@ def tune_context(n: int, rows: list[dict]) -> None:
                                                                  workspace=state.workspace))})
         print(f"tune n={n:>7} grouped bound alone {rows[-2]['us']:7.1f} us; select from its scores "
               f"{rows[-1]['us']:7.1f} us", flush=True)
-        _tune(rows, "box selection", n, SelectPagesConfig, SELECT_GRID, lambda: policy.select(state, q),
+        _tune(rows, "box selection", n, SelectPagesConfig, SELECT_GRID, rotating(lambda s: policy.select(s, q), states),
               lambda a, b: same_choice(a, b)[0])
 
     def attention(sel: Selection) -> Callable[[], object]:
-        return lambda: kernels.decode_attention(q, state.keys, state.values, sel, cache.start, cache.length,
-                                                state.scale)[0]
+        return rotating(lambda s: kernels.decode_attention(q, s.keys, s.values, sel, s.cache.start, s.cache.length,
+                                                           s.scale)[0], states)
 
     def close(a, b) -> bool:
         return bool(((a.float() - b.float()).norm() / b.float().norm()) < 2e-2)
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--breakdown", action="store_true",
                    help="time the fused selections stopped after each of their steps instead (see breakdown_context)")
     p.add_argument("--copies", type=int, default=None,
-                   help="copies of the layer the default section's timed calls cycle through (default: enough to span "
+                   help="copies of the layer the default and --tune sections' timed calls cycle through (default: enough to span "
                         "common.ROTATED_BYTES of what a selection reads)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.breakdown:
             breakdown_context(n, rows)
         elif args.tune:
-            tune_context(n, rows)
+            tune_context(n, rows, args.copies)
         else:
             bench_context(n, names, rows, args.copies)
     if args.out:
