@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+import itertools
 import time
 import traceback
 from contextlib import contextmanager
@@ -319,9 +320,10 @@ def cuda_time_ms(fn: Callable[[], object], steps: int = 10, reps: int = 15, warm
     return time_ms(fn, calls=steps, reps=reps, warmup=warmup, device=DEVICE)
 
 
-# Bytes that a probe's rotated inputs span at least: more than any GPU's L2 cache (50 MB on an H100,
-# 60 MB on an H200), so that each timed call reads its inputs from memory, as a decode step reads each
-# layer's. A probe that times one copy of a layer smaller than the L2 cache times warm reads.
+# A GPU's L2 cache (50 MB on an H100 and an H200). A probe that times one copy of inputs smaller
+# than it times warm reads; a decode step reads each layer's from memory.
+L2_BYTES = 50 << 20
+# Bytes that a probe's rotated inputs span at least (`rotated_copies`): five L2 caches.
 ROTATED_BYTES = 256 * 2**20
 
 
@@ -331,6 +333,12 @@ def rotated_copies(nbytes: int, calls: int = 20) -> int:
     if DEVICE == "cpu":
         return 1
     return max(1, min(calls, -(-ROTATED_BYTES // max(nbytes, 1))))
+
+
+def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One call of each of ``fns`` per call, in turn (so a captured graph cycles through copies)."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
 
 
 def graph_time_ms(fn: Callable[[], object], calls: int = 20) -> float:

@@ -45,7 +45,6 @@ from policyzoo.kernels import DenseGemvConfig
 from policyzoo.kernels.config import override
 
 from . import common
-from .probes import L2_BYTES, _rotating
 
 # label -> (d_in, d_out, input-major): how each Llama-3.1-8B projection (its fused groups) is stored.
 SHAPES = {
@@ -106,7 +105,7 @@ def bench_shape(label: str, d_in: int, d_out: int, input_major: bool, batch: int
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     wbytes = d_in * d_out * torch.tensor([], dtype=dtype).element_size()
-    copies = max(2, math.ceil(3 * L2_BYTES / wbytes)) if dev == "cuda" else 1
+    copies = max(2, math.ceil(3 * common.L2_BYTES / wbytes)) if dev == "cuda" else 1
     shape = (d_in, d_out) if input_major else (d_out, d_in)  # each layout stored contiguously
     ws = [(torch.randn(*shape, device=dev, generator=g) * 0.02).to(dtype) for _ in range(copies)]
     x = torch.randn(batch, d_in, device=dev, generator=g).to(dtype)
@@ -117,7 +116,7 @@ def bench_shape(label: str, d_in: int, d_out: int, input_major: bool, batch: int
         cublas = lambda w: F.linear(x, w)  # noqa: E731
         op = lambda w: kernels.dense_gemv(x, w, workspace=workspace)  # noqa: E731
     want = cublas(ws[0]).float()
-    cublas_us = common.graph_time_ms(_rotating([lambda w=w: cublas(w) for w in ws])) * 1e3
+    cublas_us = common.graph_time_ms(common.rotating([lambda w=w: cublas(w) for w in ws])) * 1e3
     base = {"shape": label, "d_in": d_in, "d_out": d_out, "input_major": input_major, "batch": batch,
             "weight_MB": wbytes / 1e6, "copies": copies, "cublas_us": cublas_us,
             "cublas_TB/s": wbytes / (cublas_us * 1e-6) / 1e12}
@@ -134,7 +133,7 @@ def bench_shape(label: str, d_in: int, d_out: int, input_major: bool, batch: int
                 row["rel_err"] = err
                 if not err <= MAX_ERR:
                     raise ValueError(f"rel err {err:.1e} against cuBLAS")
-                us = common.graph_time_ms(_rotating([lambda w=w: op(w) for w in ws])) * 1e3
+                us = common.graph_time_ms(common.rotating([lambda w=w: op(w) for w in ws])) * 1e3
             row.update({"us": us, "TB/s": wbytes / (us * 1e-6) / 1e12, "vs_cublas": cublas_us / us})
             print(f"{label:<8} B={batch} {row['setting']:<62} {us:8.1f} us {row['TB/s']:5.2f} TB/s "
                   f"x{row['vs_cublas']:4.2f} err {err:.1e}", flush=True)

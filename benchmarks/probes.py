@@ -87,11 +87,11 @@ def section_tune(contexts, rows, grid=None):
         q, keys, values, start, length, sel = layers[0]
         scale = D**-0.5
         ref = F.scaled_dot_product_attention(q[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
-        t_sdpa = common.graph_time_ms(_rotating([
+        t_sdpa = common.graph_time_ms(common.rotating([
             partial(F.scaled_dot_product_attention, l[0][:, :, None], l[1], l[2], scale=scale, enable_gqa=True) for l in layers]))
         rows.append({"section": "tune", "setting": "torch SDPA", "context": n, "us": t_sdpa * 1e3,
                      "TB/s": kv_bytes / (t_sdpa * 1e-3) / 1e12, "copies": copies})
-        kernel_calls = _rotating([
+        kernel_calls = common.rotating([
             partial(torch.ops.policyzoo.decode_attention, l[0], l[1], l[2], l[5].indices, l[5].count, None, PAGE, l[3], l[4], scale)
             for l in layers])
         for bt, w, st, tp, mc in grid:
@@ -187,13 +187,6 @@ def section_gemv_tune(rows, keep: float = 0.5):
 # The projections as the Decoder runs them on Llama-3.1-8B: d_in and the members' d_out.
 GROUP_SHAPES = {"q|k|v": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate|up": (4096, (14336, 14336)),
                 "down": (14336, (4096,))}
-L2_BYTES = 50 << 20  # an H200's L2 cache: weights are rotated over copies three times its size
-
-
-def _rotating(fns: list) -> Callable[[], object]:
-    """One call of each of ``fns`` per call, in turn (so a captured graph cycles through copies)."""
-    it = iter(range(1 << 62))
-    return lambda: fns[next(it) % len(fns)]()
 
 
 def gemv_grid(batch: int, full: bool = True) -> list[dict]:
@@ -241,7 +234,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             d_in, sizes = d_in // 64, tuple(max(16, n // 64) for n in sizes)
         d_out, segment = sum(sizes), math.gcd(*sizes)
         wbytes = d_in * d_out * 2
-        copies = max(2, math.ceil(3 * L2_BYTES / wbytes)) if dev == "cuda" else 1
+        copies = max(2, math.ceil(3 * common.L2_BYTES / wbytes)) if dev == "cuda" else 1
         ws = [torch.randn(d_in, d_out, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
         for b in batches:
             if time.perf_counter() > deadline:
@@ -260,7 +253,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             ref = kernels.reference.sparse_gemv_threshold(x.float(), t, ws[0].float(), None, seg)
             y = gemv(x, t, ws[0], seg)
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            dense_us = common.graph_time_ms(_rotating([lambda w=w: F.linear(x, w.t()) for w in ws])) * 1e3
+            dense_us = common.graph_time_ms(common.rotating([lambda w=w: F.linear(x, w.t()) for w in ws])) * 1e3
             base = {"section": "gemvfused", "shape": label, "batch": b, "union": union, "cublas_us": dense_us,
                     "cublas_TB/s": wbytes / (dense_us * 1e-6) / 1e12}
             def run_config(name: str, c: dict) -> None:
@@ -272,7 +265,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
                         yc = gemv(x, t, ws[0], seg)
                         e = ((yc.float() - ref).norm() / ref.norm()).item()
                         us = common.graph_time_ms(
-                            _rotating([lambda w=w: gemv(x, t, w, seg) for w in ws])) * 1e3
+                            common.rotating([lambda w=w: gemv(x, t, w, seg) for w in ws])) * 1e3
                     row.update({"us": us, "TB/s": read / (us * 1e-6) / 1e12, "vs_cublas": dense_us / us, "rel_err": e})
                     print(f"gemvfused {label:<8} B={b:<3} union {union:.3f} {name:<46} {us:7.1f} us {row['TB/s']:5.2f} TB/s "
                           f"(cuBLAS {dense_us:6.1f} us {base['cublas_TB/s']:4.2f} TB/s) x{dense_us/us:4.2f} err {e:.1e}", flush=True)

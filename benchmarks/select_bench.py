@@ -117,10 +117,8 @@ def warm(fn: Callable[[KVState], object], states: list[KVState]) -> None:
 
 
 def rotating(fn: Callable[[KVState], object], states: list[KVState]) -> Callable[[], object]:
-    """One call of ``fn`` per call, on the next copy of the layer in turn (a captured graph then
-    cycles through the copies, each read from memory)."""
-    turn = itertools.count()
-    return lambda: fn(states[next(turn) % len(states)])
+    """``fn`` on the next copy of the layer at each call (`common.rotating`)."""
+    return common.rotating([functools.partial(fn, s) for s in states])
 
 
 def layer_copies(n: int, copies: int | None) -> list[PagedKVCache]:
@@ -330,11 +328,10 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     # The box selection reads the summaries (33.5 MB at 128K, which an L2 cache may hold): its timed
     # calls cycle through copies of them, as a decode step reads each layer's from memory.
     copies = common.rotated_copies(2 * page_min.numel() * page_min.element_size())
-    summaries = [(page_min, page_max)] + [(page_min.clone(), page_max.clone()) for _ in range(copies - 1)]
-    turn = itertools.count()
+    summaries = itertools.cycle([(page_min, page_max)] + [(page_min.clone(), page_max.clone()) for _ in range(copies - 1)])
 
     def pages(stages: int, cfg=cfg):
-        lo, hi = summaries[next(turn) % copies]
+        lo, hi = next(summaries)
         return kernel.select_pages(q, lo, hi, cache.start, cache.length, state.scale, box.k_max, count,
                                    PAGE, 0, 0, 0.0, 0, scratch, cfg, page_score_config(D), tiles(n_pages), stages)
 
