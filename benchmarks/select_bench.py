@@ -220,8 +220,8 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
 SELECT_GRID = [dict(block_p=p, num_warps=w) for p in (32, 64, 128, 256) for w in (2, 4, 8, 16)] + [
     dict(group=g) for g in (16, 64)]
 ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
-                  for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
-                  for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (2048, 32))]
+                  for t in (32, 64) for w in (4, 8) for s in (2, 3)
+                  for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
 
 
 def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Callable[[], object],
