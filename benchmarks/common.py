@@ -335,6 +335,14 @@ def rotated_copies(nbytes: int, calls: int = 20) -> int:
     return max(1, min(calls, -(-ROTATED_BYTES // max(nbytes, 1))))
 
 
+def weight_copies(nbytes: int) -> int:
+    """How many copies of a weight of ``nbytes`` bytes a GEMV probe cycles through: three L2 caches'
+    worth, two at least (one on the CPU)."""
+    if DEVICE == "cpu":
+        return 1
+    return max(2, -(-3 * L2_BYTES // max(nbytes, 1)))
+
+
 def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     """One call of each of ``fns`` per call, in turn (so a captured graph cycles through copies)."""
     turn = itertools.cycle(fns)

@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -105,7 +104,7 @@ def bench_shape(label: str, d_in: int, d_out: int, input_major: bool, batch: int
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     wbytes = d_in * d_out * torch.tensor([], dtype=dtype).element_size()
-    copies = max(2, math.ceil(3 * common.L2_BYTES / wbytes)) if dev == "cuda" else 1
+    copies = common.weight_copies(wbytes)
     shape = (d_in, d_out) if input_major else (d_out, d_in)  # each layout stored contiguously
     ws = [(torch.randn(*shape, device=dev, generator=g) * 0.02).to(dtype) for _ in range(copies)]
     x = torch.randn(batch, d_in, device=dev, generator=g).to(dtype)

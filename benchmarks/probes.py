@@ -234,7 +234,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             d_in, sizes = d_in // 64, tuple(max(16, n // 64) for n in sizes)
         d_out, segment = sum(sizes), math.gcd(*sizes)
         wbytes = d_in * d_out * 2
-        copies = max(2, math.ceil(3 * common.L2_BYTES / wbytes)) if dev == "cuda" else 1
+        copies = common.weight_copies(wbytes)
         ws = [torch.randn(d_in, d_out, device=dev, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
         for b in batches:
             if time.perf_counter() > deadline:

@@ -60,7 +60,6 @@ from policyzoo import EntmaxKV, Quest, inductor_compat, kernels
 from policyzoo.kernels import AttentionConfig, EntmaxThresholdConfig, SelectPagesConfig
 from policyzoo.kernels.config import override
 from policyzoo.kernels.ops import select_pages as select_op
-from policyzoo.cache import PagedKVCache
 from policyzoo.kv.base import KVState
 from policyzoo.selection import Selection
 
@@ -121,14 +120,17 @@ def rotating(fn: Callable[[KVState], object], states: list[KVState]) -> Callable
     return common.rotating([functools.partial(fn, s) for s in states])
 
 
-def layer_copies(n: int, copies: int | None) -> list[PagedKVCache]:
-    """``copies`` caches of one layer at context ``n`` (None: enough that their summaries and key
-    sketches, what a selection reads, span `common.ROTATED_BYTES`)."""
+def layer_copies(n: int, copies: int | None) -> list[KVState]:
+    """The states of ``copies`` caches of one layer at context ``n``, sharing one workspace (None:
+    enough copies that their summaries and key sketches, what a selection reads, span
+    `common.ROTATED_BYTES`)."""
     first = filled_cache(n)
     if copies is None:
         read = sum(t.numel() * t.element_size() for t in (first.page_min[0], first.page_max[0], first.key_sketch[0]))
         copies = common.rotated_copies(read)
-    return [first] + [filled_cache(n) for _ in range(copies - 1)]
+    workspace = kernels.Workspace(common.DEVICE)
+    caches = [first] + [filled_cache(n) for _ in range(copies - 1)]
+    return [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
 
 
 def selected_bytes(sel: Selection, cache, dtype_bytes: int = 2) -> float:
@@ -145,10 +147,8 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
     """The policies' selections and the attention over them at context ``n``, each timed call on the
     next of ``copies`` copies of the layer (`layer_copies`), so that it reads the layer from memory."""
     dev = common.DEVICE
-    workspace = kernels.Workspace(dev)
-    caches = layer_copies(n, copies)
-    states = [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
-    state, cache = states[0], caches[0]
+    states = layer_copies(n, copies)
+    state, cache = states[0], states[0].cache
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
     print(f"n={n:>7} timed over {len(states)} copies of the layer", flush=True)
 
@@ -256,10 +256,8 @@ def tune_context(n: int, rows: list[dict], copies: int | None = None) -> None:
     """The launch-parameter grids at context ``n`` (see the module's ``--tune``), each timed call on
     the next of ``copies`` copies of the layer (`layer_copies`)."""
     dev = common.DEVICE
-    workspace = kernels.Workspace(dev)
-    caches = layer_copies(n, copies)
-    states = [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
-    state, cache = states[0], caches[0]
+    states = layer_copies(n, copies)
+    state, cache = states[0], states[0].cache
     q = torch.randn(1, H, D, device=dev, dtype=torch.bfloat16)
     policy = policies()["quest0.1"]()
     box = policy.select(state, q)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .cache import PagedKVCache
     from .forward import ForwardArgs
     from .kv.context import ContextStore
+    from .selection import Selection
 
 WARMUP_STEPS = 2  # compiled runs of a new key before its CUDA graph is captured
 WATCHED_CALLS = 3  # calls of a new compiled step watched for a fallback to eager (compiles happen there)
@@ -217,6 +218,13 @@ def mark_capacity_dynamic(cache: "PagedKVCache") -> None:
     for t in cache.tensors():
         if t.dim() == 4 and id(t) not in rings:  # keys/values [B, H_kv, capacity, D], summaries [B, H_kv, pages, D]
             torch._dynamo.maybe_mark_dynamic(t, 2)
+
+
+def mark_selection_dynamic(sel: "Selection") -> None:
+    """Trace an eagerly made selection's width as a symbol (``dynamic_capacity``): it follows the
+    capacity (a shared selection of every page), which the compiled layer takes as a symbol too."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(sel.indices, sel.indices.dim() - 1)
 
 
 def policy_state_layout(backends: "Sequence[Backend]", contexts: "ContextStore | None") -> tuple:

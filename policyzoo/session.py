@@ -34,7 +34,7 @@ from .attention import ATTN_IMPLEMENTATION
 from .backend import Attention, Audited, Backend, Recorder, build_backends
 from .bytes import SETTINGS
 from .cache import PagedKVCache
-from .compiled import CompiledSteps, compile_steps, mark_capacity_dynamic, policy_state_layout
+from .compiled import CompiledSteps, compile_steps, mark_capacity_dynamic, mark_selection_dynamic, policy_state_layout
 from .forward import KWARG, ForwardArgs, Phase, PromptChunk
 from .kv.base import KVSelector, check_count
 from .kv.context import ContextStore
@@ -578,10 +578,8 @@ class DecodeSession:
             if state is not None:  # a query of no heads: such a select reads only its batch and device
                 q = torch.empty(self.cache.batch, 0, self.cache.head_dim, dtype=state.keys.dtype, device=self.cache.device)
                 sel = args.policy.select(state, q)
-                if self._dynamic_capacity and not torch.compiler.is_compiling():
-                    # Made eagerly (around a regionally compiled layer): its width follows the capacity,
-                    # which the compiled layer must take as a symbol, as it takes the cache's.
-                    torch._dynamo.maybe_mark_dynamic(sel.indices, sel.indices.dim() - 1)
+                if self._dynamic_capacity:
+                    mark_selection_dynamic(sel)
                 self.contexts.share(sel)
 
     def close_step(self) -> None:
