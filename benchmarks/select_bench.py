@@ -61,6 +61,7 @@ from policyzoo.kernels import AttentionConfig, EntmaxThresholdConfig, SelectPage
 from policyzoo.kernels.config import override
 from policyzoo.kernels.ops import select_pages as select_op
 from policyzoo.kv.base import KVState
+from policyzoo.kv.choose import choose_topk_steps
 from policyzoo.selection import Selection
 
 from . import common
@@ -218,7 +219,7 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
 
 
 SELECT_GRID = [dict(block_p=p, num_warps=w) for p in (32, 64, 128, 256) for w in (2, 4, 8, 16)] + [
-    dict(group=g) for g in (16, 64)]
+    dict(group=g) for g in (16, 64)] + [dict(choice_chunk=c) for c in (0, 256, 512, 2048)]
 ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
                   for t in (32, 64) for w in (4, 8) for s in (2, 3)
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
@@ -352,25 +353,44 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
         for stages, what in STAGE_NAMES.items():
             known = compiled_kernels(fn)
             net, with_zeroing = timed(launch, stages)
-            compiled = resources(fn, known)
+            used = resources(fn, known)
             rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
-                         "us": net, "us_with_zeroing": with_zeroing, "copies": copies if launch is pages else 1, **compiled})
-            print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us {compiled or ''}", flush=True)
-    # The choice's cost under other launch shapes of the box selection: stage 4 against stage 3.
-    for fields in CHOICE_GRID:
-        other = dataclasses.replace(cfg, **fields)
-        launch = functools.partial(pages, cfg=other)
-        known = compiled_kernels(kernel._select_pages_kernel)
-        arrived, _ = timed(launch, 3)
-        chosen, _ = timed(launch, 4)
-        label = " ".join(f"{k}={v}" for k, v in fields.items())
-        rows.append({"section": "breakdown", "context": n, "case": "box selection", "what": label,
-                     "us_arrived": arrived, "us": chosen, **resources(kernel._select_pages_kernel, known)})
-        print(f"breakdown n={n:>7} box selection {label:<26} after arrival {arrived:6.1f} us, with the choice "
-              f"{chosen:6.1f} us {rows[-1].get('regs') or ''}", flush=True)
+                         "us": net, "us_with_zeroing": with_zeroing, "copies": copies if launch is pages else 1, **used})
+            print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us {used or ''}", flush=True)
+    # The choice's cost under other launch shapes: stage 4 against stage 3.
+    for case, launch, fn in cases:
+        for fields in CHOICE_GRID[case]:
+            other = dataclasses.replace(cfg, **fields)
+            call = functools.partial(launch, cfg=other)
+            known = compiled_kernels(fn)
+            arrived, _ = timed(call, 3)
+            chosen, _ = timed(call, 4)
+            label = " ".join(f"{k}={v}" for k, v in fields.items())
+            rows.append({"section": "breakdown", "context": n, "case": case, "what": label,
+                         "us_arrived": arrived, "us": chosen, **resources(fn, known)})
+            print(f"breakdown n={n:>7} {case:<28} {label:<40} after arrival {arrived:6.1f} us, with the choice "
+                  f"{chosen:6.1f} us {rows[-1].get('regs') or ''}", flush=True)
+    # The given scores through the public op (custom op, workspace, config lookup) beside the bare launch.
+    op_us = time_us(lambda: kernels.select_scores(scores, forced, count, box.k_max, workspace=state.workspace))
+    rows.append({"section": "breakdown", "context": n, "case": "selection from given scores", "what": "kernels.select_scores",
+                 "us": op_us})
+    print(f"breakdown n={n:>7} selection from given scores through kernels.select_scores {op_us:6.1f} us", flush=True)
+    # ... and through the steps that rows longer than `MAX_SCORES_ROW` take (compiled, as in a step).
+    steps = compiled(lambda s: choose_topk_steps(scores, forced, box.k_max, count, workspace=s.workspace))
+    warm(steps, [state])
+    steps_us = time_us(lambda: steps(state))
+    rows.append({"section": "breakdown", "context": n, "case": "selection from given scores", "what": "choose_topk_steps",
+                 "us": steps_us})
+    print(f"breakdown n={n:>7} selection from given scores through choose_topk_steps {steps_us:6.1f} us", flush=True)
 
 
-CHOICE_GRID = [dict(block_p=p, num_warps=w) for p, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+# Launch shapes of the choice's grid (`SelectPagesConfig` fields over the defaults), per case: the
+# choice reading the row at once (``choice_chunk=0``) or in chunks, under each program shape.
+CHOICE_GRID = {
+    "box selection": [dict(block_p=p, num_warps=w, choice_chunk=c)
+                      for p, w in ((64, 4), (128, 4), (128, 8)) for c in (0, 512, 1024, 2048)],
+    "selection from given scores": [dict(block_n=b, choice_chunk=c) for b in (256, 512) for c in (0, 1024)],
+}
 
 
 def compiled_kernels(fn) -> set[int]:

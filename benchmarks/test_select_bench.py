@@ -56,4 +56,7 @@ def test_select_bench_breakdown_runs_on_cpu(tmp_path):
     assert all(r["us"] > 0 for r in rows if r.get("stages") == 4)
     # the choice's cost under each launch shape of CHOICE_GRID: after the arrival, and with the choice
     grid = [r for r in rows if "us_arrived" in r]
-    assert len(grid) == len(select_bench.CHOICE_GRID) and all(r["us"] > 0 and r["us_arrived"] > 0 for r in grid)
+    assert len(grid) == sum(map(len, select_bench.CHOICE_GRID.values()))
+    assert all(r["us"] > 0 and r["us_arrived"] > 0 for r in grid)
+    assert [r["us"] > 0 for r in rows if r.get("what") == "kernels.select_scores"] == [True]
+    assert [r["us"] > 0 for r in rows if r.get("what") == "choose_topk_steps"] == [True]

@@ -56,8 +56,14 @@ class SelectPagesConfig(LaunchConfig):
     distinct bin of a group)."""
     num_warps: int = 4
     """Warps per program."""
+    choice_chunk: int = 1024
+    """Keys the last program of a row reads at a time while it chooses (0: the whole row at once,
+    held in registers). A kernel's registers are allocated for its most demanding path, so a row of
+    8,192 keys held at once (64 a thread) lowers the occupancy of every scoring program too."""
+
     def __post_init__(self) -> None:
         powers_of_two(self, "block_p", "block_n", "group", "num_warps")
+        powers_of_two(self, "choice_chunk", zero=True)
 
 
 def select_pages_config(n: int) -> SelectPagesConfig:

@@ -162,21 +162,51 @@ def _pad(idx_row, kept, k_max, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max,
-            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr):
+            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr):
     """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
-    ascending order and zeros after them; the row's histogram and counters back to zero."""
+    ascending order and zeros after them; the row's histogram and counters back to zero. With
+    ``CHUNK`` 0 it holds the row's keys in registers (`_threshold_held`), else it reads them
+    ``CHUNK`` at a time (`_threshold_streamed`)."""
     bins = tl.arange(0, NB)
     kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
     tl.store(kept_ptr + row, kept)
-    offs = tl.arange(0, ROW_BLOCK)
-    _pad(idx_row, kept, k_max, ROW_BLOCK)
-    # Its 16 keys: halve them over the row's keys, held in registers.
-    offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
-    key = _row_keys(keys_row, offs, n)
-    key_tail = _row_keys(keys_row, offs_tail, n)
     first_key = top * (1 << LOW) - 32768
-    end_key = first_key + (1 << LOW)
     need = w - n_above  # >= 1: the bins above hold fewer than w keys
+    zero = tl.zeros((), tl.int32)
+    if CHUNK == 0:
+        _pad(idx_row, kept, k_max, ROW_BLOCK)
+        offs = tl.arange(0, ROW_BLOCK)
+        offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
+        key = _row_keys(keys_row, offs, n)
+        key_tail = _row_keys(keys_row, offs_tail, n)
+        lo, n_hi = _threshold_held(key, key_tail, first_key, need, LOW, ROW_TAIL)
+        t = first_key + lo  # the kept-th largest key
+        wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
+        above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
+        if ROW_TAIL > 0:
+            _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
+    else:
+        _pad(idx_row, kept, k_max, CHUNK)
+        lo, n_hi = _threshold_streamed(keys_row, n, first_key, need, LOW, CHUNK)
+        t = first_key + lo
+        wanted = kept - (n_above + n_hi)
+        offs = tl.arange(0, CHUNK)
+        above = zero
+        inside = zero
+        for c0 in range(0, n, CHUNK):
+            key = _row_keys(keys_row, c0 + offs, n)
+            above, inside = _emit(idx_row, key, c0 + offs, key != -32768, t, t + 1, wanted, above, inside, kept)
+    tl.debug_barrier()  # every thread has read the histogram before any zeroes it
+    tl.store(hist_row + bins, tl.zeros((NB,), tl.int32))
+    tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+
+
+@triton.jit
+def _threshold_held(key, key_tail, first_key, need, LOW: tl.constexpr, ROW_TAIL: tl.constexpr):
+    """``(lo, n_hi)`` of the bin from ``first_key``: the low bits of the ``need``-th largest key in it
+    and the bin's keys above that one, by ``LOW`` halvings of the bin's ``2^LOW`` keys over the row's
+    keys held in registers."""
+    end_key = first_key + (1 << LOW)
     lo = tl.zeros((), tl.int32)
     hi = tl.full((), 1 << LOW, tl.int32)
     n_hi = tl.zeros((), tl.int32)  # keys of the bin at or above first_key + hi
@@ -189,15 +219,25 @@ def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max
         lo = tl.where(up, mid, lo)
         hi = tl.where(up, hi, mid)
         n_hi = tl.where(up, n_hi, n_ge)
-    t = first_key + lo  # the kept-th largest key
-    wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
-    zero = tl.zeros((), tl.int32)
-    above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
-    if ROW_TAIL > 0:
-        _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
-    tl.debug_barrier()  # every thread has read the histogram before any zeroes it
-    tl.store(hist_row + bins, tl.zeros((NB,), tl.int32))
-    tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+    return lo, n_hi
+
+
+@triton.jit
+def _threshold_streamed(keys_row, n, first_key, need, LOW: tl.constexpr, CHUNK: tl.constexpr):
+    """`_threshold_held`'s ``(lo, n_hi)`` from one pass over the row's keys, ``CHUNK`` at a time:
+    a histogram of the bin's ``2^LOW`` keys, then its counts from the top. Only a chunk is held in
+    registers, so the scoring programs, which share the kernel's register allocation, keep their
+    occupancy."""
+    j = tl.arange(0, 1 << LOW)
+    offs = tl.arange(0, CHUNK)
+    per_key = tl.zeros((1 << LOW,), tl.int32)
+    for c0 in range(0, n, CHUNK):
+        low = _row_keys(keys_row, c0 + offs, n) - first_key
+        per_key += tl.histogram(low, 1 << LOW, mask=(low >= 0) & (low < (1 << LOW)))
+    at_or_above = tl.sum(per_key, 0) - tl.cumsum(per_key, 0) + per_key
+    lo = tl.max(tl.where(at_or_above >= need, j, -1), 0)
+    n_hi = tl.sum(tl.where(j > lo, per_key, 0), 0)
+    return lo, n_hi
 
 
 @triton.jit
@@ -214,7 +254,8 @@ def _select_pages_kernel(
     n_pages, k_max, scale, page, sinks, window, ratio_bits, fixed, ctr_offset,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr,
-    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = 4,
+    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr,
+    STAGES: tl.constexpr = 4,
 ):
     pid_p = tl.program_id(0)
     kv = tl.program_id(1)
@@ -250,7 +291,7 @@ def _select_pages_kernel(
                 count = _row_count(cnt_ptr, s_cb, s_ch, b, kv, start_ptr, len_ptr, n_pages, page, ratio_bits, fixed,
                                    COUNT)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n_pages,
-                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL)
+                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK)
 
 
 @triton.jit
@@ -259,7 +300,7 @@ def _select_scores_kernel(
     s_sb, s_sh, s_fb, s_fh, s_cb, s_ch,
     n, k_max, ctr_offset,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = 4,
+    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr = 4,
 ):
     pid = tl.program_id(0)
     kv = tl.program_id(1)
@@ -283,7 +324,7 @@ def _select_scores_kernel(
             if last:
                 count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n, k_max,
-                        NB, LOW, ROW_BLOCK, ROW_TAIL)
+                        NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK)
 
 
 def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, int]:
@@ -293,6 +334,12 @@ def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, in
     if count.dim() == 1:
         return count, count.stride(0), 0
     return count, count.stride(0), count.stride(1)
+
+
+def _chunk(cfg, row: int) -> int:
+    """The choice's ``CHUNK``: ``cfg.choice_chunk`` keys at a time, 0 (the row in registers) where
+    that is off or would hold the whole row anyway."""
+    return cfg.choice_chunk if 0 < cfg.choice_chunk < row else 0
 
 
 def _ratio_bits(ratio: float) -> int:
@@ -334,7 +381,7 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
         # As the grouped bound's launch: fp32 dots where a dtype is fp32 or differs, and under the interpreter.
         IEEE=route.INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32,
         COUNT=mode, GROUP=min(block_p, cfg.group), NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
-        STAGES=stages, num_warps=cfg.num_warps,
+        CHUNK=_chunk(cfg, block + tail), STAGES=stages, num_warps=cfg.num_warps,
     )
     return idx, kept
 
@@ -359,7 +406,7 @@ def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scr
         scores.stride(0), scores.stride(1), s_fb, s_fh, s_cb, s_ch,
         n, k_max, b * h_kv * HIST_BINS,
         BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
-        ROW_BLOCK=block, ROW_TAIL=tail, STAGES=stages, num_warps=cfg.num_warps,
+        ROW_BLOCK=block, ROW_TAIL=tail, CHUNK=_chunk(cfg, block + tail), STAGES=stages, num_warps=cfg.num_warps,
     )
     return idx, kept
 
