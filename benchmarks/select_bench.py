@@ -295,7 +295,7 @@ def tune_context(n: int, rows: list[dict], copies: int | None = None) -> None:
 
 
 STAGE_NAMES = {1: "score and store the keys", 2: "+ the histogram tally", 3: "+ the arrival counter",
-               4: "+ the last program's choice (the op)"}
+               4: "+ the last program's bin", 5: "+ its threshold", 6: "+ its positions (the op)"}
 
 
 def breakdown_context(n: int, rows: list[dict]) -> None:
@@ -341,10 +341,13 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
     rows.append({"section": "breakdown", "context": n, "case": "zero the workspace", "us": zero_us})
 
     def timed(launch, stages: int) -> tuple[float, float | None]:
-        """``(net, with_zeroing)``: stages 2 and 3 leave the workspace dirty, so their calls zero it first."""
+        """``(net, with_zeroing)``: stages 2 and 3 leave the workspace dirty, so their calls zero it
+        first, and it is zeroed again after them: a later stage's arrival counter must start at 0, or
+        no program would find itself last and the choice would never run."""
         if stages not in (2, 3):
             return time_us(lambda: launch(stages)), None
         us = time_us(lambda: (scratch.zero_(), launch(stages)))
+        scratch.zero_()
         return us - zero_us, us
 
     cases = (("box selection", pages, kernel._select_pages_kernel),
@@ -357,19 +360,22 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
             rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
                          "us": net, "us_with_zeroing": with_zeroing, "copies": copies if launch is pages else 1, **used})
             print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us {used or ''}", flush=True)
-    # The choice's cost under other launch shapes: stage 4 against stage 3.
+    # The choice's cost under other launch shapes: the op against its stage 3.
     for case, launch, fn in cases:
+        want = launch(kernel.ALL_STAGES)
         for fields in CHOICE_GRID[case]:
             other = dataclasses.replace(cfg, **fields)
             call = functools.partial(launch, cfg=other)
             known = compiled_kernels(fn)
+            same = all(torch.equal(a, b) for a, b in zip(call(kernel.ALL_STAGES), want))
             arrived, _ = timed(call, 3)
-            chosen, _ = timed(call, 4)
+            chosen, _ = timed(call, kernel.ALL_STAGES)
+            assert int(scratch.abs().sum()) == 0, "the op left the workspace dirty"
             label = " ".join(f"{k}={v}" for k, v in fields.items())
-            rows.append({"section": "breakdown", "context": n, "case": case, "what": label,
+            rows.append({"section": "breakdown", "context": n, "case": case, "what": label, "same": same,
                          "us_arrived": arrived, "us": chosen, **resources(fn, known)})
-            print(f"breakdown n={n:>7} {case:<28} {label:<40} after arrival {arrived:6.1f} us, with the choice "
-                  f"{chosen:6.1f} us {rows[-1].get('regs') or ''}", flush=True)
+            print(f"breakdown n={n:>7} {case:<28} {label:<52} after arrival {arrived:6.1f} us, with the choice "
+                  f"{chosen:6.1f} us {rows[-1].get('regs') or ''}{'' if same else ' CHOSE OTHER ENTRIES'}", flush=True)
     # The given scores through the public op (custom op, workspace, config lookup) beside the bare launch.
     op_us = time_us(lambda: kernels.select_scores(scores, forced, count, box.k_max, workspace=state.workspace))
     rows.append({"section": "breakdown", "context": n, "case": "selection from given scores", "what": "kernels.select_scores",
@@ -388,8 +394,9 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
 # choice reading the row at once (``choice_chunk=0``) or in chunks, under each program shape.
 CHOICE_GRID = {
     "box selection": [dict(block_p=p, num_warps=w, choice_chunk=c)
-                      for p, w in ((64, 4), (128, 4), (128, 8)) for c in (0, 512, 1024, 2048)],
-    "selection from given scores": [dict(block_n=b, choice_chunk=c) for b in (256, 512) for c in (0, 1024)],
+                      for p, w in ((64, 4), (64, 8)) for c in (0, 1024, 4096, 16384)],
+    "selection from given scores": [dict(block_n=b, num_warps=w, choice_chunk=c)
+                                    for b, w in ((512, 4), (512, 8)) for c in (0, 1024, 16384)],
 }
 
 

@@ -25,9 +25,10 @@ score the pages also prepare the selection, and the last one of each row to fini
    every key above the threshold, and the first keys equal to it while fewer than wanted came
    before). It zeroes the histogram and the counters again, so the workspace is zero between launches.
 
-A launch's ``STAGES`` (4, all of them, unless a probe asks) stop each program after step 1 (1), 2 (2)
-or its arrival (3): the breakdown probe (`benchmarks.select_bench --breakdown`) times each step so.
-Only 4 selects, and 2-3 leave the workspace dirty.
+A launch's ``STAGES`` (`ALL_STAGES`, unless a probe asks) stop each program after step 1 (1), 2 (2)
+or its arrival (3), and the last program after finding the threshold's bin (4) or the threshold (5):
+the breakdown probe (`benchmarks.select_bench --breakdown`) times each step so. Only 6 selects;
+2-3 leave the workspace dirty (4-5 leave it zero but write no positions).
 
 Ties therefore go to the lowest position, as in `select_top`, and the kept count is
 ``min(max(count, forced), k_max, valid)`` as in `kv.choose.choose_topk`. A row is held in registers by
@@ -51,6 +52,8 @@ from ..select_top.kernel import _emit
 # Bins of the histogram per row: a key's top 12 bits; its low 4 bits are found in the last program.
 HIST_BINS = 4096
 LOW_BITS = 4
+# The steps of a launch (`STAGES`): score, tally, arrive, find the bin, the threshold, emit.
+ALL_STAGES = 6
 # Counters per row after the histograms: arrivals, then forced entries.
 COUNTERS = 2
 # The key of an invalid entry: below every valid key (those of -inf and up are -32641 and up).
@@ -162,7 +165,8 @@ def _pad(idx_row, kept, k_max, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max,
-            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr):
+            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr,
+            STAGES: tl.constexpr):
     """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
     ascending order and zeros after them; the row's histogram and counters back to zero. With
     ``CHUNK`` 0 it holds the row's keys in registers (`_threshold_held`), else it reads them
@@ -179,23 +183,28 @@ def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max
         offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
         key = _row_keys(keys_row, offs, n)
         key_tail = _row_keys(keys_row, offs_tail, n)
-        lo, n_hi = _threshold_held(key, key_tail, first_key, need, LOW, ROW_TAIL)
-        t = first_key + lo  # the kept-th largest key
-        wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
-        above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
-        if ROW_TAIL > 0:
-            _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
+        if STAGES >= 5:
+            lo, n_hi = _threshold_held(key, key_tail, first_key, need, LOW, ROW_TAIL)
+            t = first_key + lo  # the kept-th largest key
+            wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
+            if STAGES >= 6:
+                above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
+                if ROW_TAIL > 0:
+                    _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
     else:
         _pad(idx_row, kept, k_max, CHUNK)
-        lo, n_hi = _threshold_streamed(keys_row, n, first_key, need, LOW, CHUNK)
-        t = first_key + lo
-        wanted = kept - (n_above + n_hi)
-        offs = tl.arange(0, CHUNK)
-        above = zero
-        inside = zero
-        for c0 in range(0, n, CHUNK):
-            key = _row_keys(keys_row, c0 + offs, n)
-            above, inside = _emit(idx_row, key, c0 + offs, key != -32768, t, t + 1, wanted, above, inside, kept)
+        if STAGES >= 5:
+            lo, n_hi = _threshold_streamed(keys_row, n, first_key, need, LOW, CHUNK)
+            t = first_key + lo
+            wanted = kept - (n_above + n_hi)
+            if STAGES >= 6:
+                offs = tl.arange(0, CHUNK)
+                above = zero
+                inside = zero
+                for c0 in range(0, n, CHUNK):
+                    key = _row_keys(keys_row, c0 + offs, n)
+                    above, inside = _emit(idx_row, key, c0 + offs, key != -32768, t, t + 1, wanted, above, inside,
+                                          kept)
     tl.debug_barrier()  # every thread has read the histogram before any zeroes it
     tl.store(hist_row + bins, tl.zeros((NB,), tl.int32))
     tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
@@ -255,7 +264,7 @@ def _select_pages_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr,
     LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr = 4,
+    STAGES: tl.constexpr = ALL_STAGES,
 ):
     pid_p = tl.program_id(0)
     kv = tl.program_id(1)
@@ -291,7 +300,7 @@ def _select_pages_kernel(
                 count = _row_count(cnt_ptr, s_cb, s_ch, b, kv, start_ptr, len_ptr, n_pages, page, ratio_bits, fixed,
                                    COUNT)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n_pages,
-                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK)
+                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK, STAGES)
 
 
 @triton.jit
@@ -300,7 +309,7 @@ def _select_scores_kernel(
     s_sb, s_sh, s_fb, s_fh, s_cb, s_ch,
     n, k_max, ctr_offset,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr = 4,
+    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr = ALL_STAGES,
 ):
     pid = tl.program_id(0)
     kv = tl.program_id(1)
@@ -324,7 +333,7 @@ def _select_scores_kernel(
             if last:
                 count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n, k_max,
-                        NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK)
+                        NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK, STAGES)
 
 
 def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, int]:
@@ -337,9 +346,9 @@ def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, in
 
 
 def _chunk(cfg, row: int) -> int:
-    """The choice's ``CHUNK``: ``cfg.choice_chunk`` keys at a time, 0 (the row in registers) where
-    that is off or would hold the whole row anyway."""
-    return cfg.choice_chunk if 0 < cfg.choice_chunk < row else 0
+    """The choice's ``CHUNK``: ``cfg.choice_chunk`` keys at a time, no more than the row's power of
+    two; 0 (the row held in registers, `_threshold_held`) where the config says 0."""
+    return min(cfg.choice_chunk, triton.next_power_of_2(row))
 
 
 def _ratio_bits(ratio: float) -> int:
@@ -349,10 +358,10 @@ def _ratio_bits(ratio: float) -> int:
 
 def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
                  k_max: int, count: Tensor | None, page_size: int, sinks: int, window: int, ratio: float, pages: int,
-                 scratch: Tensor, cfg, bound_cfg, tiles: tuple[int, int], stages: int = 4) -> tuple[Tensor, Tensor]:
+                 scratch: Tensor, cfg, bound_cfg, tiles: tuple[int, int], stages: int = ALL_STAGES) -> tuple[Tensor, Tensor]:
     """Launch the box selection (`reference.select_pages`) with ``cfg`` (a `SelectPagesConfig`), the
     bound's method from ``bound_cfg`` (the `PageScoreConfig` of the grouped bound), ``scratch`` the
-    zeroed int32 workspace (`workspace_entries`) and ``tiles`` the row's register tiles. ``stages`` < 4
+    zeroed int32 workspace (`workspace_entries`) and ``tiles`` the row's register tiles. ``stages`` < 6
     stops each program early, for the breakdown probe (`STAGES`): no selection is made then."""
     route.check_device(q)
     b, h, d = q.shape
@@ -387,7 +396,7 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
 
 
 def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scratch: Tensor, cfg,
-                  tiles: tuple[int, int], stages: int = 4) -> tuple[Tensor, Tensor]:
+                  tiles: tuple[int, int], stages: int = ALL_STAGES) -> tuple[Tensor, Tensor]:
     """Launch the selection from given scores (`reference.select_scores`); as `select_pages`."""
     route.check_device(scores)
     b, h_kv, n = scores.shape
