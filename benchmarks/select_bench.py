@@ -218,8 +218,11 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
     rows.append(row)
 
 
+# A `SelectPagesConfig.finish_min_row` no row reaches: every row chosen by its last scoring program.
+NEVER = 1 << 30
 SELECT_GRID = [dict(block_p=p, num_warps=w) for p in (32, 64, 128, 256) for w in (2, 4, 8, 16)] + [
-    dict(group=g) for g in (16, 64)] + [dict(choice_chunk=c) for c in (0, 256, 512, 2048)]
+    dict(group=g) for g in (16, 64)] + [dict(finish_min_row=0), dict(finish_min_row=NEVER)] + [
+    dict(finish_warps=w) for w in (8, 32)]
 ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
                   for t in (32, 64) for w in (4, 8) for s in (2, 3)
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
@@ -295,7 +298,7 @@ def tune_context(n: int, rows: list[dict], copies: int | None = None) -> None:
 
 
 STAGE_NAMES = {1: "score and store the keys", 2: "+ the histogram tally", 3: "+ the arrival counter",
-               4: "+ the last program's bin", 5: "+ its threshold", 6: "+ its positions (the op)"}
+               4: "+ the choice's bin", 5: "+ the choice (the op)"}
 
 
 def breakdown_context(n: int, rows: list[dict]) -> None:
@@ -360,7 +363,8 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
             rows.append({"section": "breakdown", "context": n, "case": case, "stages": stages, "what": what,
                          "us": net, "us_with_zeroing": with_zeroing, "copies": copies if launch is pages else 1, **used})
             print(f"breakdown n={n:>7} {case:<28} {stages}: {what:<38} {net:7.1f} us {used or ''}", flush=True)
-    # The choice's cost under other launch shapes: the op against its stage 3.
+    # The choice's cost under other launch shapes: the op against its stage 3 (with a launch of its
+    # own, the scoring launch stops at the tally).
     for case, launch, fn in cases:
         want = launch(kernel.ALL_STAGES)
         for fields in CHOICE_GRID[case]:
@@ -391,12 +395,13 @@ def breakdown_context(n: int, rows: list[dict]) -> None:
 
 
 # Launch shapes of the choice's grid (`SelectPagesConfig` fields over the defaults), per case: the
-# choice reading the row at once (``choice_chunk=0``) or in chunks, under each program shape.
+# choice by the row's last scoring program (`NEVER`) under two program shapes, or by a launch of its
+# own (``finish_min_row=0``) with its own warps.
 CHOICE_GRID = {
-    "box selection": [dict(block_p=p, num_warps=w, choice_chunk=c)
-                      for p, w in ((64, 4), (64, 8)) for c in (0, 1024, 4096, 16384)],
-    "selection from given scores": [dict(block_n=b, num_warps=w, choice_chunk=c)
-                                    for b, w in ((512, 4), (512, 8)) for c in (0, 1024, 16384)],
+    "box selection": [dict(finish_min_row=NEVER), dict(finish_min_row=NEVER, num_warps=8)] + [
+        dict(finish_min_row=0, finish_warps=w) for w in (4, 8, 16, 32)],
+    "selection from given scores": [dict(finish_min_row=NEVER), dict(finish_min_row=NEVER, num_warps=8)] + [
+        dict(finish_min_row=0, finish_warps=w) for w in (8, 16, 32)],
 }
 
 

@@ -43,8 +43,9 @@ here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_select_pages
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 WORKSPACE = kernels.Workspace(DEVICE) if MODE != "subprocess" else None
 SETTINGS = settings(max_examples=25, deadline=None, database=None)
-# The choice's keys at a time: the row held at once (0), or chunks shorter than most drawn rows.
-CHUNKS = st.sampled_from([0, 16, 128])
+# Rows from this length are chosen by a launch of their own: every row (0), rows longer than most
+# drawn rows, and none of them (the default's 2,048).
+FINISH_MIN_ROWS = st.sampled_from([0, 100, 2048])
 
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
@@ -111,14 +112,14 @@ def score_rows(draw):
 @here
 @SETTINGS
 @given(rows=score_rows(), block_n=st.sampled_from([16, 64, 512]), group=st.sampled_from([4, 32]),
-       workspace=st.booleans(), chunk=CHUNKS)
-def test_select_scores_matches_the_reference(rows, block_n, group, workspace, chunk):
+       workspace=st.booleans(), finish_min_row=FINISH_MIN_ROWS)
+def test_select_scores_matches_the_reference(rows, block_n, group, workspace, finish_min_row):
     """The same indices and counts as the steps' specification, over one or several programs per
-    row, the choice over the row held at once or read in chunks; the workspace is zero again after
-    each call."""
+    row, the choice made by the last scoring program or by a launch of its own; the workspace is zero
+    again after each call."""
     scores, forced, count, k_max = rows
     want = ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max)
-    with override(select_pages=SelectPagesConfig(block_n=block_n, group=group, choice_chunk=chunk)), poisoned():
+    with override(select_pages=SelectPagesConfig(block_n=block_n, group=group, finish_min_row=finish_min_row)), poisoned():
         got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE if workspace else None)
     assert got[0].shape == (*scores.shape[:2], k_max) and got[0].dtype == torch.int32 and got[1].dtype == torch.int32
     assert_same(got, want)
@@ -134,11 +135,11 @@ def test_select_scores_rows_of_bf16_patterns():
     scores = torch.stack([vals, torch.full_like(vals, 3.0)])[None].to(DEVICE)
     forced = torch.zeros(1, vals.numel(), dtype=torch.bool, device=DEVICE)
     forced[0, 9] = True
-    for k_max, c, chunk in itertools.product((1, 4, 9, 17), (0, 1, 3, 8, 17), (0, 16)):
+    for k_max, c, own in itertools.product((1, 4, 9, 17), (0, 1, 3, 8, 17), (0, 2048)):
         count = torch.tensor([c], device=DEVICE)
-        with override(select_pages=SelectPagesConfig(block_n=16, group=4, choice_chunk=chunk)), poisoned():
+        with override(select_pages=SelectPagesConfig(block_n=16, group=4, finish_min_row=own)), poisoned():
             got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
-        assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"{k_max=} {c=}")
+        assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max), f"{k_max=} {c=} {own=}")
     assert workspace_is_zero()
 
 
@@ -159,8 +160,8 @@ def test_select_scores_finds_the_threshold_within_one_bin(repeats, seed, data):
     forced = torch.zeros(1, row.numel(), dtype=torch.bool, device=DEVICE)
     k_max = data.draw(st.integers(1, row.numel()))
     count = torch.tensor([data.draw(st.integers(0, k_max))], device=DEVICE)
-    chunk = data.draw(CHUNKS)
-    with override(select_pages=SelectPagesConfig(block_n=16, group=4, choice_chunk=chunk)), poisoned():
+    own = data.draw(FINISH_MIN_ROWS)
+    with override(select_pages=SelectPagesConfig(block_n=16, group=4, finish_min_row=own)), poisoned():
         got = kernels.select_scores.triton(scores, forced, count, k_max, workspace=WORKSPACE)
     assert_same(got, ref.select_scores(scores.cpu(), forced.cpu(), count.cpu(), k_max))
     assert workspace_is_zero()
@@ -211,20 +212,20 @@ def steps_of(args, scale, k_max, count, opts):
 
 @here
 @SETTINGS
-@given(rows=page_rows(), block_p=st.sampled_from([16, 64]), group=st.sampled_from([8, 32]), chunk=CHUNKS)
+@given(rows=page_rows(), block_p=st.sampled_from([16, 64]), group=st.sampled_from([8, 32]), finish_min_row=FINISH_MIN_ROWS)
 @example(  # a keep ratio that lands on a whole count: 30 visible pages at 0.1 keep 3 (float64 rule, not fp32)
     rows=([torch.randn(1, 2, 32), torch.randn(1, 1, 30, 32), torch.randn(1, 1, 30, 32) + 3,
            torch.tensor([0]), torch.tensor(480)], 32**-0.5, 12, None,
           dict(page_size=16, sinks=0, window=0, ratio=0.1, pages=0)),
-    block_p=16, group=8, chunk=0,
+    block_p=16, group=8, finish_min_row=2048,
 )
-def test_select_pages_matches_the_steps(rows, block_p, group, chunk):
+def test_select_pages_matches_the_steps(rows, block_p, group, finish_min_row):
     """The same pages and counts as the grouped bound's kernel followed by the steps' reference."""
     args, scale, k_max, count, opts = rows
     args = [a.to(DEVICE) for a in args]
     with override(page_score=PageScoreConfig(block_p=block_p)):
         want = steps_of(args, scale, k_max, count, opts)
-        with override(select_pages=SelectPagesConfig(block_p=block_p, group=group, choice_chunk=chunk)), poisoned():
+        with override(select_pages=SelectPagesConfig(block_p=block_p, group=group, finish_min_row=finish_min_row)), poisoned():
             got = kernels.select_pages.triton(*args, scale, k_max, count, **opts, workspace=WORKSPACE)
     assert_same(got, want)
     assert workspace_is_zero()

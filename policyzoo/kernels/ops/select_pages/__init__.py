@@ -1,5 +1,5 @@
-"""Fused selection: a page policy's choice in one launch. Two ops share the kernel's selection:
-``policyzoo::select_pages`` scores the pages itself (the box bound folded by the group's max, as
+"""Fused selection: a page policy's choice in one launch (two for long rows). Two ops share the
+kernel's selection: ``policyzoo::select_pages`` scores the pages itself (the box bound folded by the group's max, as
 `Quest` ranks them) and ``policyzoo::select_scores`` takes scores already made (any policy's
 `kv.choose.choose_topk`).
 
@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ...config import LaunchConfig, current, next_power_of_2, powers_of_two
+from ...config import LaunchConfig, current, next_power_of_2, non_negative, powers_of_two
 from ...route import HAS_TRITON, need_triton, routed
 from ...workspace import Workspace, buffer, zeroed
 from ..quest_page_bound import page_score_config
@@ -41,8 +41,8 @@ MAX_SCORES_ROW = 2048
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SelectPagesConfig(LaunchConfig):
     """Launch parameters of the fused selection. A program scores ``block_p`` pages (or converts
-    ``block_n`` given scores) of one row; the last program of a row selects it with the same warps,
-    so the warps serve both: enough to hold a row of 8K keys (64 per thread at 4 warps)."""
+    ``block_n`` given scores) of one row; the last program of a short row chooses it with the same
+    warps, a long row (`finish_min_row`) is chosen by a launch of its own."""
 
     keyword = "select_pages"
 
@@ -56,14 +56,17 @@ class SelectPagesConfig(LaunchConfig):
     distinct bin of a group)."""
     num_warps: int = 4
     """Warps per program."""
-    choice_chunk: int = 1024
-    """Keys the last program of a row reads at a time while it chooses (0: the whole row at once,
-    held in registers). A kernel's registers are allocated for its most demanding path, so a row of
-    8,192 keys held at once (64 a thread) lowers the occupancy of every scoring program too."""
+    finish_min_row: int = 2048
+    """Rows of this many entries or more are chosen by a launch of their own, one program of
+    `finish_warps` warps per row, after the scoring launch; shorter rows by their last scoring
+    program, with the scoring warps. One program's choice over a long row is a chain of block-wide
+    reductions and scans: with 4 warps it costs more than a second launch with 16."""
+    finish_warps: int = 16
+    """Warps of the choice's own launch."""
 
     def __post_init__(self) -> None:
-        powers_of_two(self, "block_p", "block_n", "group", "num_warps")
-        powers_of_two(self, "choice_chunk", zero=True)
+        powers_of_two(self, "block_p", "block_n", "group", "num_warps", "finish_warps")
+        non_negative(self, "finish_min_row")
 
 
 def select_pages_config(n: int) -> SelectPagesConfig:

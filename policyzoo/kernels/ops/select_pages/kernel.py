@@ -1,10 +1,10 @@
-"""Fused page selection (Triton): a page policy's whole choice in one launch; spec: `reference.py`,
-beside this file.
+"""Fused page selection (Triton): a page policy's whole choice in one launch, or two for long rows;
+spec: `reference.py`, beside this file.
 
 Before, a box `Quest` choice was the grouped bound kernel, torch glue (the invalid pages masked,
 the forced pages, the bf16 rounding, the counts) and `select_top`, whose one program per row held
 the whole row and searched it: 8 programs for 8 KV heads, latency-bound. Here the programs that
-score the pages also prepare the selection, and the last one of each row to finish completes it:
+score the pages also prepare the selection:
 
 1. Each program takes ``BLOCK`` entries of one row (a row: one batch row and KV head): it scores
    them (`_select_pages_kernel`: the box bound folded by the group's max, `quest_page_bound`'s own
@@ -16,24 +16,30 @@ score the pages also prepare the selection, and the last one of each row to fini
    bins, in the caller's `Workspace`). Pages of a context share few bins (bf16 bounds of similar
    size), so the keys of each group of ``GROUP`` lanes are counted among themselves first and each
    distinct bin takes one atomic (`_tally`); the forced entries are counted likewise.
-3. An arrival counter per row finds the row's last program (a barrier orders every thread's stores
-   before the counter's release, the counter's acquire orders them before that program's reads,
-   which go past L1: the sparse GEMV's pattern). That program (`_finish`) reads the histogram: from
-   its cumulative counts, the bin holding the ``kept``-th largest key; four halvings of that bin's
-   16 keys over the row's keys, held in registers, give the exact threshold key and the count above
-   it; one prefix sum then writes the kept positions in ascending order (`select_top`'s `_emit`:
-   every key above the threshold, and the first keys equal to it while fewer than wanted came
-   before). It zeroes the histogram and the counters again, so the workspace is zero between launches.
+3. The choice (`_finish`) reads the histogram: from its cumulative counts, the bin holding the
+   ``kept``-th largest key; four halvings of that bin's 16 keys over the row's keys, held in
+   registers, give the exact threshold key and the count above it; one prefix sum then writes the
+   kept positions in ascending order (`select_top`'s `_emit`: every key above the threshold, and the
+   first keys equal to it while fewer than wanted came before). It zeroes the histogram and the
+   counters again, so the workspace is zero between launches.
+
+   Who chooses depends on the row's length (`SelectPagesConfig.finish_min_row`). For a short row,
+   the row's last scoring program: an arrival counter per row finds it (a barrier orders every
+   thread's stores before the counter's release, the counter's acquire orders them before that
+   program's reads, which go past L1: the sparse GEMV's pattern). For a long row, a second launch of
+   one program per row (`_finish_kernel`), with warps of its own: the choice is a chain of block-wide
+   reductions and scans over the whole row, which one scoring program's 4 warps make slow (about
+   14 µs over 8,192 keys on an H100, against about 3 µs with 16 warps after a launch's own 2).
 
 A launch's ``STAGES`` (`ALL_STAGES`, unless a probe asks) stop each program after step 1 (1), 2 (2)
-or its arrival (3), and the last program after finding the threshold's bin (4) or the threshold (5):
-the breakdown probe (`benchmarks.select_bench --breakdown`) times each step so. Only 6 selects;
-2-3 leave the workspace dirty (4-5 leave it zero but write no positions).
+or its arrival (3), and the choice after finding the threshold's bin (4): the breakdown probe
+(`benchmarks.select_bench --breakdown`) times each step so. Only 5 selects; 2-3 leave the workspace
+dirty, 4 leaves it zero but writes no positions.
 
 Ties therefore go to the lowest position, as in `select_top`, and the kept count is
 ``min(max(count, forced), k_max, valid)`` as in `kv.choose.choose_topk`. A row is held in registers by
-its last program as a power-of-two tile and a smaller tail (`select_top.tiles`), so rows of up to
-`MAX_ROW` entries; the op sends longer ones elsewhere.
+its choosing program as a power-of-two tile and a smaller tail (`select_top.tiles`), so rows of up
+to `MAX_ROW` entries; the op sends longer ones elsewhere.
 """
 
 from __future__ import annotations
@@ -52,8 +58,8 @@ from ..select_top.kernel import _emit
 # Bins of the histogram per row: a key's top 12 bits; its low 4 bits are found in the last program.
 HIST_BINS = 4096
 LOW_BITS = 4
-# The steps of a launch (`STAGES`): score, tally, arrive, find the bin, the threshold, emit.
-ALL_STAGES = 6
+# The steps of a launch (`STAGES`): score, tally, arrive, find the bin, choose.
+ALL_STAGES = 5
 # Counters per row after the histograms: arrivals, then forced entries.
 COUNTERS = 2
 # The key of an invalid entry: below every valid key (those of -inf and up are -32641 and up).
@@ -165,56 +171,38 @@ def _pad(idx_row, kept, k_max, BLOCK: tl.constexpr):
 
 @triton.jit
 def _finish(keys_row, hist_row, ctr_row, idx_row, kept_ptr, row, count, n, k_max,
-            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr,
+            NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
             STAGES: tl.constexpr):
-    """The last program of a row: its kept count, then the positions of its ``kept`` best keys in
-    ascending order and zeros after them; the row's histogram and counters back to zero. With
-    ``CHUNK`` 0 it holds the row's keys in registers (`_threshold_held`), else it reads them
-    ``CHUNK`` at a time (`_threshold_streamed`)."""
+    """A row's choice, once its keys and histogram are complete: its kept count, then the positions
+    of its ``kept`` best keys in ascending order and zeros after them; the row's histogram and
+    counters back to zero. The row's keys are held in registers (a power-of-two tile and a tail)."""
     bins = tl.arange(0, NB)
     kept, w, top, n_above = _top_bin(hist_row, ctr_row, count, k_max, NB)
     tl.store(kept_ptr + row, kept)
-    first_key = top * (1 << LOW) - 32768
-    need = w - n_above  # >= 1: the bins above hold fewer than w keys
-    zero = tl.zeros((), tl.int32)
-    if CHUNK == 0:
-        _pad(idx_row, kept, k_max, ROW_BLOCK)
+    _pad(idx_row, kept, k_max, ROW_BLOCK)
+    if STAGES >= 5:
         offs = tl.arange(0, ROW_BLOCK)
         offs_tail = ROW_BLOCK + tl.arange(0, ROW_TAIL if ROW_TAIL > 0 else 16)
         key = _row_keys(keys_row, offs, n)
         key_tail = _row_keys(keys_row, offs_tail, n)
-        if STAGES >= 5:
-            lo, n_hi = _threshold_held(key, key_tail, first_key, need, LOW, ROW_TAIL)
-            t = first_key + lo  # the kept-th largest key
-            wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
-            if STAGES >= 6:
-                above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
-                if ROW_TAIL > 0:
-                    _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
-    else:
-        _pad(idx_row, kept, k_max, CHUNK)
-        if STAGES >= 5:
-            lo, n_hi = _threshold_streamed(keys_row, n, first_key, need, LOW, CHUNK)
-            t = first_key + lo
-            wanted = kept - (n_above + n_hi)
-            if STAGES >= 6:
-                offs = tl.arange(0, CHUNK)
-                above = zero
-                inside = zero
-                for c0 in range(0, n, CHUNK):
-                    key = _row_keys(keys_row, c0 + offs, n)
-                    above, inside = _emit(idx_row, key, c0 + offs, key != -32768, t, t + 1, wanted, above, inside,
-                                          kept)
+        first_key = top * (1 << LOW) - 32768
+        lo, n_hi = _threshold_in_bin(key, key_tail, first_key, w - n_above, LOW, ROW_TAIL)
+        t = first_key + lo  # the kept-th largest key
+        wanted = kept - (n_above + n_hi)  # keys equal to t to keep, by position
+        zero = tl.zeros((), tl.int32)
+        above, inside = _emit(idx_row, key, offs, key != -32768, t, t + 1, wanted, zero, zero, kept)
+        if ROW_TAIL > 0:
+            _emit(idx_row, key_tail, offs_tail, key_tail != -32768, t, t + 1, wanted, above, inside, kept)
     tl.debug_barrier()  # every thread has read the histogram before any zeroes it
     tl.store(hist_row + bins, tl.zeros((NB,), tl.int32))
     tl.store(ctr_row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
 
 @triton.jit
-def _threshold_held(key, key_tail, first_key, need, LOW: tl.constexpr, ROW_TAIL: tl.constexpr):
-    """``(lo, n_hi)`` of the bin from ``first_key``: the low bits of the ``need``-th largest key in it
-    and the bin's keys above that one, by ``LOW`` halvings of the bin's ``2^LOW`` keys over the row's
-    keys held in registers."""
+def _threshold_in_bin(key, key_tail, first_key, need, LOW: tl.constexpr, ROW_TAIL: tl.constexpr):
+    """``(lo, n_hi)`` of the bin from ``first_key``: the low bits of its ``need``-th largest key
+    (``need`` >= 1: the bins above hold fewer than wanted) and the bin's keys above that one, by
+    ``LOW`` halvings of the bin's ``2^LOW`` keys over the row's keys."""
     end_key = first_key + (1 << LOW)
     lo = tl.zeros((), tl.int32)
     hi = tl.full((), 1 << LOW, tl.int32)
@@ -232,24 +220,6 @@ def _threshold_held(key, key_tail, first_key, need, LOW: tl.constexpr, ROW_TAIL:
 
 
 @triton.jit
-def _threshold_streamed(keys_row, n, first_key, need, LOW: tl.constexpr, CHUNK: tl.constexpr):
-    """`_threshold_held`'s ``(lo, n_hi)`` from one pass over the row's keys, ``CHUNK`` at a time:
-    a histogram of the bin's ``2^LOW`` keys, then its counts from the top. Only a chunk is held in
-    registers, so the scoring programs, which share the kernel's register allocation, keep their
-    occupancy."""
-    j = tl.arange(0, 1 << LOW)
-    offs = tl.arange(0, CHUNK)
-    per_key = tl.zeros((1 << LOW,), tl.int32)
-    for c0 in range(0, n, CHUNK):
-        low = _row_keys(keys_row, c0 + offs, n) - first_key
-        per_key += tl.histogram(low, 1 << LOW, mask=(low >= 0) & (low < (1 << LOW)))
-    at_or_above = tl.sum(per_key, 0) - tl.cumsum(per_key, 0) + per_key
-    lo = tl.max(tl.where(at_or_above >= need, j, -1), 0)
-    n_hi = tl.sum(tl.where(j > lo, per_key, 0), 0)
-    return lo, n_hi
-
-
-@triton.jit
 def _arrive(ctr_row):
     """Whether this program is its row's last to arrive (after all of its stores and atomics)."""
     tl.debug_barrier()
@@ -263,8 +233,7 @@ def _select_pages_kernel(
     n_pages, k_max, scale, page, sinks, window, ratio_bits, fixed, ctr_offset,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr,
-    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr = ALL_STAGES,
+    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = ALL_STAGES,
 ):
     pid_p = tl.program_id(0)
     kv = tl.program_id(1)
@@ -300,7 +269,7 @@ def _select_pages_kernel(
                 count = _row_count(cnt_ptr, s_cb, s_ch, b, kv, start_ptr, len_ptr, n_pages, page, ratio_bits, fixed,
                                    COUNT)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n_pages,
-                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK, STAGES)
+                        k_max, NB, LOW, ROW_BLOCK, ROW_TAIL, STAGES)
 
 
 @triton.jit
@@ -309,7 +278,7 @@ def _select_scores_kernel(
     s_sb, s_sh, s_fb, s_fh, s_cb, s_ch,
     n, k_max, ctr_offset,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr = ALL_STAGES,
+    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = ALL_STAGES,
 ):
     pid = tl.program_id(0)
     kv = tl.program_id(1)
@@ -333,7 +302,49 @@ def _select_scores_kernel(
             if last:
                 count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n, k_max,
-                        NB, LOW, ROW_BLOCK, ROW_TAIL, CHUNK, STAGES)
+                        NB, LOW, ROW_BLOCK, ROW_TAIL, STAGES)
+
+
+@triton.jit
+def _finish_kernel(
+    keys_ptr, ws_ptr, cnt_ptr, start_ptr, len_ptr, idx_ptr, kept_ptr,
+    s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, ctr_offset,
+    COUNT: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr,
+    STAGES: tl.constexpr = ALL_STAGES,
+):
+    """The choice as a launch of its own, one program per row (grid ``(rows,)``) after the scoring
+    launch's keys and histograms: `_finish`, with warps of its own (`SelectPagesConfig.finish_warps`)."""
+    row = tl.program_id(0)
+    hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
+    count = _row_count(cnt_ptr, s_cb, s_ch, row // h_kv, row % h_kv, start_ptr, len_ptr, n, page, ratio_bits, fixed,
+                       COUNT)
+    _finish(keys_ptr + row.to(tl.int64) * n, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row,
+            count, n, k_max, NB, LOW, ROW_BLOCK, ROW_TAIL, STAGES)
+
+
+def _own_launch(cfg, n: int) -> bool:
+    """Whether rows of ``n`` entries are chosen by a launch of their own (`SelectPagesConfig.finish_min_row`)."""
+    return n >= cfg.finish_min_row
+
+
+def _launch_finish(cfg, stages: int, tiles: tuple[int, int], keys: Tensor, scratch: Tensor, count: Tensor | None,
+                   s_cb: int, s_ch: int, idx: Tensor, kept: Tensor, h_kv: int, n: int, k_max: int, mode: int, *,
+                   start: Tensor | None = None, length: Tensor | None = None, page: int = 1, ratio_bits: int = 0,
+                   fixed: int = 0) -> None:
+    """The choice of rows whose keys and histograms the scoring launch made, as a launch of its own
+    (`_finish_kernel`); the count's arguments as `_row_count` takes them (``start`` and ``length``
+    for a keep ratio). Nothing where a probe stopped before the choice (``stages`` < 4)."""
+    if stages < 4:
+        return
+    rows = kept.numel()
+    block, tail = tiles
+    _finish_kernel[(rows,)](
+        keys, scratch, count if count is not None else kept, kept if start is None else start,
+        kept if length is None else length, idx, kept,
+        s_cb, s_ch, h_kv, n, k_max, page, ratio_bits, fixed, rows * HIST_BINS,
+        COUNT=mode, NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail, STAGES=stages,
+        num_warps=cfg.finish_warps,
+    )
 
 
 def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, int]:
@@ -343,12 +354,6 @@ def _count_strides(count: Tensor | None, b: int) -> tuple[Tensor | None, int, in
     if count.dim() == 1:
         return count, count.stride(0), 0
     return count, count.stride(0), count.stride(1)
-
-
-def _chunk(cfg, row: int) -> int:
-    """The choice's ``CHUNK``: ``cfg.choice_chunk`` keys at a time, no more than the row's power of
-    two; 0 (the row held in registers, `_threshold_held`) where the config says 0."""
-    return min(cfg.choice_chunk, triton.next_power_of_2(row))
 
 
 def _ratio_bits(ratio: float) -> int:
@@ -361,7 +366,7 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
                  scratch: Tensor, cfg, bound_cfg, tiles: tuple[int, int], stages: int = ALL_STAGES) -> tuple[Tensor, Tensor]:
     """Launch the box selection (`reference.select_pages`) with ``cfg`` (a `SelectPagesConfig`), the
     bound's method from ``bound_cfg`` (the `PageScoreConfig` of the grouped bound), ``scratch`` the
-    zeroed int32 workspace (`workspace_entries`) and ``tiles`` the row's register tiles. ``stages`` < 6
+    zeroed int32 workspace (`workspace_entries`) and ``tiles`` the row's register tiles. ``stages`` < 5
     stops each program early, for the breakdown probe (`STAGES`): no selection is made then."""
     route.check_device(q)
     b, h, d = q.shape
@@ -378,6 +383,7 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
     block_p = max(16, cfg.block_p) if dot else cfg.block_p
     grid = (triton.cdiv(n_pages, block_p), h_kv, b)
     ratio_bits = _ratio_bits(ratio)
+    own = _own_launch(cfg, n_pages)
     _select_pages_kernel[grid](
         q, page_min, page_max, start, length, count if count is not None else kept, keys, scratch, idx, kept,
         q.stride(0), q.stride(1),
@@ -390,8 +396,11 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
         # As the grouped bound's launch: fp32 dots where a dtype is fp32 or differs, and under the interpreter.
         IEEE=route.INTERPRET or q.dtype != page_min.dtype or page_min.dtype == torch.float32,
         COUNT=mode, GROUP=min(block_p, cfg.group), NB=HIST_BINS, LOW=LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail,
-        CHUNK=_chunk(cfg, block + tail), STAGES=stages, num_warps=cfg.num_warps,
+        STAGES=min(stages, 2) if own else stages, num_warps=cfg.num_warps,
     )
+    if own:
+        _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n_pages, k_max, mode,
+                       start=start, length=length, page=page_size, ratio_bits=ratio_bits, fixed=pages)
     return idx, kept
 
 
@@ -410,13 +419,16 @@ def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scr
     count, s_cb, s_ch = _count_strides(count, b)
     block, tail = tiles
     grid = (triton.cdiv(n, cfg.block_n), h_kv, b)
+    own = _own_launch(cfg, n)
     _select_scores_kernel[grid](
         scores, flags, count, keys, scratch, idx, kept,
         scores.stride(0), scores.stride(1), s_fb, s_fh, s_cb, s_ch,
         n, k_max, b * h_kv * HIST_BINS,
         BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
-        ROW_BLOCK=block, ROW_TAIL=tail, CHUNK=_chunk(cfg, block + tail), STAGES=stages, num_warps=cfg.num_warps,
+        ROW_BLOCK=block, ROW_TAIL=tail, STAGES=min(stages, 2) if own else stages, num_warps=cfg.num_warps,
     )
+    if own:
+        _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n, k_max, mode=1)
     return idx, kept
 
 
