@@ -262,12 +262,13 @@ def test_select_ops_refuse_rows_longer_than_they_take():
 
 @here
 def test_given_scores_take_the_fused_kernel_up_to_the_configured_row():
-    """`choose_topk` sends rows of given scores to `select_scores` up to
-    `MAX_SCORES_ROW` entries (the steps were faster beyond it on the H200), and
-    the choice is the same either way; the box selection's limit is the kernel's own row."""
+    """`choose_topk` sends rows of given scores to `select_scores` up to `MAX_SCORES_ROW` entries
+    (today every row the kernel takes), and the choice is the same either way; the box selection's
+    limit is the kernel's own row."""
     from policyzoo.kv.choose import choose_topk, fused_rows
 
-    assert fused_rows(2048) and not fused_rows(2049) and kernels.select_pages_takes(8192)
+    limit = select_op.MAX_SCORES_ROW
+    assert fused_rows(limit) and not fused_rows(limit + 1) and kernels.select_pages_takes(8192)
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(1, 2, 300, generator=g).to(DEVICE)
     forced = torch.zeros(1, 300, dtype=torch.bool, device=DEVICE)

@@ -31,9 +31,9 @@ def round_for_ranking(scores: Tensor) -> Tensor:
 
 
 def fused_rows(n: int) -> bool:
-    """Whether a choice over rows of ``n`` given scores is one launch (`kernels.select_scores`);
-    longer rows take the steps (the masks, the ranking, `select_top`), faster there
-    (`kernels.ops.select_pages.MAX_SCORES_ROW`)."""
+    """Whether a choice over rows of ``n`` given scores is made by the fused kernel
+    (`kernels.select_scores`, up to `kernels.ops.select_pages.MAX_SCORES_ROW` entries); longer rows
+    take the steps (the masks, the ranking, `select_top`)."""
     return kernels.select_scores_takes(n)
 
 
@@ -50,7 +50,7 @@ def choose_topk(scores: Tensor, forced: Tensor, k_max: int, count: Tensor, block
         workspace: the kernels' scratch (`KVState.workspace`); None: the kernel makes its own.
 
     The kept entries come in ascending position order (the reads then follow memory order). Rows of
-    up to `kernels.ops.select_pages.MAX_SCORES_ROW` entries are one launch (`kernels.select_scores`); longer
+    up to `kernels.ops.select_pages.MAX_SCORES_ROW` entries are fused (`kernels.select_scores`); longer
     ones take the steps (`choose_topk_steps`: `kernels.select_top` after the masks), with the same result.
 
     Scores are ranked at bf16 precision (8 significant bits), and ties go to the lowest position.

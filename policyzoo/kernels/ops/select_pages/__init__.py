@@ -31,11 +31,12 @@ if HAS_TRITON:
 # Entries a row may have: its last program holds the row's keys in registers, as `select_top` does
 # (the pages of a 256K context at pages of 16).
 MAX_ROW = MAX_BLOCK_N
-# The longest row of given scores `choose_topk` sends to `select_scores`: longer rows take the steps,
-# faster there on the H200 (8,192 entries: 15 µs slower fused, its one selecting program per row
-# against `select_top`'s wider final pass; benchmarks/results/2026-12-04-h200-run23). A constant, not
-# a launch setting: the choice is made while a step is traced, where no scoped config is read.
-MAX_SCORES_ROW = 2048
+# The longest row of given scores `choose_topk` sends to `select_scores`: longer rows take the steps.
+# Every row the kernel takes, since long rows are chosen by a launch of their own: 8,192 entries in
+# 14.4 µs against the steps' 20.5 on an H100 (benchmarks/results/2026-12-06-h100-run28; with the
+# choice in the last scoring program it had been slower, 19.8). A constant, not a launch setting:
+# the choice is made while a step is traced, where no scoped config is read.
+MAX_SCORES_ROW = MAX_ROW
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,7 @@ class SelectPagesConfig(LaunchConfig):
     `finish_warps` warps per row, after the scoring launch; shorter rows by their last scoring
     program, with the scoring warps. One program's choice over a long row is a chain of block-wide
     reductions and scans: with 4 warps it costs more than a second launch with 16."""
-    finish_warps: int = 16
+    finish_warps: int = 8
     """Warps of the choice's own launch."""
 
     def __post_init__(self) -> None:
