@@ -29,8 +29,9 @@ correct config of each case is printed last::
     python -m benchmarks.select_bench --tune --contexts 4096,32768,131072
 
 With ``--breakdown`` it times the fused selections stopped after each of their steps (scoring,
-histogram tally, arrival, the last program's choice), to say which step a target waits on; the box
-selection's calls cycle through copies of the summaries past the L2 cache (`common.ROTATED_BYTES`).
+histogram tally, arrival, the choice's bin, the choice), to say which step a target waits on, and
+the choice made by a row's last scoring program against a launch of its own; the box selection's
+calls cycle through copies of the summaries past the L2 cache (`common.ROTATED_BYTES`).
 The default section's and ``--tune``'s timed calls cycle through copies of the layer as well
 (``--copies``; by default enough that the summaries and key sketches span that many bytes): at 128K
 one layer's summaries (33.5 MB) and a selection's keys and values (54 MB at keep 0.1) are about the

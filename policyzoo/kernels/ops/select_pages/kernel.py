@@ -56,7 +56,7 @@ from ... import route
 from ..quest_page_bound.kernel import grouped_bound
 from ..select_top.kernel import _emit
 
-# Bins of the histogram per row: a key's top 12 bits; its low 4 bits are found in the last program.
+# Bins of the histogram per row: a key's top 12 bits; its low 4 bits are found by the choice.
 HIST_BINS = 4096
 LOW_BITS = 4
 # The steps of a launch (`STAGES`): score, tally, arrive, find the bin, choose.
