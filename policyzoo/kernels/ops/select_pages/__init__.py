@@ -32,11 +32,12 @@ if HAS_TRITON:
 # (the pages of a 256K context at pages of 16).
 MAX_ROW = MAX_BLOCK_N
 # The longest row of given scores `choose_topk` sends to `select_scores`: longer rows take the steps.
-# Every row the kernel takes, since long rows are chosen by a launch of their own: 8,192 entries in
-# 14.4 µs against the steps' 20.5 on an H100 (benchmarks/results/2026-12-06-h100-run28; with the
-# choice in the last scoring program it had been slower, 19.8). A constant, not a launch setting:
-# the choice is made while a step is traced, where no scoped config is read.
-MAX_SCORES_ROW = MAX_ROW
+# Long rows are chosen by a launch of their own, faster than the steps where measured: 8,192 entries
+# in 14.4 µs against 20.5, 2,048 in 9.3 against 10.3, on an H100 (benchmarks/results/
+# 2026-12-06-h100-run28; with the choice in the last scoring program 8,192 had been slower, 19.8).
+# Longer rows (up to `MAX_ROW`) were not timed: the steps keep them. A constant, not a launch
+# setting: the choice is made while a step is traced, where no scoped config is read.
+MAX_SCORES_ROW = 8192
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
