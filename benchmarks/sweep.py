@@ -57,6 +57,7 @@ from torch._dynamo.utils import counters
 from policyzoo import Offload, timing
 from policyzoo.bytes import BUILTIN, ByteAccount
 from policyzoo.decoder import dynamic_capacity_refused
+from policyzoo.kernels import config
 from policyzoo.proj.base import uninstall as uninstall_projections
 from policyzoo.selection import Selection
 
@@ -399,8 +400,6 @@ def kernel_knobs() -> dict:
     not at their defaults."""
     import dataclasses
 
-    from policyzoo.kernels import config
-
     knobs = {name: dataclasses.asdict(config.current(kind)) for name, kind in config.known_kernels().items()}
     return {**knobs, "overridden": sorted(config.active())}
 
@@ -476,7 +475,14 @@ def main(argv=None) -> None:
     p.add_argument("--compile-timeout", type=float, default=900.0, help="seconds per compile-section child (a timeout is a row)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (bounds use the shape's)")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (smoke tests)")
+    p.add_argument("--override", action="append", default=[], metavar="KERNEL.FIELD=VALUE",
+                   help="a kernel launch setting for the whole run (repeatable; `kernels.config.parse_overrides`), "
+                        "e.g. --override select_pages.finish_min_row=0; recorded in the output's knobs")
     args = p.parse_args(argv)
+    try:
+        overrides = config.parse_overrides(args.override)
+    except ValueError as err:
+        p.error(f"--override: {err}")
     contexts = [int(c) for c in args.contexts.split(",")]
     import transformers
     import triton
@@ -576,6 +582,7 @@ def main(argv=None) -> None:
             except ValueError as err:
                 p.error(str(err))
     with run:
+        run.enter_context(config.override(**overrides))
         try:
             for name in args.only.split(","):  # in the order given: the first ones matter most under a deadline
                 try:

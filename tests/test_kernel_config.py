@@ -32,6 +32,7 @@ from policyzoo.kernels import (
     reference,
 )
 from policyzoo.kernels import workspace
+from policyzoo.kernels import config
 from policyzoo.kernels.config import override
 from policyzoo.kernels.ops import cache_append as append_op
 from policyzoo.kernels.ops import decode_attention as attention_op
@@ -435,3 +436,22 @@ def test_running_the_kernels_assigns_no_module_constant():
     kernels.quest_page_bound.triton(torch.randn(1, 4, 16).to(DEVICE), pages, pages + 1, 1.0)
     kernels.gaussian_entmax_threshold.triton(x, x.abs(), torch.ones_like(x))
     assert _constants() == before
+
+
+def test_overrides_parse_from_strings():
+    """`parse_overrides`: a command line's ``kernel.field=value`` settings, each kernel's defaults with
+    the fields named, values read as their fields' types; what a config refuses is refused here."""
+    got = config.parse_overrides(["select_pages.finish_min_row=0", "attention.block_t=32",
+                                  "select_pages.finish_warps=16", "gemv.prefetch=true", "select_top.method=program"])
+    assert got == {"select_pages": SelectPagesConfig(finish_min_row=0, finish_warps=16),
+                   "attention": AttentionConfig(block_t=32), "gemv": GemvConfig(prefetch=True),
+                   "select_top": SelectTopConfig(method="program")}
+    assert config.parse_overrides([]) == {}
+    with config.override(**got):
+        assert config.current(SelectPagesConfig).finish_warps == 16
+    for bad, message in (("attention", "expected kernel.field=value"), ("nokernel.a=1", "unknown kernel 'nokernel'"),
+                         ("attention.nofield=1", "AttentionConfig has no field 'nofield'"),
+                         ("attention.block_t=abc", "expected an int"), ("gemv.prefetch=1", "expected true or false"),
+                         ("attention.block_t=48", "block_t must be a power of two")):
+        with pytest.raises(ValueError, match=message):
+            config.parse_overrides([bad])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import ClassVar, TypeVar
@@ -145,10 +145,53 @@ def current(kind: type[C]) -> C:
     return _OVERRIDES.get().get(kind) or _defaults(kind)
 
 
+def parse_overrides(specs: Iterable[str]) -> dict[str, LaunchConfig]:
+    """`override`'s keywords from ``kernel.field=value`` strings (a command line's), e.g.
+    ``["select_pages.finish_min_row=0", "attention.block_t=32"]`` → ``{"select_pages":
+    SelectPagesConfig(finish_min_row=0), "attention": AttentionConfig(block_t=32)}``: each kernel's
+    defaults with the fields named. A value is read as its field's type (int, float, a bool as
+    true/false, a string as it is). An unknown kernel or field, or a value its config refuses,
+    raises ValueError."""
+    import dataclasses
+
+    kernels = known_kernels()
+    fields: dict[str, dict[str, object]] = {}
+    for spec in specs:
+        name, dot, rest = spec.partition(".")
+        field, eq, text = rest.partition("=")
+        if not (dot and eq and field):
+            raise ValueError(f"expected kernel.field=value, got {spec!r}")
+        kind = kernels.get(name)
+        if kind is None:
+            raise ValueError(f"unknown kernel {name!r} in {spec!r}; known: {', '.join(sorted(kernels))}")
+        known = {f.name for f in dataclasses.fields(kind)}
+        if field not in known:
+            raise ValueError(f"{kind.__name__} has no field {field!r}; its fields: {', '.join(sorted(known))}")
+        fields.setdefault(name, {})[field] = _parse_value(text, getattr(_defaults(kind), field), spec)
+    return {name: dataclasses.replace(_defaults(kernels[name]), **values) for name, values in fields.items()}
+
+
+def _parse_value(text: str, default: object, spec: str) -> object:
+    """``text`` as the type of the field's ``default``."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except ValueError:
+        what = {bool: "true or false", int: "an int", float: "a float"}[type(default)]
+        raise ValueError(f"{spec!r}: expected {what}, got {text!r}") from None
+    return text
+
+
 def active() -> dict[str, LaunchConfig]:
     """The overrides in force, by kernel (`known_kernels`); kernels at their defaults are left out."""
     overrides = _OVERRIDES.get()
     return {name: overrides[kind] for name, kind in known_kernels().items() if kind in overrides}
 
 
-__all__ = ["LaunchConfig", "known_kernels", "override", "current", "active"]
+__all__ = ["LaunchConfig", "known_kernels", "override", "current", "active", "parse_overrides"]
