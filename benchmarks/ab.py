@@ -7,9 +7,10 @@ Run on a CUDA machine::
         --variant last=select_pages.finish_min_row=1073741824 --variant default= --rounds 2 \\
         --out benchmarks/results/RUN/ab
 
-A variant is ``NAME=`` followed by comma-separated ``kernel.field=value`` settings (nothing: the
-defaults), the sweep's ``--override`` (`kernels.config.parse_overrides`). The first variant is the
-baseline. Round ``r`` runs the variants in order when ``r`` is even and in reverse when odd (A B,
+A variant is ``NAME=`` followed by comma-separated settings (nothing: the defaults): kernel launch
+settings ``kernel.field=value``, the sweep's ``--override`` (`kernels.config.parse_overrides`), and
+environment variables of the variant's process ``env:NAME=VALUE`` (Inductor's, for instance:
+``pdl=env:TORCHINDUCTOR_ENABLE_PDL=1``). The first variant is the baseline. Round ``r`` runs the variants in order when ``r`` is even and in reverse when odd (A B,
 B A, A B, ...): in one session on an H100 the first of two generate processes ran 1.5-5% faster
 than the second whatever it ran (benchmarks/results/2026-12-06-h100-run28), so an A/B that always
 starts with the same variant measures the order as well.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,14 +40,30 @@ from policyzoo.kernels import config
 from . import common
 
 
+ENV = "env:"
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``NAME=kernel.field=value,...`` → ``(NAME, settings)``; the settings are checked here."""
+    """``NAME=setting,...`` → ``(NAME, settings)``; the settings are checked here."""
     name, eq, rest = text.partition("=")
     if not name or not eq:
         raise ValueError(f"expected NAME=kernel.field=value,... (or NAME= for the defaults), got {text!r}")
     settings = [s for s in rest.split(",") if s]
-    config.parse_overrides(settings)
+    config.parse_overrides([s for s in settings if not s.startswith(ENV)])
+    for s in settings:
+        if s.startswith(ENV) and not s[len(ENV):].partition("=")[0]:
+            raise ValueError(f"expected env:NAME=VALUE, got {s!r}")
     return name, settings
+
+
+def environment(settings: list[str]) -> dict[str, str]:
+    """This process's environment with a variant's ``env:NAME=VALUE`` settings."""
+    env = dict(os.environ)
+    for s in settings:
+        if s.startswith(ENV):
+            key, _, value = s[len(ENV):].partition("=")
+            env[key] = value
+    return env
 
 
 def schedule(names: list[str], rounds: int) -> list[tuple[int, int, str]]:
@@ -141,11 +159,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cmd += ["--dynamic-capacity"] * args.dynamic_capacity + ["--tiny"] * args.tiny
         cmd += ["--layers", str(args.layers)] if args.layers else []
         for setting in settings[name]:
-            cmd += ["--override", setting]
+            cmd += [] if setting.startswith(ENV) else ["--override", setting]
         print(f"ab round {r} position {position}: {name}", flush=True)
         started = time.perf_counter()
         with open(out / f"{label}.log", "w") as log:
-            res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+            res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                 env=environment(settings[name]))
         record = {"variant": name, "round": r, "position": position, "seconds": time.perf_counter() - started}
         if res.returncode != 0:
             rows.append({**record, "error": f"exit {res.returncode}: see {label}.log"})

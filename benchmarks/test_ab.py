@@ -19,7 +19,10 @@ def test_variants_are_checked_before_anything_runs():
     assert ab.parse_variant("base=") == ("base", [])
     assert ab.parse_variant("own=select_pages.finish_min_row=0,select_pages.finish_warps=16") == (
         "own", ["select_pages.finish_min_row=0", "select_pages.finish_warps=16"])
-    for bad in ("noequals", "=attention.block_t=32", "x=attention.block_t=48", "x=nokernel.a=1"):
+    assert ab.parse_variant("pdl=env:TORCHINDUCTOR_ENABLE_PDL=1,attention.block_t=32") == (
+        "pdl", ["env:TORCHINDUCTOR_ENABLE_PDL=1", "attention.block_t=32"])
+    assert ab.environment(["env:AB_TEST=x=1", "attention.block_t=32"])["AB_TEST"] == "x=1"
+    for bad in ("noequals", "=attention.block_t=32", "x=attention.block_t=48", "x=nokernel.a=1", "x=env:=1"):
         with pytest.raises(ValueError):
             ab.parse_variant(bad)
 
@@ -35,7 +38,8 @@ def test_summary_ratios_are_within_rounds():
 
 def test_ab_runs_on_cpu(tmp_path):
     rows = ab.main(["--tiny", "--backend", "aot_eager", "--generate", "dense@64", "--new-tokens", "8", "--rounds", "2",
-                    "--variant", "base=", "--variant", "tiles=attention.block_t=16", "--out", str(tmp_path)])
+                    "--variant", "base=", "--variant", "tiles=attention.block_t=16,env:POLICYZOO_AB_SMOKE=1",
+                    "--out", str(tmp_path)])
     assert [r for r in rows if "error" in r] == []
     assert [(r["round"], r["variant"]) for r in rows] == [(0, "base"), (0, "tiles"), (1, "tiles"), (1, "base")]
     assert all(r["generate_ms"] > 0 and r["tokens"] == 8 for r in rows)
