@@ -15,9 +15,9 @@ from policyzoo import Decoder
 from policyzoo.kv.forecast import Forecast, ForecastHeads, block_scores
 from recipes.forecast.data import load_texts
 from recipes.forecast.errors import UsageError
-from recipes.forecast.evaluate import format_tasks
+from recipes.forecast.evaluate import format_tasks, task_specs
 from recipes.forecast.examples import make_example
-from recipes.forecast.geometry import Geometry
+from recipes.forecast.geometry import DEFAULT_GEOMETRY, Geometry
 from recipes.forecast.objective import (
     LayerQueries,
     candidate_blocks,
@@ -28,7 +28,7 @@ from recipes.forecast.objective import (
     teacher_distribution,
     topk_recall,
 )
-from recipes.forecast.train import build_parser, initial_heads, main, run
+from recipes.forecast.train import build_parser, initial_heads, main, run, save_heads
 
 SMALL = Geometry(block=8, kernel=4, stride=2, sinks=8, window=8)
 
@@ -216,6 +216,8 @@ def test_student_block_scores_rank_as_a_brute_force_over_windows():
         (["--mixed-precision", "fp8"], "--mixed-precision"),
         (["--holdout", "1.5"], "--holdout"),
         (["--init", "/nonexistent/heads.safetensors"], "--init"),
+        (["--geometry", "block=24"], "--geometry"),  # not a multiple of the stride
+        (["--geometry", "blocks=16"], "--geometry"),
     ],
 )
 def test_bad_options_name_themselves(argv, option, capsys):
@@ -245,6 +247,21 @@ def test_an_init_file_that_is_not_forecast_heads_is_refused(tmp_path):
             initial_heads(model, str(path), None)
     good = Forecast(0.1, heads=ForecastHeads.from_model(model, rank=4)).save(tmp_path / "good.safetensors")
     assert initial_heads(model, str(good), None).rank == 4
+
+
+def test_a_geometry_reaches_the_heads_file_and_the_task_specs(tmp_path):
+    """Heads trained for another block geometry (``--geometry``) are saved as a policy of that
+    geometry, and the task evaluation decodes with it."""
+    geo = build_parser().parse_args(["--geometry", "block=16,sinks=16,window=16"]).geometry
+    assert (geo.block, geo.kernel, geo.stride, geo.sinks, geo.window) == (16, 32, 16, 16, 16)
+    assert build_parser().parse_args([]).geometry == DEFAULT_GEOMETRY
+    heads = ForecastHeads.from_model(tiny_model("llama", layers=2), rank=4)
+    path = save_heads(heads, tmp_path / "heads.safetensors", 0.1, geo)
+    loaded = Forecast.load(path)
+    assert (loaded.block, loaded.kernel, loaded.sinks, loaded.window) == (16, 32, 16, 16)
+    specs = task_specs({"trained": path}, 0.1, geo)
+    assert specs == {"dense": "dense", "trained": f"forecast:0.1,heads={path},block=16,sinks=16,window=16"}
+    assert task_specs({"trained": path}, 0.1) == {"dense": "dense", "trained": f"forecast:0.1,heads={path}"}
 
 
 def test_the_task_table_has_a_line_per_setting_and_length():

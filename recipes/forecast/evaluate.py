@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -14,7 +15,7 @@ from torch import nn
 from policyzoo.kv.forecast import ForecastHeads
 
 from .examples import Example
-from .geometry import Geometry
+from .geometry import DEFAULT_GEOMETRY, Geometry
 from .objective import LayerQueries, forecast_loss, student_scores, topk_recall
 
 
@@ -59,15 +60,23 @@ def evaluate_heads(heads: ForecastHeads | None, examples: Sequence[Example], geo
     }
 
 
-def task_eval(model: nn.Module, tokenizer: Any, files: dict[str, Path], args: argparse.Namespace) -> list[dict]:
+def task_specs(files: dict[str, Path], keep: float, geo: Geometry = DEFAULT_GEOMETRY) -> dict[str, str]:
+    """The evaluated settings' specs by name: dense, and ``Forecast(keep, heads=FILE)`` of the
+    geometry ``geo`` (the parameters it changes from Forecast's defaults) for each named file."""
+    shape = "".join(f",{k}={v}" for k, v in asdict(geo).items() if v != getattr(DEFAULT_GEOMETRY, k))
+    return {"dense": "dense", **{name: f"forecast:{keep},heads={path}{shape}" for name, path in files.items()}}
+
+
+def task_eval(model: nn.Module, tokenizer: Any, files: dict[str, Path], args: argparse.Namespace,
+              geo: Geometry = DEFAULT_GEOMETRY) -> list[dict]:
     """Passkey accuracy and perplexity through the library's harness (`policyzoo.eval`), dense and
-    ``Forecast(--eval-keep, heads=FILE)`` for each named heads file, on the embedded essays."""
+    ``Forecast(--eval-keep, heads=FILE)`` of the geometry ``geo`` for each named heads file, on the
+    embedded essays."""
     from policyzoo.eval import tasks
     from policyzoo.eval.runner import evaluate
     from policyzoo.eval.settings import make_settings
 
-    specs = {"dense": "dense"}
-    specs.update({name: f"forecast:{args.eval_keep},heads={path}" for name, path in files.items()})
+    specs = task_specs(files, args.eval_keep, geo)
     data = tasks.build(tokenizer, ["passkey", "ppl"], args.eval_lengths, args.placements, seed=args.seed)
     settings = make_settings(list(specs.values()), ["none"])
     names = {s.label: name for s, name in zip(settings, specs)}

@@ -109,10 +109,10 @@ def train(
 
 
 # --------------------------------------------------------------------------------- outputs
-def save_heads(heads: ForecastHeads, path: Path, budget: float) -> Path:
-    """The heads as a Forecast policy file (`Forecast.save`: the format `Forecast(heads=PATH)`,
-    `Forecast.load` and the ``forecast:...,heads=PATH`` spec read)."""
-    return Forecast(budget, heads=heads, rank=heads.rank).save(path)
+def save_heads(heads: ForecastHeads, path: Path, budget: float, geo: Geometry = DEFAULT_GEOMETRY) -> Path:
+    """The heads as a Forecast policy file of the geometry they were trained for (`Forecast.save`:
+    the format `Forecast(heads=PATH)`, `Forecast.load` and the ``forecast:...,heads=PATH`` spec read)."""
+    return Forecast(budget, heads=heads, rank=heads.rank, **asdict(geo)).save(path)
 
 
 def plot_loss(history: Sequence[float], title: str, path: Path) -> Path:
@@ -193,6 +193,23 @@ def check_args(args: argparse.Namespace, geo: Geometry = DEFAULT_GEOMETRY) -> No
         raise UsageError(f"--out {args.out!r}: the task evaluation names the heads file in a policy spec, which cannot hold spaces, commas or brackets")
 
 
+def _geometry(text: str) -> Geometry:
+    """``--geometry``: ``name=tokens`` pairs over Forecast's defaults, checked by `Forecast` itself."""
+    params: dict[str, int] = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in Geometry.__dataclass_fields__:
+            raise argparse.ArgumentTypeError(f"expected name=tokens with a name of {', '.join(Geometry.__dataclass_fields__)}, got {item!r}")
+        try:
+            params[name] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number of tokens, got {value!r}") from None
+    try:
+        return Geometry.of(Forecast(**params))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _fraction(text: str) -> float:
     try:
         return float(text)
@@ -224,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-chunks", type=positive_int, default=None, help="use only the first N chunks (default: all)")
     data.add_argument("--holdout", type=_fraction, default=0.1, help="fraction of the chunks (the last ones, at least one) held out for evaluation (default 0.1)")
     data.add_argument("--positions", type=positive_int, default=64, help="query positions sampled per chunk (default 64)")
+    data.add_argument("--geometry", type=_geometry, default=DEFAULT_GEOMETRY,
+                      help="the Forecast block geometry the heads are for, as policy parameters, e.g. "
+                           "'block=16,sinks=16,window=16' (block, kernel, stride, sinks, window in tokens; default Forecast's)")
     train_ = p.add_argument_group("training")
     train_.add_argument("--steps", type=positive_int, default=2000, help="optimizer steps (default 2000)")
     train_.add_argument("--batch", type=positive_int, default=1, help="chunks per step (default 1)")
@@ -253,7 +273,7 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
     Returns the metrics it writes to ``metrics.json``."""
     from accelerate import Accelerator
 
-    geo = DEFAULT_GEOMETRY
+    geo = args.geometry
     check_args(args, geo)
     t_start = time.perf_counter()
     if args.threads:
@@ -286,13 +306,13 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
     heads = initial_heads(model, args.init, args.rank)
     initial = copy.deepcopy(heads).cpu()
     if accelerator.is_main_process:
-        save_heads(initial, out / "checkpoint-0.safetensors", args.eval_keep)
+        save_heads(initial, out / "checkpoint-0.safetensors", args.eval_keep, geo)
     queries_of = LayerQueries(heads.float())
     optimizer = torch.optim.AdamW(queries_of.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     queries_of, optimizer = accelerator.prepare(queries_of, optimizer)
 
     metrics: dict[str, Any] = {
-        "args": {k: v for k, v in vars(args).items()},
+        "args": {k: asdict(v) if isinstance(v, Geometry) else v for k, v in vars(args).items()},
         "model": args.model,
         "chunks": {"train": len(train_idx), "held_out": len(held_idx), "seq_len": args.seq_len},
         "heads": {"rank": heads.rank, "layers": heads.num_layers, "parameters": sum(p.numel() for p in heads.parameters())},
@@ -304,7 +324,7 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
 
     def checkpoint(step: int, history: list[float]) -> None:
         if accelerator.is_main_process:
-            save_heads(trained_heads(), out / f"checkpoint-{step}.safetensors", args.eval_keep)
+            save_heads(trained_heads(), out / f"checkpoint-{step}.safetensors", args.eval_keep, geo)
             write_metrics(out / "metrics.json", {**metrics, "loss": history, "step": step})
 
     t_train = time.perf_counter()
@@ -325,8 +345,8 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
         return metrics
 
     final = trained_heads()
-    save_heads(final, out / f"checkpoint-{args.steps}.safetensors", args.eval_keep)
-    heads_file = save_heads(final, out / "heads.safetensors", args.eval_keep)
+    save_heads(final, out / f"checkpoint-{args.steps}.safetensors", args.eval_keep, geo)
+    heads_file = save_heads(final, out / "heads.safetensors", args.eval_keep, geo)
 
     t_held = time.perf_counter()
     held = [store[i] for i in held_idx]
@@ -347,7 +367,8 @@ def run(args: argparse.Namespace, model: nn.Module | None = None, tokenizer: Any
 
     if not args.no_task_eval:
         t_eval = time.perf_counter()
-        rows = task_eval(model, tokenizer, {"forecast init": out / "checkpoint-0.safetensors", "forecast trained": heads_file}, args)
+        rows = task_eval(model, tokenizer, {"forecast init": out / "checkpoint-0.safetensors", "forecast trained": heads_file}, args,
+                         geo)
         metrics["tasks"] = rows
         metrics["timing"]["task_eval_s"] = round(time.perf_counter() - t_eval, 1)
         print(format_tasks(rows))
