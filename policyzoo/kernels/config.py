@@ -26,6 +26,7 @@ can be made, checked and recorded anywhere.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -152,8 +153,6 @@ def parse_overrides(specs: Iterable[str]) -> dict[str, LaunchConfig]:
     defaults with the fields named. A value is read as its field's type (int, float, a bool as
     true/false, a string as it is). An unknown kernel or field, or a value its config refuses,
     raises ValueError."""
-    import dataclasses
-
     kernels = known_kernels()
     fields: dict[str, dict[str, object]] = {}
     for spec in specs:

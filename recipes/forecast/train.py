@@ -40,7 +40,7 @@ import copy
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -196,10 +196,11 @@ def check_args(args: argparse.Namespace, geo: Geometry = DEFAULT_GEOMETRY) -> No
 def _geometry(text: str) -> Geometry:
     """``--geometry``: ``name=tokens`` pairs over Forecast's defaults, checked by `Forecast` itself."""
     params: dict[str, int] = {}
+    names = [f.name for f in fields(Geometry)]
     for item in filter(None, text.split(",")):
         name, eq, value = item.partition("=")
-        if not eq or name not in Geometry.__dataclass_fields__:
-            raise argparse.ArgumentTypeError(f"expected name=tokens with a name of {', '.join(Geometry.__dataclass_fields__)}, got {item!r}")
+        if not eq or name not in names:
+            raise argparse.ArgumentTypeError(f"expected name=tokens with a name of {', '.join(names)}, got {item!r}")
         try:
             params[name] = int(value)
         except ValueError:
