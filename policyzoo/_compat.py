@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2")
 
 # The layer kinds of a config's ``layer_types`` that policyzoo runs: whole-context attention, and the
 # sliding window (each token attends to the last ``sliding_window`` positions, its own included).

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import FAMILIES, RecordingStreamer, padded_batch, tiny_model
+from tiny_models import FAMILIES, MORE_FAMILIES, RecordingStreamer, padded_batch, tiny_model
 
 from policyzoo import AttentionTopK, Decoder, EntmaxKV, Quest, TopK, Window
 
@@ -35,6 +35,22 @@ def test_dense_matches_unwrapped_model(family, batch):
     seq, logits = Decoder(model).generate(ids, NEW, attention_mask=mask, output_logits=True)
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_families_decode_as_the_model(family):
+    """Gemma, Granite and OLMo-2 decode through the same attention hook: dense and a full budget
+    give HF's own greedy tokens and logits, and a sparse setting of both branches runs and differs."""
+    model = tiny_model(family)
+    ids, mask = padded_batch(2, 21)
+    ref_seq, ref_logits = hf_reference(copy.deepcopy(model), ids, mask)
+    for kv in (None, Quest(1.0, page=4)):
+        seq, logits = Decoder(copy.deepcopy(model), kv=kv).generate(ids, NEW, attention_mask=mask, output_logits=True)
+        assert torch.equal(seq, ref_seq)
+        torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
+    _, sparse = Decoder(model, kv=Quest(4, page=4, sinks=1, window=1), proj=TopK(0.3)).generate(
+        ids, NEW, attention_mask=mask, output_logits=True)
+    assert torch.isfinite(sparse).all() and not torch.allclose(sparse, ref_logits, atol=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,16 @@ _CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
+
+# Families beyond FAMILIES (which most decoder tests run over), each checked by its own tests, with
+# the config fields that make them differ from Llama: Granite's multipliers (its attention scale
+# is not head_dim**-0.5).
+MORE_FAMILIES = ("gemma", "granite", "olmo2")
+_EXTRA = {"granite": dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0)}
 
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128):
@@ -35,6 +44,7 @@ def tiny_model(family: str = "llama", seed: int = 0, layers: int = 2, heads: int
         pad_token_id=0,
         bos_token_id=None,
         eos_token_id=None,
+        **_EXTRA.get(family, {}),
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
