@@ -347,6 +347,28 @@ def test_threshold_kernel_matches_reference(pool):
 
 
 @kernel_here
+@pytest.mark.parametrize("pages, block", [(36, 32), (34, 32), (2052, None), (2049, None)])
+def test_threshold_kernel_holds_a_slice_a_little_past_its_block(pages, block):
+    """A slice a few pages past its block (a 128K cache's pages split four ways) is held as the
+    block and a tail block (`tail_block`), and solves as the reference does."""
+    from policyzoo.kernels.ops.entmax_threshold import entmax_threshold_config, tail_block
+
+    cfg = EntmaxThresholdConfig(block_p=block) if block else EntmaxThresholdConfig()
+    with override(entmax_threshold=cfg):
+        settled = entmax_threshold_config(pages)
+        assert tail_block(pages, settled.block_p) > 0  # the case under test: a tail, not the walk
+        g = torch.Generator().manual_seed(pages)
+        m = (torch.randn(2, pages, generator=g) * 4).to(KERNEL_DEVICE)
+        s = torch.rand(2, pages, generator=g).to(KERNEL_DEVICE)
+        n = torch.randint(1, 17, (2, pages), generator=g).to(KERNEL_DEVICE)
+        m[1, -3:] += 30.0  # row 1's mass sits in the tail
+        with poisoned():
+            got = kernels.gaussian_entmax_threshold.triton(m, s, n, m + 2.0)
+    want = reference.gaussian_entmax_threshold(m.cpu(), s.cpu(), n.cpu(), m.cpu() + 2.0)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-9)
+
+
+@kernel_here
 def test_threshold_kernel_edge_cases():
     """Broadcast inputs (page counts shared by the heads), one page, all pages out of the pool."""
     g = torch.Generator().manual_seed(3)

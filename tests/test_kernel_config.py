@@ -14,6 +14,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from policyzoo import kernels
 from policyzoo.kernels import (
@@ -177,6 +179,19 @@ def test_gathered_logits_config_by_shape():
         assert gathered_op.gathered_logits_config(8).block_t == 8
 
 
+@given(per=st.integers(1, 1 << 16), log_block=st.integers(5, 13))
+def test_entmax_tail_block_covers_the_slice_past_its_block(per, log_block):
+    block = 1 << log_block
+    tail = entmax_op.tail_block(per, block)
+    if per <= block:
+        assert tail == 0
+    elif tail is None:  # walked from memory: the overflow is too long for a tail
+        assert (per - block) * entmax_op.TAIL_FRACTION > block
+    else:
+        assert tail >= 32 and tail & (tail - 1) == 0 and block + tail >= per
+        assert tail < 2 * max(32, per - block)  # the smallest power of two that holds the overflow
+
+
 def test_page_score_and_entmax_threshold_configs_by_shape():
     assert quest_op.page_score_config(128) == PageScoreConfig()
     assert quest_op.page_score_config(8).method == "loop"  # tl.dot needs 16
@@ -191,6 +206,10 @@ def test_page_score_and_entmax_threshold_configs_by_shape():
     assert (rule(8192, 32, 132).split, rule(8192, 32, 132).block_p) == (4, 2048)
     assert rule(2048, 32, 132).split == 4 and rule(2048, 32, 132).block_p == 512  # 512 pages a program at least
     assert rule(8192, 200, 132).split == 1  # more rows than SMs: no split
+    # A 128K cache's 8,196 pages: 2,049 a program, held as 2,048 and a tail block of 32 (not 4,096)
+    assert (rule(8196, 32, 132).split, rule(8196, 32, 132).block_p) == (4, 2048)
+    assert entmax_op.tail_block(2049, 2048) == 32
+    assert rule(2052, 32, 132).block_p == 512 and entmax_op.tail_block(513, 512) == 32  # 513 pages: 512 + 32
     with override(entmax_threshold=EntmaxThresholdConfig(split=64)):
         assert rule(8192, 32, 132).split == 4  # never more programs than SMs
         assert rule(8192, 1, 132).split == 64

@@ -61,23 +61,47 @@ def entmax_threshold_config(p: int, rows: int = 1, sms: int = 1) -> EntmaxThresh
     """The launch parameters of a call on ``rows`` rows of ``p`` pages on a device of ``sms`` SMs:
     the config in force (`config.current`), its split settled (at most ``sms // rows`` programs per
     row, so that every program runs at once; ``sms = 1``: one per row), its block cut to
-    next_pow2(slice) pages (32 at least) and its warps to one per 128 pages of the block."""
+    next_pow2(slice) pages (32 at least; half that where the rest fits a small tail block,
+    `tail_block`) and its warps to one per 128 pages of the block."""
     return _choose(current(EntmaxThresholdConfig), p, rows, sms)
+
+
+# A held slice may run past its block by at most 1/TAIL_FRACTION of it, into a tail block of its own.
+TAIL_FRACTION = 8
+
+
+def tail_block(per_program: int, block_p: int) -> int | None:
+    """Pages of the tail block that holds a slice of ``per_program`` pages past its ``block_p``: 0
+    when the block holds the slice, a power of two (32 at least) when the overflow is at most
+    ``block_p / TAIL_FRACTION``, None when the slice is walked from memory every step instead.
+
+    A cache of 128K tokens has a few pages more than 8,192: split four ways, 2,049 pages a program,
+    which without a tail would be walked from memory block by block at every Newton step (the
+    τ-independent terms computed again each time), or held in a block of 4,096 lanes."""
+    over = per_program - block_p
+    if over <= 0:
+        return 0
+    return max(32, next_power_of_2(over)) if over * TAIL_FRACTION <= block_p else None
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
 def _choose(cfg: EntmaxThresholdConfig, p: int, rows: int, sms: int) -> EntmaxThresholdConfig:
     fit = max(1, sms // max(rows, 1))
     split = min(fit, cfg.split or cdiv(p, cfg.min_pages), p)
-    block = min(cfg.block_p, max(next_power_of_2(cdiv(p, split)), 32))
+    per_program = cdiv(p, max(split, 1))
+    block = min(cfg.block_p, max(next_power_of_2(per_program), 32))
+    if block // 2 >= 32 and tail_block(per_program, block // 2):  # half the block and a small tail
+        block //= 2
     return dataclasses.replace(cfg, split=max(split, 1), block_p=block,
                                num_warps=max(1, min(cfg.num_warps, block // 128)))
 
 
-def _config_for(p: int, rows: int, device: torch.device) -> EntmaxThresholdConfig:
-    """`entmax_threshold_config` for the device: its SMs on CUDA; one program per row elsewhere
-    (the interpreter runs programs one after another: a row's programs would wait forever)."""
-    return entmax_threshold_config(p, rows, _sm_count(device) if device.type == "cuda" and not INTERPRET else 1)
+def _plan_for(p: int, rows: int, device: torch.device) -> tuple[EntmaxThresholdConfig, int | None]:
+    """`entmax_threshold_config` for the device (its SMs on CUDA; one program per row elsewhere: the
+    interpreter runs programs one after another, so a row's programs would wait forever), and the
+    `tail_block` of its slices."""
+    cfg = entmax_threshold_config(p, rows, _sm_count(device) if device.type == "cuda" and not INTERPRET else 1)
+    return cfg, tail_block(cdiv(p, cfg.split), cfg.block_p)
 
 
 @torch.library.custom_op("policyzoo::gaussian_entmax_threshold", mutates_args=())
@@ -87,7 +111,7 @@ def _gaussian_entmax_threshold_op(m: Tensor, s: Tensor, n: Tensor, cap: Tensor |
     need_triton()
     rows = math.prod(torch.broadcast_shapes(*(t.shape for t in (m, s, n, cap) if t is not None))[:-1])
     counters = zeroed(counters, kernel.COUNTERS * rows, m.device)
-    return kernel.gaussian_entmax_threshold(m, s, n, cap, iters, counters, _config_for)
+    return kernel.gaussian_entmax_threshold(m, s, n, cap, iters, counters, _plan_for)
 
 
 @_gaussian_entmax_threshold_op.register_fake
@@ -106,4 +130,4 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
                                                          buffer(workspace, "barrier_counters"))
 
 
-__all__ = ["EntmaxThresholdConfig", "entmax_threshold_config", "gaussian_entmax_threshold"]
+__all__ = ["EntmaxThresholdConfig", "entmax_threshold_config", "gaussian_entmax_threshold", "tail_block"]

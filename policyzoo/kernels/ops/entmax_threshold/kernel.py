@@ -15,7 +15,9 @@ idle and ran 13 float64 passes over 8,192 pages back to back. Here:
 
 - a row is split over ``split`` programs (`EntmaxThresholdConfig`: as many as one program per SM
   allows), each holding its slice of the pages in registers for the whole solve, with the
-  τ-independent half of each moment pair (the censoring at the page's cap) computed once;
+  τ-independent half of each moment pair (the censoring at the page's cap) computed once; a slice a
+  little past a power of two (a 128K cache's 8,196 pages split four ways) is held as a block and a
+  small tail block (`tail_block`), a longer one walked from memory at every step;
 - each Newton step ends in a barrier of the row's programs: each writes its partial sums, counts
   itself in at the row's counter (release) and waits until all have (acquire); each then adds the
   partials in the same order, so every program of the row takes the same step. The programs of a
@@ -177,7 +179,7 @@ def _newton(tau, lo, hi, big_f, big_l, tiny):
 def _entmax_threshold_kernel(
     m_ptr, s_ptr, n_ptr, c_ptr, out_ptr, part_ptr, ctr_ptr,
     P, per_program, coarse, fine,
-    HAS_CAP: tl.constexpr, BLOCK_P: tl.constexpr, HELD: tl.constexpr, S_PAD: tl.constexpr,
+    HAS_CAP: tl.constexpr, BLOCK_P: tl.constexpr, HELD: tl.constexpr, TAIL: tl.constexpr, S_PAD: tl.constexpr,
 ):
     me = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -190,11 +192,18 @@ def _entmax_threshold_kernel(
     neg = tl.full((), float("-inf"), tl.float64)
 
     # The bracket and the start: maxima over the row's live pages.
-    if HELD:  # the slice is one block, kept in registers with its τ-independent terms
+    if HELD:  # the slice is one block (and a tail), kept in registers with its τ-independent terms
         m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP)
         lo_p, hi_p, top_p = _bracket(m0, s0, c0, live)
         b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
         b32, sq_b32, lin_b32 = _cap_terms(m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), True)
+        if TAIL > 0:
+            t_m0, t_s0, t_c0, t_w, t_live = _load_block(m_row, s_row, n_row, c_row, first + BLOCK_P + tl.arange(0, TAIL),
+                                                        end, HAS_CAP)
+            lo_t, hi_t, top_t = _bracket(t_m0, t_s0, t_c0, t_live)
+            lo_p, hi_p, top_p = tl.maximum(lo_p, lo_t), tl.maximum(hi_p, hi_t), tl.maximum(top_p, top_t)
+            t_b, t_sq_b, t_lin_b = _cap_terms(t_m0, t_s0, t_c0, False)
+            t_b32, t_sq_b32, t_lin_b32 = _cap_terms(t_m0.to(tl.float32), t_s0.to(tl.float32), t_c0.to(tl.float32), True)
     else:
         lo_p, hi_p, top_p = neg, neg, neg
         for p0 in range(first, end, BLOCK_P):
@@ -215,6 +224,10 @@ def _entmax_threshold_kernel(
         if HELD:  # float32 copies made per step: registers are what the held slice is short of
             f_p, l_p = _step_sums(m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), w.to(tl.float32), b32,
                                   sq_b32, lin_b32, tau32, True)
+            if TAIL > 0:
+                f_t, l_t = _step_sums(t_m0.to(tl.float32), t_s0.to(tl.float32), t_c0.to(tl.float32), t_w.to(tl.float32),
+                                      t_b32, t_sq_b32, t_lin_b32, tau32, True)
+                f_p, l_p = f_p + f_t, l_p + l_t
         else:
             f_p, l_p = tl.zeros((), tl.float32), tl.zeros((), tl.float32)
             for p0 in range(first, end, BLOCK_P):
@@ -231,6 +244,9 @@ def _entmax_threshold_kernel(
     for k in range(fine):
         if HELD:
             f_p, l_p = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
+            if TAIL > 0:
+                f_t, l_t = _step_sums(t_m0, t_s0, t_c0, t_w, t_b, t_sq_b, t_lin_b, tau, False)
+                f_p, l_p = f_p + f_t, l_p + l_t
         else:
             f_p, l_p = tl.zeros((), tl.float64), tl.zeros((), tl.float64)
             for p0 in range(first, end, BLOCK_P):
@@ -249,11 +265,12 @@ def _entmax_threshold_kernel(
 
 
 def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int, counters: Tensor,
-                              config_for) -> Tensor:
+                              plan_for) -> Tensor:
     """``float64[..., 1]``: `reference.gaussian_entmax_threshold` of ``m, s, n, cap [..., P]`` (broadcast
     together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page.
-    ``counters``: ``COUNTERS`` zeroed int32 per row, left zero. ``config_for(P, rows, device)``: the
-    `EntmaxThresholdConfig` for rows of ``P`` pages (its ``split`` settled)."""
+    ``counters``: ``COUNTERS`` zeroed int32 per row, left zero. ``plan_for(P, rows, device)``: the
+    `EntmaxThresholdConfig` for rows of ``P`` pages (its ``split`` settled) and the pages of the tail
+    block that holds a slice past ``block_p`` (0: none needed; None: the slice is walked instead)."""
     route.check_device(m)
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
@@ -269,14 +286,14 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     # Rows of P contiguous pages (an expanded n, e.g. page counts shared by the heads, is copied).
     m, s, n = (t.expand(shape).contiguous().view(r, p) for t in (m, s, n))
     c = m if cap is None else cap.expand(shape).contiguous().view(r, p)  # c: a dummy without caps
-    cfg = config_for(p, r, m.device)
+    cfg, tail = plan_for(p, r, m.device)
     per_program = triton.cdiv(p, cfg.split)
     s_pad = max(16, triton.next_power_of_2(cfg.split))
     parts = _alloc(r * 2 * s_pad * 4, dtype=torch.float64, device=m.device)
     fine = min(iters, FINE_STEPS)
     _entmax_threshold_kernel[(cfg.split, r)](
         m, s, n, c, out, parts, counters, p, per_program, iters - fine, fine,
-        HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, HELD=cfg.block_p >= per_program, S_PAD=s_pad,
+        HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, HELD=tail is not None, TAIL=tail or 0, S_PAD=s_pad,
         num_warps=cfg.num_warps,
     )
     return out
