@@ -26,6 +26,7 @@ from policyzoo.kernels import (
     GatheredLogitsConfig,
     GemvConfig,
     PageFetchConfig,
+    PageGaussiansConfig,
     PageScoreConfig,
     SelectPagesConfig,
     SelectTopConfig,
@@ -118,6 +119,7 @@ def test_each_op_config_names_its_kernel_once():
         "sketch_score": SketchScoreConfig, "entmax_threshold": EntmaxThresholdConfig,
         "gathered_logits": GatheredLogitsConfig, "attention_edges": AttentionEdgesConfig, "page_fetch": PageFetchConfig,
         "select_pages": SelectPagesConfig, "dense_gemv": DenseGemvConfig,
+        "page_gaussians": PageGaussiansConfig,
     }
 
 

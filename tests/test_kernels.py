@@ -58,12 +58,14 @@ if route.HAS_TRITON:
     from policyzoo.kernels.ops.attention_edges import kernel as edges_kernel  # noqa: E402
     from policyzoo.kernels.ops.cache_append import kernel as append_kernel  # noqa: E402
     from policyzoo.kernels.ops.decode_attention import kernel as attention_kernel  # noqa: E402
+    from policyzoo.kernels.ops.page_gaussians import kernel as gaussians_kernel  # noqa: E402
     from policyzoo.kernels.ops.quest_page_bound import kernel as quest_kernel  # noqa: E402
     from policyzoo.kernels.ops.select_top import kernel as select_kernel  # noqa: E402
     from policyzoo.kernels.ops.sketch_page_bound import kernel as sketch_kernel  # noqa: E402
     from policyzoo.kernels.ops.sparse_gemv import kernel as gemv_kernel  # noqa: E402
 
-    KERNEL_MODULES = (attention_kernel, quest_kernel, sketch_kernel, gemv_kernel, select_kernel, edges_kernel)
+    KERNEL_MODULES = (attention_kernel, quest_kernel, sketch_kernel, gemv_kernel, select_kernel, edges_kernel,
+                      gaussians_kernel)
 # The kernels' histograms and arrival counters, as a Decoder on CUDA makes them: the tests that
 # pass it check that every launch leaves it zero.
 WORKSPACE = kernels.Workspace(DEVICE) if MODE != "subprocess" else None
@@ -422,6 +424,36 @@ def test_quest_page_bound(seed, dtype, d, b, h_kv, group, pages, agg, width, sum
     assert got.dtype == torch.float32 and got.shape == expected.shape
     # The bound is fp32 arithmetic on exact (bf16 → fp32) inputs, whatever q's dtype.
     assert_close(got, expected, torch.float32, scale=expected.abs().max().item() + 1)
+
+
+@here
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    d=st.sampled_from([8, 64, 96, 128]),
+    b=st.integers(1, 2),
+    h_kv=st.integers(1, 2),
+    group=st.integers(1, 8),
+    pages=st.integers(1, 70),
+    block_p=st.sampled_from([16, 32, 64]),
+    zero_std=st.booleans(),
+)
+def test_page_gaussians(seed, dtype, d, b, h_kv, group, pages, block_p, zero_std):
+    """μ and σ of every query head and page, as the reference's einsums give them (fp32 sums in
+    another order), whatever the block of pages a program takes; σ = 0 where the page's keys agree."""
+    g_rand = gen(seed)
+    q = randn(g_rand, b, h_kv * group, d, dtype=dtype)
+    mean = randn(g_rand, b, h_kv, pages, d)
+    std = randn(g_rand, b, h_kv, pages, d).abs() * (0.0 if zero_std else 1.0)
+    scale = d**-0.5
+    with poisoned(), override(page_gaussians=kernels.PageGaussiansConfig(block_p=block_p)):
+        mu, sigma = kernels.page_gaussians.triton(q, mean, std, scale)
+    want_mu, want_sigma = ref.page_gaussians(q, mean, std, scale)
+    assert mu.dtype == sigma.dtype == torch.float32 and mu.shape == sigma.shape == (b, h_kv * group, pages)
+    assert_close(mu, want_mu, torch.float32, scale=want_mu.abs().max().item() + 1)
+    assert_close(sigma, want_sigma, torch.float32, scale=want_sigma.abs().max().item() + 1)
+    assert bool((sigma >= 0).all()) and (not zero_std or bool((sigma == 0).all()))
 
 
 @here
@@ -924,6 +956,7 @@ def test_custom_ops_opcheck():
         torch.library.opcheck(
             torch.ops.policyzoo.quest_page_bound.default, (q, page_min, page_min + 1, 0.5, agg), test_utils=checks
         )
+    torch.library.opcheck(torch.ops.policyzoo.page_gaussians.default, (q, page_min, page_min.abs(), 0.5), test_utils=checks)
     x, w_t = torch.randn(2, 40, device=DEVICE), torch.randn(40, 24, device=DEVICE)
     idx = torch.stack([torch.randperm(40)[:10] for _ in range(2)]).to(torch.int32).to(DEVICE)
     torch.library.opcheck(torch.ops.policyzoo.sparse_gemv_index.default, (x, idx, w_t, None), test_utils=checks)

@@ -263,7 +263,7 @@ def test_select_ops_refuse_rows_longer_than_they_take():
 @here
 def test_given_scores_take_the_fused_kernel_up_to_the_configured_row():
     """`choose_topk` sends rows of given scores to `select_scores` up to `MAX_SCORES_ROW` entries
-    (8,192), and the choice is the same either way; the box selection's limit is the kernel's own row."""
+    (16,384), and the choice is the same either way; the box selection's limit is the kernel's own row."""
     from policyzoo.kv.choose import choose_topk, fused_rows
 
     limit = select_op.MAX_SCORES_ROW

@@ -18,6 +18,7 @@ from .ops.dense_gemv import DenseGemvConfig, dense_gemv, dense_gemv_decode_rows,
 from .ops.entmax_threshold import EntmaxThresholdConfig, gaussian_entmax_threshold
 from .ops.gathered_logits import GatheredLogitsConfig, gathered_logits
 from .ops.page_fetch import PageFetchConfig, page_fetch
+from .ops.page_gaussians import PageGaussiansConfig, page_gaussians
 from .ops.prefetch import prefetch_pages_op, wait_for_prefetch
 from .ops.quest_page_bound import PageScoreConfig, quest_page_bound, quest_page_bound_grouped
 from .ops.select_pages import MAX_ROW as SELECT_PAGES_ROW
@@ -49,6 +50,7 @@ __all__ = [
     "gaussian_entmax_threshold",
     "gathered_logits",
     "page_fetch",
+    "page_gaussians",
     "prefetch_pages_op",
     "quest_page_bound",
     "quest_page_bound_grouped",
@@ -72,6 +74,7 @@ __all__ = [
     "GatheredLogitsConfig",
     "GemvConfig",
     "PageFetchConfig",
+    "PageGaussiansConfig",
     "PageScoreConfig",
     "SelectPagesConfig",
     "SelectTopConfig",

@@ -24,6 +24,7 @@ from .ops.entmax_threshold.reference import (
 )
 from .ops.gathered_logits.reference import gathered_logits
 from .ops.page_fetch.reference import page_fetch
+from .ops.page_gaussians.reference import page_gaussians
 from .ops.quest_page_bound.reference import quest_page_bound, quest_page_bound_grouped
 from .ops.select_pages.reference import page_count, round_for_ranking, select_pages, select_scores, visible_pages
 from .ops.select_top.reference import select_top
@@ -56,6 +57,7 @@ __all__ = [
     "gaussian_relu_sq",
     "page_count",
     "page_fetch",
+    "page_gaussians",
     "page_summaries",
     "quest_page_bound",
     "quest_page_bound_grouped",

@@ -68,14 +68,10 @@ from .registry import register
 
 
 def page_gaussians(state: KVState, q: Tensor) -> tuple[Tensor, Tensor]:
-    """Per query head and page, the Gaussian model of ``scale·q·k``: ``(μ, σ) float32[B, H, P]``."""
-    b, h, d = q.shape
-    mean, std = state.cache.page_mean[state.layer], state.cache.page_std[state.layer]
-    h_kv = mean.shape[1]
-    qs = q.float().view(b, h_kv, h // h_kv, d) * state.scale
-    mu = torch.einsum("bkgd,bkpd->bkgp", qs, mean)
-    var = torch.einsum("bkgd,bkpd->bkgp", qs * qs, std * std)
-    return mu.reshape(b, h, -1), var.clamp(min=0).sqrt().reshape(b, h, -1)
+    """Per query head and page, the Gaussian model of ``scale·q·k``: ``(μ, σ) float32[B, H, P]``
+    (`kernels.page_gaussians` over the layer's page mean and standard deviation)."""
+    cache = state.cache
+    return kernels.page_gaussians(q, cache.page_mean[state.layer], cache.page_std[state.layer], state.scale)
 
 
 @register("entmax-kv")

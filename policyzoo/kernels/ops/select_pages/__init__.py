@@ -32,12 +32,12 @@ if HAS_TRITON:
 # (the pages of a 256K context at pages of 16).
 MAX_ROW = MAX_BLOCK_N
 # The longest row of given scores `choose_topk` sends to `select_scores`: longer rows take the steps.
-# Long rows are chosen by a launch of their own, faster than the steps where measured: 8,192 entries
-# in 14.4 µs against 20.5, 2,048 in 9.3 against 10.3, on an H100 (benchmarks/results/
-# 2026-12-06-h100-run28; with the choice in the last scoring program 8,192 had been slower, 19.8).
-# Longer rows (up to `MAX_ROW`) were not timed: the steps keep them. A constant, not a launch
-# setting: the choice is made while a step is traced, where no scoped config is read.
-MAX_SCORES_ROW = 8192
+# Long rows are chosen by a launch of their own, faster than the steps up to rows held in 16,384
+# registers, and much slower past them (8 rows on an H100, µs, fused against the steps: 8,192
+# entries 13.4 / 16.2; 8,196, a 128K cache's pages, 15.6 / 23.3; 12,288 17.8 / 26.4; 16,388 147.8 /
+# 21.3; benchmarks/results/2026-12-06-h100-run29). A constant, not a launch setting: the choice is
+# made while a step is traced, where no scoped config is read.
+MAX_SCORES_ROW = 16384
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
