@@ -181,6 +181,24 @@ def test_threshold_solves_the_pooled_equation(pages, spread, seed):
     assert bool((tau < cap.amax(-1, keepdim=True)).all())
 
 
+@settings(max_examples=30, deadline=None)
+@given(pages=st.integers(1, 3000), spread=st.sampled_from([0.1, 1.0, 10.0, 60.0]), seed=st.integers(0, 1000))
+def test_threshold_stops_early_at_the_same_root(pages, spread, seed):
+    """Leaving each precision's Newton steps once a step barely moves τ (`STOP_FLOAT32`,
+    `STOP_FLOAT64`) gives the root that all 12 steps give, to 1e-10."""
+    from policyzoo.kernels.ops.entmax_threshold import reference as threshold_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(3, pages, generator=gen) * spread
+    s = torch.rand(3, pages, generator=gen) * spread * 0.3
+    cap = m + torch.rand(3, pages, generator=gen) * spread
+    n = torch.randint(1, 17, (3, pages), generator=gen)
+    early = gaussian_entmax_threshold(m, s, n, cap)
+    with mock.patch.object(threshold_reference, "STOP_FLOAT32", 0.0), mock.patch.object(threshold_reference, "STOP_FLOAT64", 0.0):
+        full = gaussian_entmax_threshold(m, s, n, cap)
+    torch.testing.assert_close(early, full, rtol=1e-10, atol=1e-10)
+
+
 def test_gaussian_relu_sq_is_the_expectation():
     gen = torch.Generator().manual_seed(0)
     for c, s in [(0.3, 1.0), (-1.0, 0.5), (2.0, 0.1), (0.0, 2.0)]:

@@ -4,7 +4,7 @@ this file.
 `EntmaxKV` (``mode="gaussian"``) solves, per row of ``[B, H]`` pages, ``F(τ) = Σ_p n_p·E[(min(x_p,
 cap_p) − τ)_+²] = 1``, ``x_p ~ N(m_p, s_p²)``, by safeguarded Newton steps on ``√F − 1``, each a full
 pass over the row's pages: the first ones in float32, the last `reference.FINE_STEPS` in float64.
-The torch reference is a chain of elementwise ops and last-dim sums; under `torch.compile` Inductor
+Each precision's steps stop early as the reference's do. The torch reference is a chain of elementwise ops and last-dim sums; under `torch.compile` Inductor
 fuses it into one persistent reduction over all pages, which Triton 3.6 fails to compile for 8192
 pages (``PassManager::run failed`` in make_ttgir), so this is one opaque custom op.
 
@@ -43,8 +43,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import route
+from . import reference
 from .reference import FINE_STEPS
 
+# The early stops of the Newton steps (`reference.STOP_FLOAT32`, `STOP_FLOAT64`), as constants the
+# kernel may read.
+STOP_FLOAT32 = tl.constexpr(reference.STOP_FLOAT32)
+STOP_FLOAT64 = tl.constexpr(reference.STOP_FLOAT64)
 # Counters per row: the barrier's arrivals, then the programs done (the last one zeroes both).
 COUNTERS = 2
 # Partial sums a program publishes per step (the bracket pass: three maxima; a Newton pass: F and L).
@@ -218,9 +223,14 @@ def _entmax_threshold_kernel(
     tau = tl.where(empty, 0.0, tl.max(tl.where(mine, tops, float("-inf")), 0))
     tau = tl.minimum(tl.maximum(tau, lo), hi)
 
-    # The float32 steps, then the float64 ones from their iterate inside the float64 bracket.
+    # The float32 steps, then the float64 ones from their iterate inside the float64 bracket; each
+    # precision's steps end early after one that barely moved τ (`reference.STOP_FLOAT32`,
+    # `STOP_FLOAT64`). Every program of the row adds the same partials in the same order, so all
+    # take the same steps and meet at the same barriers.
     tau32, lo32, hi32 = tau.to(tl.float32), lo.to(tl.float32), hi.to(tl.float32)
-    for k in range(coarse):
+    k = tl.zeros((), tl.int32)  # steps taken: the barriers passed after the bracket's
+    moving = coarse > 0
+    while moving:
         if HELD:  # float32 copies made per step: registers are what the held slice is short of
             f_p, l_p = _step_sums(m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), w.to(tl.float32), b32,
                                   sq_b32, lin_b32, tau32, True)
@@ -236,12 +246,17 @@ def _entmax_threshold_kernel(
                 b32, sq_b32, lin_b32 = _cap_terms(m32, s32, c32, True)
                 f_b, l_b = _step_sums(m32, s32, c32, w32, b32, sq_b32, lin_b32, tau32, True)
                 f_p, l_p = f_p + f_b, l_p + l_b
-        fs, ls, _, _ = _exchange(parts, ctr, f_p.to(tl.float64), l_p.to(tl.float64), neg, 1 + k, S_PAD)
-        tau32, lo32, hi32 = _newton(tau32, lo32, hi32, tl.sum(fs, 0).to(tl.float32), tl.sum(ls, 0).to(tl.float32),
-                                    1e-30)
+        k += 1
+        fs, ls, _, _ = _exchange(parts, ctr, f_p.to(tl.float64), l_p.to(tl.float64), neg, k, S_PAD)
+        step32, lo32, hi32 = _newton(tau32, lo32, hi32, tl.sum(fs, 0).to(tl.float32), tl.sum(ls, 0).to(tl.float32),
+                                     1e-30)
+        moving = (k < coarse) & (tl.abs(step32 - tau32) > STOP_FLOAT32 * (1.0 + tl.abs(tau32)))
+        tau32 = step32
     if coarse > 0:
         tau = tl.minimum(tl.maximum(tau32.to(tl.float64), lo), hi)
-    for k in range(fine):
+    fine_end = k + fine
+    moving = fine > 0
+    while moving:
         if HELD:
             f_p, l_p = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
             if TAIL > 0:
@@ -254,8 +269,11 @@ def _entmax_threshold_kernel(
                 b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
                 f_b, l_b = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
                 f_p, l_p = f_p + f_b, l_p + l_b
-        fs, ls, _, _ = _exchange(parts, ctr, f_p, l_p, neg, 1 + coarse + k, S_PAD)
-        tau, lo, hi = _newton(tau, lo, hi, tl.sum(fs, 0), tl.sum(ls, 0), _f64(1e-300))
+        k += 1
+        fs, ls, _, _ = _exchange(parts, ctr, f_p, l_p, neg, k, S_PAD)
+        step, lo, hi = _newton(tau, lo, hi, tl.sum(fs, 0), tl.sum(ls, 0), _f64(1e-300))
+        moving = (k < fine_end) & (tl.abs(step - tau) > _f64(STOP_FLOAT64) * (1.0 + tl.abs(tau)))
+        tau = step
     if me == 0:
         tl.store(out_ptr + row, tl.where(empty, float("-inf"), tau))
     # The last program of the row out zeroes its counters (every program has passed every barrier).

@@ -51,6 +51,14 @@ def _censored_moments(m: Tensor, s: Tensor, cap: Tensor, tau: Tensor) -> tuple[T
 # from the float32 iterate (within ~1e-3 of the root on pools of logits spread over ±60, where
 # float32's moments cancel) bring it to float64 precision.
 FINE_STEPS = 3
+# A row stops stepping in a precision once a step moved τ by at most this times ``1 + |τ|``. In
+# float32 the iterate then sits at float32's floor (its steps only shake by its rounding), which is
+# what the float64 steps start from; in float64 a step that short leaves about its square (Newton
+# converges quadratically near the root): ~1e-12 of the root. Typical pools stop after 4-6 float32
+# steps and 2 float64 ones, where the full count is 9 and 3 (each a pass over the pages and, on a
+# GPU, a barrier of the row's programs).
+STOP_FLOAT32 = 1e-5
+STOP_FLOAT64 = 1e-6
 
 
 def newton_step(m0: Tensor, s0: Tensor, c0: Tensor, w: Tensor, tau: Tensor, lo: Tensor, hi: Tensor,
@@ -87,11 +95,13 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     page alone holds a unit of mass), which every evaluation narrows; steps are clamped into the
     bracket.
 
-    ``iters`` steps, each one pass over the pages: the first ``iters − FINE_STEPS`` in float32, the
-    last `FINE_STEPS` (or all, if fewer) in float64 from the float32 iterate, inside the float64
-    bracket (the float32 steps' own bracket may be off by their rounding). Near the root each step
-    squares the error, so the float64 steps remove the float32 steps' rounding (and a float32 pass
-    costs a fraction of a float64 one on a GPU). 12 steps reach ~1e-11 on pools of up to 8K pages
+    At most ``iters`` steps, each one pass over the pages: up to ``iters − FINE_STEPS`` in float32,
+    then up to `FINE_STEPS` (or all, if fewer) in float64 from the float32 iterate, inside the
+    float64 bracket (the float32 steps' own bracket may be off by their rounding). Near the root
+    each step squares the error, so the float64 steps remove the float32 steps' rounding (and a
+    float32 pass costs a fraction of a float64 one on a GPU). A row leaves a precision's steps after
+    one that moved τ by at most `STOP_FLOAT32` (float32) or `STOP_FLOAT64` (float64) times
+    ``1 + |τ|``; the float64 steps always take one. 12 steps reach ~1e-11 on pools of up to 8K pages
     with logits spread over ±60, and are exact on point masses (``s = 0``).
 
     The pooled threshold of `kv.EntmaxKV`; the Triton kernel is ``kernel.py``, beside this file.
@@ -115,9 +125,22 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     if iters > fine:
         pool = tuple(t.float() for t in (m0, s0, c0, w))
         tau32, lo32, hi32 = tau.float(), lo.float(), hi.float()
+        done = torch.zeros_like(tau32, dtype=torch.bool)
         for _ in range(iters - fine):
-            tau32, lo32, hi32 = newton_step(*pool, tau32, lo32, hi32, 1e-30)
+            tau32, lo32, hi32, done = _stepped(newton_step(*pool, tau32, lo32, hi32, 1e-30), tau32, lo32, hi32, done,
+                                               STOP_FLOAT32)
         tau = torch.minimum(torch.maximum(tau32.double(), lo), hi)
+    done = torch.zeros_like(tau, dtype=torch.bool)
     for _ in range(fine):
-        tau, lo, hi = newton_step(m0, s0, c0, w, tau, lo, hi, 1e-300)
+        tau, lo, hi, done = _stepped(newton_step(m0, s0, c0, w, tau, lo, hi, 1e-300), tau, lo, hi, done, STOP_FLOAT64)
     return torch.where(empty, -torch.inf, tau)
+
+
+def _stepped(step: tuple[Tensor, Tensor, Tensor], tau: Tensor, lo: Tensor, hi: Tensor, done: Tensor,
+             stop: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows' state after a Newton ``step`` (its ``(τ', lo', hi')``): rows already ``done`` keep
+    theirs; a row whose step moved τ by at most ``stop·(1 + |τ|)`` is done from now on."""
+    new_tau, new_lo, new_hi = step
+    short = (new_tau - tau).abs() <= stop * (1.0 + tau.abs())
+    keep = lambda old, new: torch.where(done, old, new)  # noqa: E731
+    return keep(tau, new_tau), keep(lo, new_lo), keep(hi, new_hi), done | short
