@@ -88,7 +88,8 @@ class EntmaxKV(KVSelector):
         sinks, window: tokens whose pages are always kept; the last page is always kept.
         z: standard deviations (>= 0) above the mean of a page's Gaussian score model: the upper
             quantile that must clear the threshold.
-        iters: Newton steps of the threshold estimate (`gaussian_entmax_threshold`).
+        iters: the most Newton steps of the threshold estimate (`gaussian_entmax_threshold`, which
+            stops once τ settles).
         rescore: 0, or a candidate factor >= 1: that many times the chosen pages are candidates and
             the best tokens by exact score are kept (`kv.choose.rescore_pages`; as `Quest`'s).
         aggregate: how the second stage folds a GQA group's exact logits: ``"max"`` (the group's
