@@ -207,7 +207,8 @@ def community_report(dec: Decoder) -> dict:
     per 1,000 prompt tokens (graph and Leiden seconds summed over the worker processes, and the
     wall time the session waited for them after the forward), and ``r_select`` as read: every
     unit's padded table of centroids in the cache's dtype (half a token's key and value bytes per
-    community), which decode scores, against the cache's keys and values. Empty for other policies."""
+    community), which decode scores, against the cache's keys and values; ``communities`` counts the
+    parts decode scores (the communities after `CommunityKV.split`). Empty for other policies."""
     policy = dec.session.policy
     if not isinstance(policy, CommunityKV):
         return {}

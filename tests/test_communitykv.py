@@ -1,7 +1,9 @@
 """Contract of `policyzoo.kv.CommunityKV` (issue 20): its communities cover every visible token once,
 its selection holds the forced tokens and the best-scored communities within the budget, appends keep
-every centroid the mean of its community's keys, a full budget decodes as dense, it decodes compiled
-with one graph, and a missing extra says how to install it."""
+every centroid the mean of its community's keys, communities are split into parts of at most `split`
+tokens along their keys (so a needle's part is kept where the whole community's mean drops it), a
+full budget decodes as dense, it decodes compiled with one graph, and a missing extra says how to
+install it."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tiny_models import padded_batch, tiny_model
 
 from policyzoo import Certified, Decoder, PrHS
 from policyzoo.kv import CommunityKV
+from policyzoo.kv.communitykv import split_communities
 from policyzoo.spec import parse_kv
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -33,7 +36,7 @@ def community_args(draw):
     return dict(
         budget=budget, sinks=draw(st.integers(0, 6)), window=draw(st.integers(1, 12)), top=draw(st.integers(1, 8)),
         mix=draw(st.sampled_from([0.0, 0.5, 1.0])), graph=draw(st.sampled_from(["group", "head"])),
-        resolution=draw(st.sampled_from([10.0, 100.0, 1000.0])),
+        resolution=draw(st.sampled_from([10.0, 100.0, 1000.0])), split=draw(st.sampled_from([0, 1, 2, 4, 8])),
     )  # fmt: skip
 
 
@@ -136,6 +139,59 @@ def test_the_selection_holds_the_best_scored_communities(data, cases, contract, 
             for t in kept - forced:
                 best = max(s for members, s in scores[r, hk] if t in members)
                 assert best >= bar, f"row {r} head {hk}: token {t} kept through a community of score {best} < {left[1]}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 80), d=st.integers(1, 8), communities=st.integers(1, 6), most=st.integers(1, 10), seed=st.integers(0, 2**31 - 1),
+       same=st.booleans())  # fmt: skip
+def test_a_split_makes_parts_of_at_most_split_tokens_within_each_community(n, d, communities, most, seed, same):
+    """Every part lies in one community; a community of at most ``most`` tokens is one part; a larger
+    one is cut into parts of at most ``most`` tokens, each at least ``(most + 1) // 2`` (halves of
+    halves); the ids are dense; and the split depends on the keys alone (ties, e.g. equal keys, by
+    position)."""
+    gen = torch.Generator().manual_seed(seed)
+    member = torch.unique(torch.randint(0, communities, (n,), generator=gen), return_inverse=True)[1]
+    keys = torch.ones(n, d) if same else torch.randn(n, d, generator=gen)
+    parts = split_communities(member, keys, most)
+    assert parts.shape == member.shape and parts.dtype == torch.long
+    sizes = torch.bincount(parts)
+    assert int(parts.max()) + 1 == sizes.shape[0] and bool((sizes > 0).all())  # dense ids, none empty
+    assert int(sizes.max()) <= most
+    for part in range(sizes.shape[0]):
+        assert len(set(member[parts == part].tolist())) == 1, "a part within one community"
+    for c, size in enumerate(torch.bincount(member).tolist()):
+        inside = parts[member == c].unique()
+        if size <= most:
+            assert len(inside) == 1
+        else:
+            assert all(int(sizes[p]) >= (most + 1) // 2 for p in inside)
+    assert torch.equal(split_communities(member, keys, most), parts)
+
+
+@pytest.mark.parametrize("graph", ["group", "head"])
+def test_a_part_of_keys_that_match_the_query_is_kept_where_its_communitys_mean_drops_it(make_case, graph):
+    """A community of four keys along the query and four against it has a negative mean logit: whole,
+    it ranks below communities of small positive logits. Split into parts of 4 along its keys, the
+    matching four are a part of their own, which ranks first: with room for four tokens besides the
+    sinks and the window, ``split=4`` keeps them and ``split=0`` keeps none of them."""
+    case = make_case(b=1, h_kv=1, g=2, d=8, page=4, prompt=40, steps=0, starts=[0], seed=0)
+    keys = case.cache.keys[0]
+    keys.zero_()
+    keys[0, 0, :, 0] = 0.1  # every community: a small positive logit
+    needles, others = [16, 18, 20, 22], [17, 19, 21, 23]  # one community of runs_of(size=8)
+    keys[0, 0, needles, 0], keys[0, 0, others, 0] = 2.0, -3.0
+    case.q.zero_()
+    case.q[0, :, 0] = 2.0
+    kept = {}
+    for split in (4, 0):
+        policy = CommunityKV(8, split=split, graph=graph, partition=functools.partial(runs_of, size=8), **SMALL)
+        state = prefilled(case, policy)
+        sel = policy.select(state, case.q)
+        kept[split] = set(sel.indices[0, 0, : int(sel.count[0, 0])].tolist())
+        assert len(kept[split]) == 8  # the sinks, the window and four community tokens
+        assert max(map(len, policy.members(state, 0, 0))) == (4 if split else 8)
+    assert set(needles) <= kept[4]
+    assert not set(needles) & kept[0]
 
 
 @pytest.mark.parametrize("graph", ["group", "head"])
@@ -304,6 +360,7 @@ def test_the_spec_builds_it():
     policy = parse_kv("community-kv:0.1,graph=head,resolution=30.0,leiden=leidenalg")
     assert policy == CommunityKV(0.1, graph="head", resolution=30.0, leiden="leidenalg")
     assert parse_kv("community-kv:0.1") == CommunityKV(0.1)
+    assert parse_kv("community-kv:0.1,split=0") == CommunityKV(0.1, split=0) != CommunityKV(0.1)
 
 
 @pytest.mark.parametrize(
@@ -315,6 +372,8 @@ def test_the_spec_builds_it():
         (dict(mix=1.5), ValueError, "mix"),
         (dict(mix="x"), ValueError, "mix"),
         (dict(graph="layer"), ValueError, "graph"),
+        (dict(split=-1), ValueError, "split"),
+        (dict(split=2.0), TypeError, "split"),
         (dict(resolution=0.0), ValueError, "resolution"),
         (dict(resolution=math.inf), ValueError, "resolution"),
         (dict(leiden="louvain"), ValueError, "leiden"),

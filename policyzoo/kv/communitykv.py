@@ -9,6 +9,20 @@ the prompt (every query-key logit of every head; on CUDA a Triton kernel keeps t
 per 32K prefill and 13 s per 128K prefill of an 8B model on an H200), and Leiden costs seconds per
 1,000 tokens; the time is recorded in `CommunityKV.clustering`.
 
+**Parts** (`split`). A community is a set of tokens that attend together, not of keys that lie
+together, so its mean key can stand for none of them: a needle's digits share communities with the
+same-place tokens of other needles and with filler text, the one key that matches the decode query
+is averaged away, and the needle is dropped. So each community of more than ``split`` tokens is
+halved at the median of its keys' projection on their principal axis (power iteration on the
+centred keys), again until no part is larger (`split_communities`): the parts never straddle a
+community, and each is close in key space, so its mean key's logit is near its members'. The parts
+are what the layout and decode below call communities. Scoring whole communities by a bound (a
+min/max box, a ball around the mean) or by a Gaussian estimate of their log-mean-exp did worse than
+splitting them. The price is more parts to score at each step (about ``n / 3`` for ``split=4``,
+against ``n / 8.5`` communities on SmolLM2 at 3K tokens), the larger tables that go with them, and
+the split itself, which runs with the layout (`finish_prefill`, in this process). The measurements:
+``benchmarks/results/smollm2-communitykv-multikey``.
+
 **Layout.** Per row and graph (a *unit*), ``order`` lists token slots grouped by community: community
 ``c`` holds ``order[offset_c : offset_c + size_c]``, its prompt tokens first, most central (largest
 weighted degree in the graph ``W``, `kv.community_graph`) first, then the tokens decoding appends to it. Each community's range has
@@ -64,6 +78,8 @@ GRAPHS = ("group", "head")
 # Spare slots each community's range has beyond its even share of the cache's free slots: room for
 # the tokens decoding appends to it, without moving any other community.
 SPARE = 32
+# Power iterations for a part's principal axis (`split_communities`): the split only needs its rough direction.
+SPLIT_ITERATIONS = 8
 # Prompts from which the graphs are partitioned in worker processes by default (a pool's start costs
 # a few seconds; shorter prompts partition in this process).
 PARALLEL_TOKENS = 4096
@@ -110,7 +126,9 @@ class CommunityKV(KVSelector):
     that partitions one graph of ``n`` tokens, given as undirected edges ``lo[i] -- hi[i]`` (``lo <
     hi``, int64, on the CPU) of float64 ``weight[i]`` at RB-configuration resolution ``gamma``;
     ``None`` (the default): Leiden by ``leiden``. It runs in the worker processes, so it must
-    pickle (a module-level function or a `functools.partial` of one). Leiden needs the optional
+    pickle (a module-level function or a `functools.partial` of one). ``split``: the most tokens of
+    a part: larger communities are halved along their keys' principal axis until no part is larger
+    (``0``: the partition's communities as they are; see the module docstring). Leiden needs the optional
     ``community`` extra (``python-igraph``, ``leidenalg``).
     """
 
@@ -126,6 +144,7 @@ class CommunityKV(KVSelector):
     workers: int | None = None
     candidates: int = 8
     partition: Partition | None = None
+    split: int = 4
     summaries = ()  # centroids of its own; no page summaries
     own_prefill = True  # the communities are found in prefill
     clustering: ClusteringTime = field(default_factory=ClusteringTime, init=False, repr=False, compare=False)
@@ -133,6 +152,7 @@ class CommunityKV(KVSelector):
     def __post_init__(self) -> None:
         self._budget = Budget(self.budget)
         check_count(self.top, "top", minimum=1)
+        check_count(self.split, "split")
         check_count(self.sinks, "sinks")
         check_count(self.window, "window", minimum=1)  # the step's own token is always kept
         check_count(self.seed, "seed", maximum=2**31 - 1)
@@ -237,6 +257,10 @@ class CommunityKV(KVSelector):
         cache = state.cache
         b, units, d = len(parts), len(parts[0]), cache.head_dim
         capacity = cache.capacity
+        keys_of = [state.keys[row, :, int(cache.start[row]) : length].float().cpu() for row in range(b)]  # [H_kv, n, D]
+        if self.split:
+            parts = [[(split_communities(m, keys_of[row][unit // per_kv], self.split), w) for unit, (m, w) in enumerate(row_parts)]
+                     for row, row_parts in enumerate(parts)]  # fmt: skip
         counts = [[int(m.max()) + 1 for m, _ in row] for row in parts]
         most = max(max(row) for row in counts)
         step = 1 << max(0, most.bit_length() - 4)  # eight sizes per octave: few distinct shapes, at most 1/8 unused
@@ -249,7 +273,7 @@ class CommunityKV(KVSelector):
         recent = torch.zeros(b, units, min(self.candidates, c), dtype=torch.long)
         for row, row_parts in enumerate(parts):
             start = int(cache.start[row])
-            keys = state.keys[row, :, start:length].float().cpu()  # [H_kv, n, D]
+            keys = keys_of[row]
             n = length - start
             for unit, (member, strength) in enumerate(row_parts):
                 n_c = counts[row][unit]
@@ -417,6 +441,32 @@ class CommunityKV(KVSelector):
         layer = self._ready(state)
         order = layer.order[row, unit].tolist()
         return [order[o : o + s] for o, s in zip(layer.offset[row, unit].tolist(), layer.size[row, unit].tolist()) if s]
+
+
+def split_communities(member: Tensor, keys: Tensor, most: int) -> Tensor:
+    """``member int64[n]`` (community ids ``0 .. C-1`` of ``n`` tokens) refined so that no community
+    has more than ``most`` tokens: each larger one is halved at the median of its keys' (``keys [n, D]``)
+    projection on their principal axis, again until none is larger; dense ids, each part within one
+    community. The axis is found by power iteration on the centred keys (rounded to bf16 precision,
+    so that a row is split alike alone and in a padded batch), all communities at once."""
+    member = member.clone()
+    keys = round_for_ranking(keys.float()).double()
+    while True:
+        sizes = torch.bincount(member)
+        big = sizes[member] > most
+        if not bool(big.any()):
+            return member
+        mean = torch.zeros(sizes.shape[0], keys.shape[1], dtype=keys.dtype).index_add_(0, member, keys) / sizes.clamp(min=1)[:, None]
+        x = keys - mean[member]
+        axis = torch.zeros_like(mean).index_add_(0, member, x.abs())  # a start with a share of every direction
+        for _ in range(SPLIT_ITERATIONS):
+            axis = torch.zeros_like(mean).index_add_(0, member, (x * axis[member]).sum(-1, keepdim=True) * x)
+            axis = axis / axis.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+        by_projection = torch.argsort((x * axis[member]).sum(-1), stable=True)
+        grouped = by_projection[torch.argsort(member[by_projection], stable=True)]  # by community, then along the axis
+        rank = torch.empty_like(member)
+        rank[grouped] = torch.arange(member.shape[0]) - (sizes.cumsum(0) - sizes)[member[grouped]]
+        member = torch.unique(member * 2 + (big & (rank >= sizes[member] // 2)).long(), return_inverse=True)[1]
 
 
 _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a Decoder, or call prefill() first"
