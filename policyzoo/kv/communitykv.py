@@ -270,7 +270,9 @@ class CommunityKV(KVSelector):
         order = torch.zeros(b, units, width + 1, dtype=torch.int32)
         offset, size, room = (torch.zeros(b, units, c, dtype=torch.long) for _ in range(3))
         centroid = torch.zeros(b, units, c, d)
-        recent = torch.zeros(b, units, min(self.candidates, c), dtype=torch.long)
+        # `candidates` wide whatever the batch's table width, so that a row's joins do not depend on
+        # its batchmates (fewer communities repeat, cyclically).
+        recent = torch.zeros(b, units, self.candidates, dtype=torch.long)
         for row, row_parts in enumerate(parts):
             start = int(cache.start[row])
             keys = keys_of[row]
@@ -368,9 +370,11 @@ class CommunityKV(KVSelector):
         # Exact at the ranking's bf16 precision, and a 16-bit sort key is half the radix passes.
         ranked = scores.view(b, h_kv, m).to(torch.bfloat16)
         best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
-        # The next token's candidate communities: this query's best, per unit.
-        top = recent.shape[-1]
-        recent.copy_(best[..., :top] if per_kv == 1 else torch.topk(scores, top, dim=-1, sorted=True).indices)
+        # The next token's candidate communities: this query's best, per unit, ties to the lower id (a
+        # top-k breaks the rounded scores' ties by the table's padded width, which a batch sets);
+        # fewer than `candidates` repeat, cyclically, as at the layout.
+        ranked_ids = best if per_kv == 1 else torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        recent.copy_(ranked_ids[..., torch.arange(recent.shape[-1], device=q.device) % ranked_ids.shape[-1]])
         ranked_sizes = torch.gather(sizes, 2, best)
         ends = ranked_sizes.cumsum(-1)
 
