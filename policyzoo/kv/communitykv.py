@@ -373,8 +373,14 @@ class CommunityKV(KVSelector):
         # The next token's candidate communities: this query's best, per unit, ties to the lower id (a
         # top-k breaks the rounded scores' ties by the table's padded width, which a batch sets);
         # fewer than `candidates` repeat, cyclically, as at the layout.
-        ranked_ids = best if per_kv == 1 else torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        recent.copy_(ranked_ids[..., torch.arange(recent.shape[-1], device=q.device) % ranked_ids.shape[-1]])
+        # Head mode sorts each unit's bf16 keys, as the group's are sorted above.
+        ranked_ids = best if per_kv == 1 else torch.sort(ranked.view(b, units, c), dim=-1, descending=True,
+                                                          stable=True).indices
+        top = recent.shape[-1]
+        if ranked_ids.shape[-1] >= top:  # static: the tables' width is fixed at prefill
+            recent.copy_(ranked_ids[..., :top])
+        else:
+            recent.copy_(ranked_ids[..., torch.arange(top, device=q.device) % ranked_ids.shape[-1]])
         ranked_sizes = torch.gather(sizes, 2, best)
         ends = ranked_sizes.cumsum(-1)
 
