@@ -2,9 +2,10 @@
 
 The graphs are shaped as a random 8B model's prefill makes them: 4 query heads per KV head, each
 query's top 8 keys spread over the preceding 256 tokens, mixed half and half with co-attention.
-``workers`` graphs are built and partitioned at once, in as many processes (as `CommunityKV` does)::
+``workers`` graphs are built, partitioned and split into parts of ``--split`` tokens (random bf16
+keys of head dim 128) at once, in as many processes (as `CommunityKV` does)::
 
-    python -m benchmarks.clustering --contexts 32768,131072 --workers 8
+    python -m benchmarks.clustering --contexts 32768,131072 --workers 8 --split 4
 """
 
 from __future__ import annotations
@@ -34,18 +35,21 @@ def main() -> None:
     parser.add_argument("--contexts", default="32768", help="prompt lengths, comma-separated")
     parser.add_argument("--workers", type=int, default=8, help="processes, and graphs per context")
     parser.add_argument("--resolution", type=float, default=10.0, help="CommunityKV's resolution per 1,000 tokens")
+    parser.add_argument("--split", type=int, default=4, help="CommunityKV's split (0: none)")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, {args.workers} processes", flush=True)
     context = mp.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         for n in (int(c) for c in args.contexts.split(",")):
             tic = time.perf_counter()
-            jobs = [pool.submit(graph_communities, n, 0, *synthetic_edges(n, seed), 0.5, 4, args.resolution * n / 1000, "igraph", 0, None)
+            jobs = [pool.submit(graph_communities, n, 0, *synthetic_edges(n, seed), 0.5, 4, args.resolution * n / 1000, "igraph", 0, None,
+                                split=args.split, keys=torch.randn(n, 128, generator=torch.Generator().manual_seed(seed)).bfloat16())
                     for seed in range(args.workers)]
             done = [job.result() for job in jobs]
             k = len(done)
-            print(f"n={n}: {k} graphs in {time.perf_counter() - tic:.1f} s wall; per graph: build {sum(d[2] for d in done) / k:.2f} s, "
-                  f"Leiden {sum(d[3] for d in done) / k:.2f} s, {sum(int(d[0].max()) + 1 for d in done) / k:.0f} communities", flush=True)
+            print(f"n={n}: {k} graphs in {time.perf_counter() - tic:.1f} s wall; per graph: build {sum(d.graph_seconds for d in done) / k:.2f} s, "
+                  f"Leiden {sum(d.partition_seconds for d in done) / k:.2f} s, split {sum(d.split_seconds for d in done) / k:.2f} s, "
+                  f"{sum(int(d.membership.max()) + 1 for d in done) / k:.0f} parts", flush=True)
 
 
 if __name__ == "__main__":

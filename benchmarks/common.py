@@ -219,6 +219,7 @@ def community_report(dec: Decoder) -> dict:
     n = int(cache.length - cache.start.max())
     per_centroid = layer.centroid_key.element_size() / (2 * cache.keys[0].element_size())  # of a token's key and value
     return {"clustering_graph_s_per_1k": c.graph_seconds * per, "clustering_leiden_s_per_1k": c.leiden_seconds * per,
+            "clustering_split_s_per_1k": c.split_seconds * per,
             "clustering_wait_s_per_1k": c.wait_seconds * per, "communities": int((layer.size > 0).sum(-1).float().mean()),
             "r_select": units * slots * per_centroid / (cache.num_kv_heads * n)}
 

@@ -356,7 +356,7 @@ def section_generate(model, items, rows, bw, acct, save, deadline, new_tokens=64
             print(f"generate b={b} n={n:>7} {name:<16} generate {row['generate_ms']:7.3f} ms/token (median {row['generate_median_ms']:.3f}), "
                   f"step {row['step_ms']:7.3f} ms, x{row['generate/step']:.3f}; floor {floor:.3f} ms; {row['tokens']} tokens; "
                   f"setup {row['setup_s']:.1f}s" + (f"; clustering per 1K tokens: graph {row['clustering_graph_s_per_1k']:.2f}s "
-                  f"leiden {row['clustering_leiden_s_per_1k']:.2f}s (cpu), waited {row['clustering_wait_s_per_1k']:.2f}s, "
+                  f"leiden {row['clustering_leiden_s_per_1k']:.2f}s split {row['clustering_split_s_per_1k']:.2f}s (cpu), waited {row['clustering_wait_s_per_1k']:.2f}s, "
                   f"{row['communities']} communities, r_select {sel:.3f}" if "communities" in row else ""), flush=True)
         rows.append(row)
         save()

@@ -4,8 +4,9 @@ each query's most attended keys, and its partition into communities.
 What the module promises: the graph is undirected with each pair once (``lo < hi``), leaves the sinks
 and self-edges out, and splits its weight ``1 - mix`` : ``mix`` between the attention edges and the
 co-attention (each part normalised to its share); a job's communities are dense ids covering every
-token, its strengths the tokens' weighted degrees; a partition function replaces Leiden and is
-checked; missing optional packages say how to install them.
+token, its strengths the tokens' weighted degrees; a split makes parts of at most ``split`` tokens
+within each community, in the job; a partition function replaces Leiden and is checked; missing
+optional packages say how to install them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyzoo.kv.community_graph import ClusteringTime, _graph, _sources, graph_communities, require_leiden
+from policyzoo.kv.community_graph import ClusteringTime, _graph, _sources, graph_communities, require_leiden, split_communities
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -63,13 +64,33 @@ def test_a_job_gives_dense_communities_over_every_token_and_their_weighted_degre
     first = extra
     dst, p = edges(seed, heads, queries, n, top, first)
     runs = functools.partial(_runs, size=size)
-    membership, strength, graph_s, part_s = graph_communities(n, first, dst, p, 0.5, 1, 1.0, "igraph", 0, runs)
+    membership, strength, graph_s, part_s, split_s = graph_communities(n, first, dst, p, 0.5, 1, 1.0, "igraph", 0, runs)
     assert membership.shape == (n,) and membership.dtype == torch.int64
     assert set(membership.tolist()) == set(range(int(membership.max()) + 1))  # dense ids, none empty
     lo, hi, w = _graph(_sources(dst, first), dst.flatten(0, 1), p.flatten(0, 1), n, 0.5, 1)
     degree = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
     torch.testing.assert_close(strength, degree)
-    assert graph_s >= 0 and part_s >= 0
+    assert graph_s >= 0 and part_s >= 0 and split_s >= 0
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), queries=st.integers(1, 30), size=st.integers(1, 9), most=st.integers(1, 5), d=st.integers(1, 6))
+def test_a_job_with_a_split_gives_the_partition_split_by_the_keys(seed, queries, size, most, d):
+    dst, p = edges(seed, 2, queries, queries, 3, 0)
+    runs = functools.partial(_runs, size=size)
+    keys = torch.randn(queries, d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    whole = graph_communities(queries, 0, dst, p, 0.5, 1, 1.0, "igraph", 0, runs)
+    parts = graph_communities(queries, 0, dst, p, 0.5, 1, 1.0, "igraph", 0, runs, split=most, keys=keys)
+    assert torch.equal(parts.membership, split_communities(whole.membership, keys, most))
+    assert torch.equal(parts.strength, whole.strength)
+    assert int(torch.bincount(parts.membership).max()) <= most
+
+
+def test_a_split_without_the_graphs_keys_is_refused():
+    dst, p = edges(0, 1, 5, 5, 2, 0)
+    for keys in (None, torch.zeros(4, 2)):
+        with pytest.raises(ValueError, match="keys"):
+            graph_communities(5, 0, dst, p, 0.5, 0, 1.0, "igraph", 0, functools.partial(_runs, size=2), split=2, keys=keys)
 
 
 def _runs(n, lo, hi, weight, gamma, seed, size):
@@ -93,6 +114,33 @@ def test_leiden_partitions_two_cliques_apart():
     p = torch.full((1, n, 3), 0.3)
     membership, *_ = graph_communities(n, 0, dst[None], p, 0.5, 0, 1.0, "igraph", 0, None)
     assert not set(membership[:half].tolist()) & set(membership[half:].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 80), d=st.integers(1, 8), communities=st.integers(1, 6), most=st.integers(1, 10), seed=st.integers(0, 2**31 - 1),
+       same=st.booleans())  # fmt: skip
+def test_a_split_makes_parts_of_at_most_split_tokens_within_each_community(n, d, communities, most, seed, same):
+    """Every part lies in one community; a community of at most ``most`` tokens is one part; a larger
+    one is cut into parts of at most ``most`` tokens, each at least ``(most + 1) // 2`` (halves of
+    halves); the ids are dense; and the split depends on the keys alone (ties, e.g. equal keys, by
+    position)."""
+    gen = torch.Generator().manual_seed(seed)
+    member = torch.unique(torch.randint(0, communities, (n,), generator=gen), return_inverse=True)[1]
+    keys = torch.ones(n, d) if same else torch.randn(n, d, generator=gen)
+    parts = split_communities(member, keys, most)
+    assert parts.shape == member.shape and parts.dtype == torch.long
+    sizes = torch.bincount(parts)
+    assert int(parts.max()) + 1 == sizes.shape[0] and bool((sizes > 0).all())  # dense ids, none empty
+    assert int(sizes.max()) <= most
+    for part in range(sizes.shape[0]):
+        assert len(set(member[parts == part].tolist())) == 1, "a part within one community"
+    for c, size in enumerate(torch.bincount(member).tolist()):
+        inside = parts[member == c].unique()
+        if size <= most:
+            assert len(inside) == 1
+        else:
+            assert all(int(sizes[p]) >= (most + 1) // 2 for p in inside)
+    assert torch.equal(split_communities(member, keys, most), parts)
 
 
 @pytest.mark.parametrize("leiden, missing", [("igraph", "igraph"), ("leidenalg", "leidenalg")])

@@ -1,7 +1,7 @@
 """Contract of `policyzoo.kv.CommunityKV` (issue 20): its communities cover every visible token once,
 its selection holds the forced tokens and the best-scored communities within the budget, appends keep
-every centroid the mean of its community's keys, communities are split into parts of at most `split`
-tokens along their keys (so a needle's part is kept where the whole community's mean drops it), a
+every centroid the mean of its community's keys, a needle's part of a split community is kept where
+the whole community's mean drops it, a
 full budget decodes as dense, it decodes compiled with one graph, and a missing extra says how to
 install it."""
 
@@ -20,7 +20,6 @@ from tiny_models import padded_batch, tiny_model
 
 from policyzoo import Certified, Decoder, PrHS
 from policyzoo.kv import CommunityKV
-from policyzoo.kv.communitykv import split_communities
 from policyzoo.spec import parse_kv
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -139,33 +138,6 @@ def test_the_selection_holds_the_best_scored_communities(data, cases, contract, 
             for t in kept - forced:
                 best = max(s for members, s in scores[r, hk] if t in members)
                 assert best >= bar, f"row {r} head {hk}: token {t} kept through a community of score {best} < {left[1]}"
-
-
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 80), d=st.integers(1, 8), communities=st.integers(1, 6), most=st.integers(1, 10), seed=st.integers(0, 2**31 - 1),
-       same=st.booleans())  # fmt: skip
-def test_a_split_makes_parts_of_at_most_split_tokens_within_each_community(n, d, communities, most, seed, same):
-    """Every part lies in one community; a community of at most ``most`` tokens is one part; a larger
-    one is cut into parts of at most ``most`` tokens, each at least ``(most + 1) // 2`` (halves of
-    halves); the ids are dense; and the split depends on the keys alone (ties, e.g. equal keys, by
-    position)."""
-    gen = torch.Generator().manual_seed(seed)
-    member = torch.unique(torch.randint(0, communities, (n,), generator=gen), return_inverse=True)[1]
-    keys = torch.ones(n, d) if same else torch.randn(n, d, generator=gen)
-    parts = split_communities(member, keys, most)
-    assert parts.shape == member.shape and parts.dtype == torch.long
-    sizes = torch.bincount(parts)
-    assert int(parts.max()) + 1 == sizes.shape[0] and bool((sizes > 0).all())  # dense ids, none empty
-    assert int(sizes.max()) <= most
-    for part in range(sizes.shape[0]):
-        assert len(set(member[parts == part].tolist())) == 1, "a part within one community"
-    for c, size in enumerate(torch.bincount(member).tolist()):
-        inside = parts[member == c].unique()
-        if size <= most:
-            assert len(inside) == 1
-        else:
-            assert all(int(sizes[p]) >= (most + 1) // 2 for p in inside)
-    assert torch.equal(split_communities(member, keys, most), parts)
 
 
 @pytest.mark.parametrize("graph", ["group", "head"])

@@ -23,6 +23,9 @@ quality on SmolLM2's graphs (within 0.3%); igraph's took 0.04 s per graph of 3K 
 leidenalg's took 0.7-1.7 s. A ``partition`` function replaces Leiden (a GPU Leiden, or a fixed
 partition for timing): it gets each graph as edge tensors.
 
+Communities larger than ``split`` tokens are then halved along their keys' principal axis until no
+part is larger (`split_communities`; `CommunityKV`'s module docstring says why), in the same job.
+
 The prefill of a layer finds the edges on the model's device and hands the graphs to ``workers``
 processes (threads would not do: leidenalg holds the GIL, and igraph draws its random numbers from a
 process-wide Python generator); the forward goes on to the next layer meanwhile, and
@@ -38,16 +41,21 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from .choose import round_for_ranking
 
 # partition(n, lo, hi, weight, gamma, seed) -> membership int64[n]: one graph's communities (see
 # `CommunityKV.partition`).
 Partition = Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]
 Leiden = Literal["igraph", "leidenalg"]
 LEIDENS = ("igraph", "leidenalg")
+
+# Power iterations for a part's principal axis (`split_communities`): the split only needs its rough direction.
+SPLIT_ITERATIONS = 8
 
 _INSTALL = 'CommunityKV partitions its token graphs with leidenalg and python-igraph: pip install "policyzoo[community]"'
 
@@ -67,13 +75,14 @@ def require_leiden(which: str) -> tuple[Any, Any]:
 @dataclass
 class ClusteringTime:
     """Time the prefills spent on communities, all layers and graphs together: finding the edges
-    and building the graphs (``graph_seconds``) and partitioning them (``leiden_seconds``), summed
-    over the processes that did it; ``wait_seconds``, the wall time the session spent after the
+    and building the graphs (``graph_seconds``), partitioning them (``leiden_seconds``) and splitting
+    the communities into parts (``split_seconds``), summed over the processes that did it; ``wait_seconds``, the wall time the session spent after the
     prompt's forward waiting for the partitions and laying them out (what parallel workers leave of
     the work). ``tokens``: the prompt tokens (rows × visible tokens) covered."""
 
     graph_seconds: float = 0.0
     leiden_seconds: float = 0.0
+    split_seconds: float = 0.0
     wait_seconds: float = 0.0
     tokens: int = 0
     graphs: int = 0
@@ -85,14 +94,27 @@ class ClusteringTime:
 
 
 
+class Communities(NamedTuple):
+    """One graph's partition (`graph_communities`): community ids ``membership int64[n]`` (dense,
+    after the split), each token's weighted degree ``strength float64[n]``, and the seconds spent."""
+
+    membership: Tensor
+    strength: Tensor
+    graph_seconds: float
+    partition_seconds: float
+    split_seconds: float
+
+
 def graph_communities(n: int, first: int, dst: Tensor, p: Tensor, mix: float, sinks: int, gamma: float, which: str, seed: int,
-               partition: Partition | None) -> tuple[Tensor, Tensor, float, float]:
-    """One graph's communities (a job, run in a worker process or in place): ``(membership
-    int64[n], strength float64[n], graph seconds, partition seconds)`` for the edges ``dst, p
+                      partition: Partition | None, *, split: int = 0, keys: Tensor | None = None) -> Communities:
+    """One graph's communities (a job, run in a worker process or in place) for the edges ``dst, p
     [heads, Q, top]`` of queries ``first, first + 1, ...`` (`CommunityKV._edges`), summed into the
     graph by `_graph` and partitioned at RB-configuration resolution ``gamma``: by ``partition``
     where given, else by Leiden (`_partition`; igraph building its graph counts as graph seconds).
-    ``strength``: each token's weighted degree."""
+    ``strength``: each token's weighted degree. With ``split`` > 0 the communities are split into
+    parts of at most ``split`` tokens by their ``keys [n, D]`` (`split_communities`)."""
+    if split and (keys is None or keys.shape[0] != n):
+        raise ValueError(f"a split into parts of {split} tokens needs the graph's keys [n={n}, D]")
     tic = time.perf_counter()
     lo, hi, w = _graph(_sources(dst, first), dst.flatten(0, 1).long(), p.flatten(0, 1), n, mix, sinks)
     strength = torch.zeros(n, dtype=torch.float64).index_add_(0, lo, w).index_add_(0, hi, w)
@@ -100,9 +122,40 @@ def graph_communities(n: int, first: int, dst: Tensor, p: Tensor, mix: float, si
     if partition is not None:
         tic = time.perf_counter()
         membership = _checked(partition(n, lo, hi, w, gamma, seed), n)
-        return membership, strength, graph_s, time.perf_counter() - tic
-    membership, build_s, leiden_s = _partition(n, lo, hi, w, gamma, which, seed)
-    return membership, strength, graph_s + build_s, leiden_s
+        partition_s = time.perf_counter() - tic
+    else:
+        membership, build_s, partition_s = _partition(n, lo, hi, w, gamma, which, seed)
+        graph_s += build_s
+    tic = time.perf_counter()
+    if split:
+        membership = split_communities(membership, keys, split)
+    return Communities(membership, strength, graph_s, partition_s, time.perf_counter() - tic)
+
+
+def split_communities(member: Tensor, keys: Tensor, most: int) -> Tensor:
+    """``member int64[n]`` (community ids ``0 .. C-1`` of ``n`` tokens) refined so that no community
+    has more than ``most`` tokens: each larger one is halved at the median of its keys' (``keys [n, D]``)
+    projection on their principal axis, again until none is larger; dense ids, each part within one
+    community. The axis is found by power iteration on the centred keys (rounded to bf16 precision,
+    so that a row is split alike alone and in a padded batch), all communities at once."""
+    member = member.clone()
+    keys = round_for_ranking(keys.float()).double()
+    while True:
+        sizes = torch.bincount(member)
+        big = sizes[member] > most
+        if not bool(big.any()):
+            return member
+        mean = torch.zeros(sizes.shape[0], keys.shape[1], dtype=keys.dtype).index_add_(0, member, keys) / sizes.clamp(min=1)[:, None]
+        x = keys - mean[member]
+        axis = torch.zeros_like(mean).index_add_(0, member, x.abs())  # a start with a share of every direction
+        for _ in range(SPLIT_ITERATIONS):
+            axis = torch.zeros_like(mean).index_add_(0, member, (x * axis[member]).sum(-1, keepdim=True) * x)
+            axis = axis / axis.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+        by_projection = torch.argsort((x * axis[member]).sum(-1), stable=True)
+        grouped = by_projection[torch.argsort(member[by_projection], stable=True)]  # by community, then along the axis
+        rank = torch.empty_like(member)
+        rank[grouped] = torch.arange(member.shape[0]) - (sizes.cumsum(0) - sizes)[member[grouped]]
+        member = torch.unique(member * 2 + (big & (rank >= sizes[member] // 2)).long(), return_inverse=True)[1]
 
 
 def _checked(membership: Tensor, n: int) -> Tensor:

@@ -14,13 +14,13 @@ together, so its mean key can stand for none of them: a needle's digits share co
 same-place tokens of other needles and with filler text, the one key that matches the decode query
 is averaged away, and the needle is dropped. So each community of more than ``split`` tokens is
 halved at the median of its keys' projection on their principal axis (power iteration on the
-centred keys), again until no part is larger (`split_communities`): the parts never straddle a
+centred keys), again until no part is larger (`community_graph.split_communities`): the parts never straddle a
 community, and each is close in key space, so its mean key's logit is near its members'. The parts
 are what the layout and decode below call communities. Scoring whole communities by a bound (a
 min/max box, a ball around the mean) or by a Gaussian estimate of their log-mean-exp did worse than
 splitting them. The price is more parts to score at each step (about ``n / 3`` for ``split=4``,
 against ``n / 8.5`` communities on SmolLM2 at 3K tokens), the larger tables that go with them, and
-the split itself, which runs with the layout (`finish_prefill`, in this process). The measurements:
+the split itself, which runs in the same job as the graph's partition (`kv.community_graph`). The measurements:
 ``benchmarks/results/smollm2-communitykv-multikey``.
 
 **Layout.** Per row and graph (a *unit*), ``order`` lists token slots grouped by community: community
@@ -78,8 +78,6 @@ GRAPHS = ("group", "head")
 # Spare slots each community's range has beyond its even share of the cache's free slots: room for
 # the tokens decoding appends to it, without moving any other community.
 SPARE = 32
-# Power iterations for a part's principal axis (`split_communities`): the split only needs its rough direction.
-SPLIT_ITERATIONS = 8
 # Prompts from which the graphs are partitioned in worker processes by default (a pool's start costs
 # a few seconds; shorter prompts partition in this process).
 PARALLEL_TOKENS = 4096
@@ -197,10 +195,15 @@ class CommunityKV(KVSelector):
         for row in range(b):
             n = length - starts[row]
             dst, p, first = self._edges(state, row, q[row], length)
+            # The split's keys, at the precision it rounds them to (bf16's, so the cast is exact):
+            # half the bytes to send, and a row is split alike alone and in a padded batch.
+            keys = round_for_ranking(state.keys[row, :, starts[row] : length].float()).bfloat16().cpu() if self.split else None
             gamma = float(self.resolution) * n / 1000
             for u in range(h // heads):
                 one = slice(u * heads, (u + 1) * heads)
-                jobs.append(runner.submit(graph_communities, n, first, dst[one], p[one], self.mix, self.sinks, gamma, *how))
+                unit_keys = None if keys is None else keys[u // per_kv]
+                jobs.append(runner.submit(graph_communities, n, first, dst[one], p[one], self.mix, self.sinks, gamma, *how,
+                                          split=self.split, keys=unit_keys))
         state.layer_state_of(self).jobs = (jobs, b, per_kv, length, time.perf_counter() - tic)
         if state.layer == 0:
             self.clustering.tokens += sum(length - s for s in starts)
@@ -214,12 +217,12 @@ class CommunityKV(KVSelector):
                 continue
             jobs, b, per_kv, length, edge_s = pending
             tic = time.perf_counter()
-            done = [job.result() for job in jobs]  # (membership, strength, graph_s, partition_s)
+            done = [job.result() for job in jobs]  # `Communities`, one per graph
             units = len(done) // b
-            self._lay_out(state, [[(m, w) for m, w, _, _ in done[r * units : (r + 1) * units]] for r in range(b)], per_kv, length)
-            graph_s, leiden_s = sum(d[2] for d in done), sum(d[3] for d in done)
-            self.clustering.graph_seconds += edge_s + graph_s
-            self.clustering.leiden_seconds += leiden_s
+            self._lay_out(state, [[(d.membership, d.strength) for d in done[r * units : (r + 1) * units]] for r in range(b)], per_kv, length)
+            self.clustering.graph_seconds += edge_s + sum(d.graph_seconds for d in done)
+            self.clustering.leiden_seconds += sum(d.partition_seconds for d in done)
+            self.clustering.split_seconds += sum(d.split_seconds for d in done)
             self.clustering.wait_seconds += time.perf_counter() - tic
             self.clustering.graphs += len(done)
 
@@ -258,9 +261,6 @@ class CommunityKV(KVSelector):
         b, units, d = len(parts), len(parts[0]), cache.head_dim
         capacity = cache.capacity
         keys_of = [state.keys[row, :, int(cache.start[row]) : length].float().cpu() for row in range(b)]  # [H_kv, n, D]
-        if self.split:
-            parts = [[(split_communities(m, keys_of[row][unit // per_kv], self.split), w) for unit, (m, w) in enumerate(row_parts)]
-                     for row, row_parts in enumerate(parts)]  # fmt: skip
         counts = [[int(m.max()) + 1 for m, _ in row] for row in parts]
         most = max(max(row) for row in counts)
         step = 1 << max(0, most.bit_length() - 4)  # eight sizes per octave: few distinct shapes, at most 1/8 unused
@@ -451,32 +451,6 @@ class CommunityKV(KVSelector):
         layer = self._ready(state)
         order = layer.order[row, unit].tolist()
         return [order[o : o + s] for o, s in zip(layer.offset[row, unit].tolist(), layer.size[row, unit].tolist()) if s]
-
-
-def split_communities(member: Tensor, keys: Tensor, most: int) -> Tensor:
-    """``member int64[n]`` (community ids ``0 .. C-1`` of ``n`` tokens) refined so that no community
-    has more than ``most`` tokens: each larger one is halved at the median of its keys' (``keys [n, D]``)
-    projection on their principal axis, again until none is larger; dense ids, each part within one
-    community. The axis is found by power iteration on the centred keys (rounded to bf16 precision,
-    so that a row is split alike alone and in a padded batch), all communities at once."""
-    member = member.clone()
-    keys = round_for_ranking(keys.float()).double()
-    while True:
-        sizes = torch.bincount(member)
-        big = sizes[member] > most
-        if not bool(big.any()):
-            return member
-        mean = torch.zeros(sizes.shape[0], keys.shape[1], dtype=keys.dtype).index_add_(0, member, keys) / sizes.clamp(min=1)[:, None]
-        x = keys - mean[member]
-        axis = torch.zeros_like(mean).index_add_(0, member, x.abs())  # a start with a share of every direction
-        for _ in range(SPLIT_ITERATIONS):
-            axis = torch.zeros_like(mean).index_add_(0, member, (x * axis[member]).sum(-1, keepdim=True) * x)
-            axis = axis / axis.norm(dim=-1, keepdim=True).clamp(min=1e-30)
-        by_projection = torch.argsort((x * axis[member]).sum(-1), stable=True)
-        grouped = by_projection[torch.argsort(member[by_projection], stable=True)]  # by community, then along the axis
-        rank = torch.empty_like(member)
-        rank[grouped] = torch.arange(member.shape[0]) - (sizes.cumsum(0) - sizes)[member[grouped]]
-        member = torch.unique(member * 2 + (big & (rank >= sizes[member] // 2)).long(), return_inverse=True)[1]
 
 
 _NO_PREFILL = "CommunityKV builds its communities in prefill: decode through a Decoder, or call prefill() first"
