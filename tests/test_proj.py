@@ -268,11 +268,14 @@ def test_dense_decode_rows_go_through_the_dense_gemv_kernel_where_the_config_say
     assert attn.o_proj.linear.weight.is_contiguous()  # not moved to the input-major layout
     assert attn.q_proj.group.dense_rows == 4
     assert isinstance(mlp.down_proj, SparseLinear if proj else DenseDecodeLinear)
-    per_step = 2 * (4 if proj is None else 3)  # layers x (q|k|v, o, gate|up, down unless sparse)
-    assert set(rows) == {3} and len(rows) == 3 * per_step  # the 3 decode steps' rows, never the prompt's
+    assert isinstance(model.lm_head, DenseDecodeLinear)
+    per_step = 2 * (4 if proj is None else 3) + 1  # layers x (q|k|v, o, gate|up, down unless sparse), the LM head
+    # The 3 decode steps' rows, and of the prompt only the LM head's (its last position: 3 rows).
+    assert set(rows) == {3} and len(rows) == 3 * per_step + 1
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
     dec.detach()  # the model's own linears come back
     assert type(attn.o_proj) is torch.nn.Linear and type(mlp.down_proj) is torch.nn.Linear
+    assert type(model.lm_head) is torch.nn.Linear
 
 
 def test_gated_dense_setting_uses_the_fused_gemm_and_threshold_keeps_its_own_selection(monkeypatch):

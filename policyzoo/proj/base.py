@@ -117,8 +117,8 @@ def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch, workspace: ke
     Projections not wrapped yet are wrapped dense (no sparsifier). A group forms only when its
     members share one sparsifier (or none): a projection sparsified alone keeps its own GEMV. Where
     the dense GEMV kernel takes decode rows (`kernels.dense_gemv_decode_rows`), the other
-    projections (o, down) not sparsified become `DenseDecodeLinear`s, so that their decode rows
-    reach it too.
+    projections (o, down) not sparsified and the LM head become `DenseDecodeLinear`s, so that their
+    decode rows reach it too.
     """
     if not kernels.use_triton(next(model.parameters())):
         return  # the reference path keeps the model's own linears
@@ -136,6 +136,9 @@ def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch, workspace: ke
             same = all(m.sparsifier is members[0].sparsifier for m in members)
             if same and all(m.w_t is not None and m.group is None for m in members):
                 SharedInput(members)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if rows and type(head) is nn.Linear:  # the same weight, tied or not: the wrapper holds the linear
+        model.set_output_embeddings(DenseDecodeLinear(head, rows, workspace))
 
 
 def shared_groups(model: nn.Module, sparsifier: "ProjectionSparsifier | None" = None) -> list["SharedInput"]:
@@ -173,6 +176,9 @@ def _wrap(
 
 def uninstall(model: nn.Module) -> None:
     """Put back the original linears, weights in their original layout (a no-op where nothing was wrapped)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, DenseDecodeLinear):
+        model.set_output_embeddings(head.linear)
     for layer in decoder_layers(model):
         for parent_name, linear_name in PROJECTIONS.values():
             parent = getattr(layer, parent_name)
