@@ -128,6 +128,10 @@ def settings() -> dict[str, tuple]:
         # shape (`top`, `mix`) changes nothing the decode reads, so it is the cheapest one.
         "community-kv0.1-runs10": (lambda: CommunityKV(0.1, top=1, mix=0.0, partition=functools.partial(runs_partition, size=10)),
                                    None, 1.0, 0.1),
+        # The same with Leiden's communities scored whole (`split=0`), as before `split`: runs of 10
+        # split into parts of 2-3 tokens (the default `split=4`) are about 4x as many units to score.
+        "community-kv0.1-runs10-whole": (lambda: CommunityKV(0.1, top=1, mix=0.0, split=0,
+                                                             partition=functools.partial(runs_partition, size=10)), None, 1.0, 0.1),
         "topk0.5+attn-topk0.2": (lambda: AttentionTopK(0.2, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),

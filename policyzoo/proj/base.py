@@ -194,13 +194,37 @@ def uninstall(model: nn.Module) -> None:
 class DenseDecodeLinear(nn.Module):
     """A dense `nn.Linear` whose inputs of up to ``rows`` rows (decode) go through the dense GEMV
     kernel (`kernels.dense_gemv`, over the weight in its own output-major layout), larger ones (a
-    prompt) through the linear itself (cuBLAS). ``workspace``: the kernels' scratch."""
+    prompt) through the linear itself (cuBLAS). ``workspace``: the kernels' scratch. It reads as the
+    linear it wraps (``weight``, ``bias``, the feature counts): code that looks at a model's output
+    embedding while a Decoder holds the model sees the same tensors."""
 
     def __init__(self, linear: nn.Linear, rows: int, workspace: kernels.Workspace | None = None) -> None:
         super().__init__()
         self.linear = linear
         self.rows = rows
         self.workspace = workspace
+
+    @property
+    def weight(self) -> Tensor:
+        return self.linear.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.linear.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.linear.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.linear.out_features
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in ("weight", "bias"):  # e.g. tying the output embedding to the input's
+            setattr(self.linear, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() <= self.rows * x.shape[-1]:
