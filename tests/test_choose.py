@@ -1,8 +1,6 @@
 """Contract tests of `policyzoo.kv.choose`: `choose_topk` (forced entries first, the best scores, counts
 capped by the valid entries and the width, ties lowest position first at bf16 precision, the fused
-and the stepwise paths alike), the candidate budget of two-stage selection, and the sort-free
-ranking tools (`ranking_keys` order as the rounded scores do, `best_ids` as a stable sort's head,
-`weighted_threshold` splits the weight where a sort filled in order would)."""
+and the stepwise paths alike) and the candidate budget of two-stage selection."""
 
 from __future__ import annotations
 
@@ -14,15 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policyzoo import kernels
-from policyzoo.kv.choose import (
-    best_ids,
-    candidate_budget,
-    choose_topk,
-    choose_topk_steps,
-    ranking_keys,
-    round_for_ranking,
-    weighted_threshold,
-)
+from policyzoo.kv.choose import candidate_budget, choose_topk, choose_topk_steps, round_for_ranking
 
 SETTINGS = settings(max_examples=50, deadline=None)
 INF = math.inf
@@ -199,50 +189,3 @@ def test_choose_topk_treats_scores_equal_up_to_rounding_as_ties_lowest_position_
     assert sel.indices.tolist() == [[[1, 2]]]
     compiled = torch.compile(choose_topk)(scores, none, 2, torch.tensor([2]))
     assert torch.equal(compiled.indices, sel.indices)
-
-
-# ----------------------------------------------------------------------------- sort-free ranking
-SCORES = st.lists(st.one_of(st.floats(width=32, allow_nan=False), st.sampled_from([0.0, -0.0, -INF, 1.0, 1.00390625])),
-                  min_size=1, max_size=40)
-
-
-@SETTINGS
-@given(values=SCORES)
-def test_ranking_keys_order_as_the_rounded_scores(values):
-    x = torch.tensor(values, dtype=torch.float32)
-    keys = ranking_keys(x)
-    assert keys.dtype == torch.int32 and bool((keys >= 0).all()) and bool((keys <= 65535).all())
-    r = round_for_ranking(x)
-    assert torch.equal(torch.sign(keys[:, None] - keys[None, :]), torch.sign(r[:, None] - r[None, :]).int())
-    if bool(torch.isinf(x).any() & (x < 0).any()):
-        assert int(keys[x == -INF][0]) == int(keys.min())
-
-
-@SETTINGS
-@given(values=SCORES, k=st.integers(1, 40))
-def test_best_ids_are_a_stable_descending_sorts_first(values, k):
-    keys = ranking_keys(torch.tensor(values, dtype=torch.float32))[None]
-    k = min(k, keys.shape[-1])
-    assert torch.equal(best_ids(keys, k), torch.sort(keys, descending=True, stable=True).indices[..., :k])
-
-
-@SETTINGS
-@given(keys=st.lists(st.integers(0, 65535), min_size=1, max_size=30), data=st.data())
-def test_weighted_threshold_splits_the_weight_where_a_sorted_fill_stops(keys, data):
-    n = len(keys)
-    weight = data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
-    total = data.draw(st.integers(-2, sum(weight) + 3))
-    k, w = torch.tensor(keys), torch.tensor(weight)
-    t = int(weighted_threshold(k.int()[None], w[None], torch.tensor([[total]]))[0, 0])
-    at_or_above, above = int(w[k >= t].sum()), int(w[k > t].sum())
-    if int(w.sum()) < total:
-        assert t == 0  # all of them weigh less: every entry is at or above
-    else:
-        assert above < total <= at_or_above or (total <= 0 and t == 65535)
-    # Where a fill in a stable descending sort first reaches `total`, its entry's key is t.
-    filled = 0
-    for i in torch.sort(k, descending=True, stable=True).indices.tolist():
-        filled += weight[i]
-        if 0 < total <= filled:
-            assert keys[i] == t
-            break

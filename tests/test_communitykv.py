@@ -20,7 +20,6 @@ from tiny_models import padded_batch, tiny_model
 
 from policyzoo import Certified, Decoder, PrHS
 from policyzoo.kv import CommunityKV
-from policyzoo.kv.choose import round_for_ranking
 from policyzoo.spec import parse_kv
 
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -114,39 +113,6 @@ def test_the_policy_contract_on_filled_caches(data, cases, contract, args, appen
             for hk in range(case.h_kv):
                 kept = contract.selected(sel, r, hk)
                 assert len(kept) == len(set(kept)), "each token once"
-
-
-@SETTINGS
-@given(data=st.data(), args=community_args(), appends=st.integers(0, 3))
-def test_group_mode_takes_what_filling_the_budget_in_score_order_takes(data, cases, contract, args, appends):
-    """Group mode chooses by a weighted threshold, not a sort: it keeps exactly the tokens that
-    walking the communities in score order (the layout's centroids scored as decode scores them,
-    ties to the lower id) and taking each one's unforced tokens in its range's order until the
-    budget takes."""
-    from policyzoo import kernels
-
-    case = data.draw(cases(min_extra=4))
-    policy = CommunityKV(**{**args, "graph": "group"})
-    state = prefilled(case, policy)
-    append_tokens(case, policy, state, appends)
-    sel = policy.select(state, case.q)
-    contract.check_budget(sel, case, policy.budget, policy.sinks, policy.window, pages=False)  # filled
-    layer = state.layer_state_of(policy)
-    c = layer.size.shape[-1]
-    ids = torch.arange(c, dtype=torch.int32).expand(case.b, case.h_kv, c)
-    scores = kernels.gathered_logits(case.q.to(layer.centroid_key.dtype), layer.centroid_key, ids, state.scale, agg="max")
-    ranked = round_for_ranking(scores.masked_fill(layer.size == 0, -torch.inf)).to(torch.bfloat16)
-    best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    for r in range(case.b):
-        forced = set(case.forced_tokens(r, policy.sinks, policy.window))
-        for hk in range(case.h_kv):
-            kept = set(contract.selected(sel, r, hk)) - forced
-            members = policy.members(state, r, hk)
-            want: list[int] = []
-            for community in best[r, hk].tolist():
-                if community < len(members):
-                    want += [t for t in members[community] if t not in forced]
-            assert kept == set(want[: len(kept)]), f"row {r} head {hk}"
 
 
 @SETTINGS

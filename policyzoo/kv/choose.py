@@ -30,51 +30,6 @@ def round_for_ranking(scores: Tensor) -> Tensor:
     return kernels.reference.round_for_ranking(scores)
 
 
-def ranking_keys(scores: Tensor) -> Tensor:
-    """``int32`` keys in ``[0, 65535]`` of float scores at the ranking's bf16 precision
-    (`round_for_ranking`), in the scores' order: a higher score has a higher key, equal rounded
-    scores equal keys, ``-inf`` the lowest of all."""
-    bits = round_for_ranking(scores).view(torch.int32)
-    bits = bits.masked_fill(bits == -(2**31), 0)  # -0.0 ranks as 0.0
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: their order reversed
-    return (ordered >> 16) + 32768  # the low 16 bits are zero after rounding (or all ones, flipped)
-
-
-def best_ids(keys: Tensor, k: int) -> Tensor:
-    """``int64[..., k]``: the positions of the ``k`` highest ``keys [..., N]`` (`ranking_keys`), best
-    first, ties to the lower position, as a stable descending sort's first ``k`` (one top-k of
-    unique values, not a sort of the row)."""
-    n = keys.shape[-1]
-    position = torch.arange(n, device=keys.device)
-    packed = (keys.long() << 32) | (n - 1 - position)  # unique: ties ordered by position
-    return n - 1 - (torch.topk(packed, k, dim=-1, sorted=True).values & 0xFFFFFFFF)
-
-
-def weighted_threshold(keys: Tensor, weight: Tensor, total: Tensor) -> Tensor:
-    """``int32[..., 1]``: the highest key ``t`` such that the entries of key ``>= t`` weigh at least
-    ``total`` (``[..., 1]``), so that those of key ``> t`` weigh less; 0 where all of them weigh
-    less than ``total`` (every entry's key is above it). ``keys [..., N]`` are `ranking_keys`,
-    ``weight [..., N]`` non-negative integers.
-
-    Taking the entries above ``t``, then those at ``t`` until ``total``, takes what a descending sort
-    of the keys would, filled in order until ``total``: a weighted top-k, found by two 256-bin
-    histograms of the 16-bit keys (high byte, then low byte within the chosen bin) instead of a sort.
-    """
-    weight = weight.long()
-    total = total.long()
-    high, low = keys >> 8, keys & 255
-    bins = torch.zeros(*keys.shape[:-1], 256, dtype=torch.long, device=keys.device)
-    # At or above each high byte (a suffix sum), then the highest byte where that reaches `total`.
-    at_or_above = bins.scatter_add(-1, high.long(), weight).flip(-1).cumsum(-1).flip(-1)
-    hi = ((at_or_above >= total).sum(-1, keepdim=True) - 1).clamp(min=0)
-    above_hi = torch.cat([at_or_above, torch.zeros_like(at_or_above[..., :1])], -1).gather(-1, hi + 1)
-    inside = torch.where(high == hi, weight, 0)
-    at_or_above_low = bins.scatter_add(-1, low.long(), inside).flip(-1).cumsum(-1).flip(-1) + above_hi
-    lo = ((at_or_above_low >= total).sum(-1, keepdim=True) - 1).clamp(min=0)
-    reached = at_or_above_low.gather(-1, lo) >= total
-    return torch.where(reached, hi * 256 + lo, 0).int()
-
-
 def fused_rows(n: int) -> bool:
     """Whether a choice over rows of ``n`` given scores is made by the fused kernel
     (`kernels.select_scores`, up to `kernels.ops.select_pages.MAX_SCORES_ROW` entries); longer rows

@@ -67,7 +67,7 @@ from .. import kernels
 from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count
-from .choose import best_ids, ranking_keys, round_for_ranking, weighted_threshold
+from .choose import round_for_ranking
 from .scoring import forced_at
 from ..workers import INLINE, cpus
 from .community_graph import LEIDENS, ClusteringTime, Leiden, Partition, graph_communities, require_leiden
@@ -89,9 +89,8 @@ class CommunityLayer:
     `finish_prefill` lays them out), then the communities of every row and unit (KV head, or query
     head in head mode): ``order [B, U, W+1]`` the token slots of each community's range, its
     ``offset``, ``size`` and ``room`` ``[B, U, C]``, the ``centroid [B, U, C, D]`` (float32) and its
-    copy in the cache's dtype ``centroid_key`` that decode scores, the next token's candidate
-    communities ``recent [B, U, M]``, and in group mode each slot's community ``member [B, U,
-    capacity]`` (``C``: none), which tells decode how many forced tokens a community holds."""
+    copy in the cache's dtype ``centroid_key`` that decode scores, and the next token's candidate
+    communities ``recent [B, U, M]``."""
 
     jobs: tuple | None = None
     order: Tensor | None = None
@@ -101,7 +100,6 @@ class CommunityLayer:
     centroid: Tensor | None = None
     centroid_key: Tensor | None = None
     recent: Tensor | None = None
-    member: Tensor | None = None
 
     @property
     def laid_out(self) -> bool:
@@ -275,7 +273,6 @@ class CommunityKV(KVSelector):
         # `candidates` wide whatever the batch's table width, so that a row's joins do not depend on
         # its batchmates (fewer communities repeat, cyclically).
         recent = torch.zeros(b, units, self.candidates, dtype=torch.long)
-        member_of = torch.full((b, units, capacity if per_kv == 1 else 0), c, dtype=torch.int32)
         for row, row_parts in enumerate(parts):
             start = int(cache.start[row])
             keys = keys_of[row]
@@ -296,13 +293,11 @@ class CommunityKV(KVSelector):
                 offset[row, unit, :n_c], size[row, unit, :n_c], room[row, unit, :n_c] = offs, sizes, sizes + spare
                 sums = torch.zeros(n_c, d).index_add_(0, member, keys[unit // per_kv])
                 centroid[row, unit, :n_c] = sums / sizes[:, None]
-                if per_kv == 1:
-                    member_of[row, unit, start:length] = member.int()
                 last = member.flip(0)[: recent.shape[-1]]  # the prompt's last tokens' communities, latest first
                 recent[row, unit] = last[torch.arange(recent.shape[-1]) % len(last)]
         device = state.keys.device
         stored = {"order": order, "offset": offset, "size": size, "room": room, "centroid": centroid,
-                  "centroid_key": centroid.to(state.keys.dtype), "recent": recent, "member": member_of}  # fmt: skip
+                  "centroid_key": centroid.to(state.keys.dtype), "recent": recent}  # fmt: skip
         layer = state.layer_state_of(self)
         for name, value in stored.items():
             value = value.to(device)
@@ -350,10 +345,7 @@ class CommunityKV(KVSelector):
         # re-inplaces index_put, where a scatter into a step's input copies the whole table twice). No
         # accumulating put: on CUDA an int64 one falls back to ATen, with bounds-check launches.
         rows, heads = torch.arange(b, device=k.device)[:, None, None], torch.arange(units, device=k.device)[None, :, None]
-        slot = (state.cache.length - 1).to(order.dtype).expand(b, units, 1)
-        order.index_put_((rows, heads, where), slot)
-        if layer.member.shape[-1]:  # group mode: the slot's community (C: none, in the discard slot)
-            layer.member.index_put_((rows, heads, slot.long()), torch.where(fits, nearest, c).to(layer.member.dtype))
+        order.index_put_((rows, heads, where), (state.cache.length - 1).to(order.dtype).expand(b, units, 1))
         centroid.index_put_((rows, heads, nearest), new)
         shadow.index_put_((rows, heads, nearest), new.to(shadow.dtype))
         size.index_put_((rows, heads, nearest), n + fits.long())
@@ -373,15 +365,24 @@ class CommunityKV(KVSelector):
         # head mode) of scale·q·centroid, by the candidates' logit kernel (read once per group).
         ids = torch.arange(c, device=q.device, dtype=torch.int32).expand(b, units, c)
         scores = kernels.gathered_logits(q.to(centroid.dtype), centroid, ids, state.scale, agg="max")  # [B, U, C]
+        scores = round_for_ranking(scores.masked_fill(size == 0, -torch.inf))
         sizes = size.view(b, h_kv, m)
-        # The scores' order as integers, at the ranking's bf16 precision; padding communities last.
-        keys16 = ranking_keys(scores.masked_fill(size == 0, -torch.inf)).view(b, h_kv, m)
-        # The next token's candidate communities: this query's best, per unit, ties to the lower id
-        # (a top-k of the scores alone would break them by the table's padded width, which a batch
-        # sets); fewer than `candidates` repeat, cyclically, as at the layout.
+        # Exact at the ranking's bf16 precision, and a 16-bit sort key is half the radix passes.
+        ranked = scores.view(b, h_kv, m).to(torch.bfloat16)
+        best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
+        # The next token's candidate communities: this query's best, per unit, ties to the lower id (a
+        # top-k breaks the rounded scores' ties by the table's padded width, which a batch sets);
+        # fewer than `candidates` repeat, cyclically, as at the layout.
+        # Head mode sorts each unit's bf16 keys, as the group's are sorted above.
+        ranked_ids = best if per_kv == 1 else torch.sort(ranked.view(b, units, c), dim=-1, descending=True,
+                                                          stable=True).indices
         top = recent.shape[-1]
-        ranked_ids = best_ids(keys16.view(b, units, c), min(top, c))
-        recent.copy_(ranked_ids if c >= top else ranked_ids[..., torch.arange(top, device=q.device) % c])
+        if ranked_ids.shape[-1] >= top:  # static: the tables' width is fixed at prefill
+            recent.copy_(ranked_ids[..., :top])
+        else:
+            recent.copy_(ranked_ids[..., torch.arange(top, device=q.device) % ranked_ids.shape[-1]])
+        ranked_sizes = torch.gather(sizes, 2, best)
+        ends = ranked_sizes.cumsum(-1)
 
         # The budget: the forced tokens, then `free` more from the communities.
         k_max = max(self._budget.k_max(cache.capacity), min(self.sinks + self.window, cache.capacity))
@@ -391,40 +392,19 @@ class CommunityKV(KVSelector):
         kept = torch.minimum(torch.maximum(self._budget.count(n_valid), n_forced).clamp(max=k_max), n_valid)
         free = (kept - n_forced)[:, None, None]
 
-        # Where each community's range ends in the concatenation of the chosen ones (`end`, past
-        # `width` for those not chosen). In group mode a token is in one community of its KV head, so
-        # the communities of score above the weighted threshold `weighted_threshold` (whose sizes sum
-        # to fewer than `free`) are all taken, then those at it, by id, until `free` tokens: what
-        # the ranking in score order takes (ties by id), found without sorting. In head mode a
-        # token can be in `per_kv` communities and counts once, so how many communities fill `free`
-        # depends on the order: the communities are sorted by score.
-        width = per_kv * k_max  # positions enough for k_max distinct tokens (each in <= per_kv communities)
-        if per_kv == 1:
-            # What a community adds toward `free`: its tokens but the forced ones (kept anyway).
-            forced_in = torch.gather(layer.member, 2, forced_slots.clamp(0, cache.capacity - 1)[:, None].expand(b, h_kv, -1))
-            held = torch.zeros(b, h_kv, c + 1, dtype=sizes.dtype, device=q.device)
-            held = held.scatter_add(2, forced_in.long(), forced_ok[:, None].expand(b, h_kv, -1).to(sizes.dtype))[..., :c]
-            tau = weighted_threshold(keys16, sizes - held, free)
-            above, at = keys16 > tau, keys16 == tau
-            end_above = torch.where(above, sizes, 0).cumsum(-1)
-            end = torch.where(above, end_above, torch.where(at, sizes, 0).cumsum(-1) + end_above[..., -1:])
-            end = torch.where(above | at, end, width + sizes)
-        else:
-            best = torch.sort(keys16, dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
-            end = torch.empty_like(sizes).scatter_(2, best, torch.gather(sizes, 2, best).cumsum(-1))
-
-        # Ranges to indices: position p of the concatenation lies in the community whose range
-        # starts at the last start at or before p (the starts of non-empty ranges are distinct).
-        start_at = end - sizes
-        starts = (sizes > 0) & (start_at < width)
-        to = torch.where(starts, start_at, width)  # the rest written to a spare last entry
-        range_start = torch.full((b, h_kv, width + 1), -1, dtype=end.dtype, device=q.device)
-        range_start = range_start.scatter(2, to, torch.where(starts, start_at, -1))[..., :width].cummax(-1).values
-        community = torch.zeros(b, h_kv, width + 1, dtype=torch.long, device=q.device)
-        community = community.scatter(2, to, torch.arange(m, device=q.device).expand(b, h_kv, m))
-        community = torch.gather(community, 2, range_start.clamp(min=0))
+        # Ranges to indices: position p of the communities' concatenation (best first) lies in the
+        # community of rank r = #{ends <= p}, at p - (its start) in its range. A token is in at most
+        # `per_kv` communities of a KV head, so the first per_kv·k_max positions hold enough tokens.
+        # The count is a prefix sum of where the ranges end (not a binary search: Inductor's fused
+        # searchsorted fails to compile on Triton 3.6).
+        width = per_kv * k_max
         p = torch.arange(width, device=q.device).expand(b, h_kv, width)
-        within = (range_start >= 0) & (p < torch.gather(end, 2, community))
+        ended = torch.zeros(b, h_kv, width + 1, dtype=ends.dtype, device=q.device)
+        rank = ended.scatter_add_(2, ends.clamp(max=width), torch.ones_like(ends)).cumsum(-1)[..., :width]
+        within = rank < m
+        rank = rank.clamp(max=m - 1)
+        range_start = torch.gather(ends - ranked_sizes, 2, rank)  # of the community, in the concatenation
+        community = torch.gather(best, 2, rank)
         stride = order.shape[-1]
         where = (community // c) * stride + torch.gather(offset.view(b, h_kv, m), 2, community) + p - range_start
         # Past the chosen ranges (``~within``) the arithmetic can point beyond the layout: clamped,
@@ -445,8 +425,8 @@ class CommunityKV(KVSelector):
         place = unique.cumsum(-1)
         take = unique & (place <= free)
 
-        # Compacted, not sorted: the taken tokens in the concatenation's order (the i-th at entry i),
-        # then the forced ones; the rest of the row is padding (written to a spare last entry and dropped).
+        # Compacted, not sorted: the taken tokens in rank order (the i-th at entry i), then the forced
+        # ones; the rest of the row is padding (written to a spare last entry and dropped).
         n_taken = take.sum(-1)
         forced_place = n_taken[..., None] + forced_ok.cumsum(-1)[:, None]
         at = torch.cat([torch.where(take, place - 1, k_max), torch.where(forced_ok[:, None], forced_place - 1, k_max)], -1)
