@@ -230,6 +230,59 @@ def test_compiled_steps_replay_one_graph_and_match_eager():
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["recompiles"].values()) == 0
 
 
+class RescoreRecorder(Forecast):
+    """Forecast that writes down, per layer and step, the candidate blocks it was handed and the
+    token selection it returned."""
+
+    def select(self, state, q):
+        ahead = state.request_for(self).next if state.layer else None
+        sel = super().select(state, q)
+        self.seen.append((state.layer, ahead, sel, int(state.cache.length), state.cache.start.clone()))
+        return sel
+
+
+def test_rescore_keeps_the_budgets_tokens_among_the_nominated_blocks():
+    """With ``rescore=r`` the forecast nominates ``r`` times the budget's blocks one layer ahead and
+    the layer keeps the budget's tokens among them: a token selection, inside the candidates, the
+    sinks, window and step's token kept, as many tokens as the budget's blocks hold."""
+    model = tiny_model("llama", layers=3)
+    ids, mask = padded_batch(2, 60)
+    policy = RescoreRecorder(0.25, rank=4, rescore=2, **SMALL)
+    policy.seen = []
+    out = Decoder(model, kv=policy).generate(ids, 4, attention_mask=mask)
+    assert policy.two_stage and out.shape == (2, ids.shape[1] + 4)
+    checked = 0
+    for layer, ahead, sel, length, start in policy.seen:
+        assert sel.block == 1
+        if ahead is None:
+            continue
+        for r in range(2):
+            visible_blocks = -(-(length - int(start[r])) // 8) + 1  # blocks a row's tokens touch, at most
+            for hk in range(sel.count.shape[1]):
+                kept = sel.indices[r, hk, : int(sel.count[r, hk])].tolist()
+                blocks = set(ahead.indices[r, hk, : int(ahead.count[r, hk])].tolist())
+                assert {t // 8 for t in kept} <= blocks, "kept tokens lie in the nominated blocks"
+                assert {length - 1, int(start[r])} <= set(kept), "the step's token and the first sink kept"
+                assert len(kept) <= max(math.ceil(0.25 * visible_blocks), 2) * 8
+                assert len(blocks) >= min(2 * len(kept) // 8, visible_blocks - 1)
+                checked += 1
+    assert checked
+
+
+def test_rescore_compiles_into_one_graph_and_matches_eager():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", layers=2)
+    ids, mask = padded_batch(2, 45)
+    eager = Decoder(copy.deepcopy(model), kv=Forecast(0.3, rank=4, rescore=2, **SMALL)).generate(ids, 12, attention_mask=mask)
+    torch._dynamo.reset()
+    counters.clear()
+    dec = Decoder(model, kv=Forecast(0.3, rank=4, rescore=2, **SMALL), compile=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(dec.generate(ids, 12, attention_mask=mask), eager)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_heads_save_and_load_through_the_file_and_the_spec(tmp_path):
     model = tiny_model("llama", layers=2)
     ids, mask = padded_batch(2, 40)
@@ -258,6 +311,8 @@ def test_bad_arguments_name_themselves(tmp_path):
         Forecast(0.1, heads=3)
     with pytest.raises(ValueError, match="rank"):
         Forecast(0.1, rank=0)
+    with pytest.raises(ValueError, match="rescore"):
+        Forecast(0.1, rescore=0.5)
     with pytest.raises(FileNotFoundError):
         Forecast(0.1, heads=tmp_path / "missing.safetensors")
     other = Forecast(0.1, rank=4, **SMALL)

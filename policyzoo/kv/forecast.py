@@ -15,6 +15,12 @@ Compressed keys, blocks and scores (the InfLLM-V2 geometry SparDA uses):
 - the blocks holding the first ``sinks`` and the last ``window`` tokens are always kept, the step's
   own block too, then the best others up to the budget (in blocks).
 
+With ``rescore=r`` (our extension, not SparDA's) the forecast only nominates: ``r`` times the
+budget's blocks are chosen one layer ahead (what a prefetch fetches), and the layer, which knows its
+own query, keeps the best tokens among them by their exact logits (`kv.choose.rescore_pages`, as
+`Quest`'s ``rescore``): the predicted query need only rank a needle's block among the candidates,
+not among the budget, and the budget is the same number of tokens.
+
 The heads (`ForecastHeads`) are the policy's learned parameters: a parameter-free RMS norm, then a
 rank-``rank`` projection to ``H_kv · D``, rotated with the model's own rotary embedding of the step's
 token (`StepContext.rotary`). Untrained heads start from the model's query projections
@@ -37,7 +43,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, policy_params, read_policy_file
-from .choose import choose_topk
+from .choose import candidate_budget, check_rescore, choose_topk, rescore_pages
 from .registry import register
 
 
@@ -236,7 +242,8 @@ class Forecast(KVSelector):
     ``heads``: trained heads (a path to a file `save` or ``recipes/forecast`` wrote, or a
     `ForecastHeads`); ``None`` starts from the model's query projections at ``rank`` when a Decoder
     takes the policy (``None``: `default_rank`). ``stride`` is the cache page size the policy needs;
-    ``kernel`` and ``block`` are multiples of it.
+    ``kernel`` and ``block`` are multiples of it. ``rescore``: 0, or a candidate factor >= 1 (see
+    the module docstring).
     """
 
     budget: int | float = 0.1
@@ -247,6 +254,7 @@ class Forecast(KVSelector):
     sinks: int = 64
     window: int = 64
     rank: int | None = None
+    rescore: float = 0.0
     step_context = ("hidden", "rotary")
     summaries = ()
     selects_ahead = True  # layer l's head picks layer l+1's blocks
@@ -261,6 +269,7 @@ class Forecast(KVSelector):
             check_count(self.rank, "rank", minimum=1)
         check_count(self.sinks, "sinks")
         check_count(self.window, "window")
+        check_rescore(self.rescore)
         for name in ("kernel", "block"):
             if getattr(self, name) % self.stride:
                 raise ValueError(f"Forecast: {name}={getattr(self, name)} must be a multiple of stride={self.stride}")
@@ -282,6 +291,10 @@ class Forecast(KVSelector):
     @property
     def slot_alignment(self) -> int:  # type: ignore[override]
         return self.block
+
+    @property
+    def two_stage(self) -> bool:  # type: ignore[override]
+        return bool(self.rescore)
 
     # --------------------------------------------------------------------------- life cycle
     def attach(self, model: nn.Module) -> None:
@@ -352,7 +365,12 @@ class Forecast(KVSelector):
                                    "(its layers must select once per step, in order)")
         if layer + 1 < state.cache.num_layers:  # the next layer's blocks, one layer ahead
             request.next = self.choose(state, layer + 1, ctx.hidden, ctx.rotary)
-        return mine
+        if not self.rescore:
+            return mine
+        # The forecast nominated `mine` (rescore × the budget's blocks); this layer's query keeps the
+        # budget's tokens among them.
+        k_max, count = self._block_budget(state)
+        return rescore_pages(state, q, mine, count * self.block, k_max * self.block, self.sinks, self.window)
 
     def predicts_layer(self, layer: int) -> bool:
         return layer > 0  # layer 0's selection is its own head's
@@ -378,21 +396,27 @@ class Forecast(KVSelector):
         """Layer ``layer``'s selection (entries of ``block`` tokens): the forced and the best-scoring blocks."""
         cache = state.cache
         scores = self.scores(state, layer, hidden, rotary)
-        nb = scores.shape[-1]
         first, last = cache.page_spans(self.block)
         scores = scores.masked_fill(~(first < last)[:, None, :], -torch.inf)
         forced = (first < last) & ((first < cache.start[:, None] + self.sinks) | (last > cache.length - max(self.window, 1)))
-        n_visible = (first < last).sum(-1)
+        k_max, count = self._block_budget(state)
+        if self.rescore:  # candidates for the layer's own query to rank (`select`)
+            k_max, count = candidate_budget(k_max, count, self.rescore, scores.shape[-1])
+        # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
+        # ``indices[i]·block ..`` and skips those outside the row's visible span.
+        return choose_topk(scores, forced, k_max, count, block=self.block, workspace=state.workspace)
+
+    def _block_budget(self, state: KVState) -> tuple[int, Tensor]:
+        """``(k_max, count [B])`` in blocks: the budget over the visible blocks, room for the forced ones."""
+        first, last = state.cache.page_spans(self.block)
+        nb, n_visible = first.shape[-1], (first < last).sum(-1)
         if self._budget.is_ratio:
             k_max, count = self._budget.k_max(nb), self._budget.count(n_visible)
         else:
             wanted = math.ceil(self._budget.value / self.block)
             k_max, count = min(nb, wanted), Budget(wanted).count(n_visible)
         n_forced = math.ceil(self.sinks / self.block) + math.ceil(max(self.window, 1) / self.block) + 2
-        k_max = max(k_max, min(nb, n_forced))
-        # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
-        # ``indices[i]·block ..`` and skips those outside the row's visible span.
-        return choose_topk(scores, forced, k_max, count, block=self.block, workspace=state.workspace)
+        return max(k_max, min(nb, n_forced)), count
 
     # ---------------------------------------------------------------------------- persistence
     def save(self, path: str | Path) -> Path:
