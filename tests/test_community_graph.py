@@ -19,7 +19,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyzoo.kv.community_graph import ClusteringTime, _graph, _sources, graph_communities, require_leiden, split_communities
+from policyzoo.kv.choose import round_for_ranking
+from policyzoo.kv.community_graph import (
+    SPLIT_ITERATIONS,
+    ClusteringTime,
+    _graph,
+    _sources,
+    graph_communities,
+    require_leiden,
+    split_communities,
+)
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -141,6 +150,38 @@ def test_a_split_makes_parts_of_at_most_split_tokens_within_each_community(n, d,
         else:
             assert all(int(sizes[p]) >= (most + 1) // 2 for p in inside)
     assert torch.equal(split_communities(member, keys, most), parts)
+
+
+def _split_every_token(member, keys, most):
+    """The split as first written: every round over all tokens (the small communities' sums made
+    and unused). `split_communities` works on the large ones only and must give the same parts."""
+    keys = round_for_ranking(keys.float()).double()
+    while True:
+        sizes = torch.bincount(member)
+        big = sizes[member] > most
+        if not bool(big.any()):
+            return member
+        mean = torch.zeros(sizes.shape[0], keys.shape[1], dtype=keys.dtype).index_add_(0, member, keys) / sizes.clamp(min=1)[:, None]
+        x = keys - mean[member]
+        axis = torch.zeros_like(mean).index_add_(0, member, x.abs())
+        for _ in range(SPLIT_ITERATIONS):
+            axis = torch.zeros_like(mean).index_add_(0, member, (x * axis[member]).sum(-1, keepdim=True) * x)
+            axis = axis / axis.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+        by_projection = torch.argsort((x * axis[member]).sum(-1), stable=True)
+        grouped = by_projection[torch.argsort(member[by_projection], stable=True)]
+        rank = torch.empty_like(member)
+        rank[grouped] = torch.arange(member.shape[0]) - (sizes.cumsum(0) - sizes)[member[grouped]]
+        member = torch.unique(member * 2 + (big & (rank >= sizes[member] // 2)).long(), return_inverse=True)[1]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 300), most=st.integers(1, 6), skew=st.floats(0.5, 3.0))
+def test_the_split_works_on_the_large_communities_only_and_gives_the_same_parts(seed, n, most, skew):
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(max(n // 3, 1), generator=gen) ** (4 * skew)  # a few large communities, many small
+    member = torch.unique(torch.multinomial(weights, n, replacement=True, generator=gen), return_inverse=True)[1]
+    keys = torch.randn(n, 5, generator=gen)
+    assert torch.equal(split_communities(member, keys, most), _split_every_token(member, keys, most))
 
 
 @pytest.mark.parametrize("leiden, missing", [("igraph", "igraph"), ("leidenalg", "leidenalg")])
