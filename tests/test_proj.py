@@ -272,7 +272,8 @@ def test_dense_decode_rows_go_through_the_dense_gemv_kernel_where_the_config_say
     head = model.get_output_embeddings()  # reads as the linear it wraps
     assert head.weight is head.linear.weight and head.out_features == head.linear.out_features
     head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)  # tying writes through
-    assert head.weight is head.linear.weight
+    head.out_features = head.out_features
+    assert head.weight is head.linear.weight and "weight" not in head._parameters
     per_step = 2 * (4 if proj is None else 3) + 1  # layers x (q|k|v, o, gate|up, down unless sparse), the LM head
     # The 3 decode steps' rows, and of the prompt only the LM head's (its last position: 3 rows).
     assert set(rows) == {3} and len(rows) == 3 * per_step + 1

@@ -195,8 +195,8 @@ class DenseDecodeLinear(nn.Module):
     """A dense `nn.Linear` whose inputs of up to ``rows`` rows (decode) go through the dense GEMV
     kernel (`kernels.dense_gemv`, over the weight in its own output-major layout), larger ones (a
     prompt) through the linear itself (cuBLAS). ``workspace``: the kernels' scratch. It reads as the
-    linear it wraps (``weight``, ``bias``, the feature counts): code that looks at a model's output
-    embedding while a Decoder holds the model sees the same tensors."""
+    linear it wraps (``weight``, ``bias``, the feature counts, and writes to them go to it): code
+    that looks at or ties a model's output embedding while a Decoder holds the model sees the linear."""
 
     def __init__(self, linear: nn.Linear, rows: int, workspace: kernels.Workspace | None = None) -> None:
         super().__init__()
@@ -221,7 +221,7 @@ class DenseDecodeLinear(nn.Module):
         return self.linear.out_features
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name in ("weight", "bias"):  # e.g. tying the output embedding to the input's
+        if name in ("weight", "bias", "in_features", "out_features"):  # e.g. tying the output embedding to the input's
             setattr(self.linear, name, value)
         else:
             super().__setattr__(name, value)
