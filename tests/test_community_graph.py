@@ -115,6 +115,25 @@ def test_a_partition_function_that_answers_wrong_is_refused(answer, match):
         graph_communities(5, 0, dst, p, 0.5, 0, 1.0, "igraph", 0, lambda n, *rest: answer(n))
 
 
+def test_leiden_sees_the_graph_the_constructor_would_build():
+    """The graph goes to igraph through ``add_edges`` (fast), and Leiden partitions it exactly as a
+    graph built by ``igraph.Graph(n, edges=...)``."""
+    import random
+
+    igraph = pytest.importorskip("igraph")
+    n = 300
+    dst, p = edges(3, 2, n, n, 4, 0)
+    lo, hi, w = _graph(_sources(dst, 0), dst.flatten(0, 1).long(), p.flatten(0, 1), n, 0.5, 1)
+    membership, *_ = graph_communities(n, 0, dst, p, 0.5, 1, 1.0, "igraph", 7, None)
+    igraph.set_random_number_generator(random.Random(7))
+    try:
+        g = igraph.Graph(n=n, edges=torch.stack([lo, hi], 1).tolist())
+        want = g.community_leiden(objective_function="modularity", weights=w.tolist(), resolution=1.0, n_iterations=2).membership
+    finally:
+        igraph.set_random_number_generator(random)
+    assert membership.tolist() == want
+
+
 def test_leiden_partitions_two_cliques_apart():
     """Two groups of tokens that only attend within themselves become (at least) two communities, never mixed."""
     n, half = 20, 10
