@@ -76,7 +76,8 @@ def require_leiden(which: str) -> tuple[Any, Any]:
 class ClusteringTime:
     """Time the prefills spent on communities, all layers and graphs together: finding the edges
     and building the graphs (``graph_seconds``), partitioning them (``leiden_seconds``) and splitting
-    the communities into parts (``split_seconds``), summed over the processes that did it; ``wait_seconds``, the wall time the session spent after the
+    the communities into parts (``split_seconds``), summed over the processes that did it;
+    ``wait_seconds``, the wall time the session spent after the
     prompt's forward waiting for the partitions and laying them out (what parallel workers leave of
     the work). ``tokens``: the prompt tokens (rows × visible tokens) covered."""
 

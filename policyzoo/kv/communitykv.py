@@ -14,14 +14,14 @@ together, so its mean key can stand for none of them: a needle's digits share co
 same-place tokens of other needles and with filler text, the one key that matches the decode query
 is averaged away, and the needle is dropped. So each community of more than ``split`` tokens is
 halved at the median of its keys' projection on their principal axis (power iteration on the
-centred keys), again until no part is larger (`community_graph.split_communities`): the parts never straddle a
-community, and each is close in key space, so its mean key's logit is near its members'. The parts
+centred keys), again until no part is larger (`community_graph.split_communities`): the parts never
+straddle a community, and each is close in key space, so its mean key's logit is near its members'. The parts
 are what the layout and decode below call communities. Scoring whole communities by a bound (a
 min/max box, a ball around the mean) or by a Gaussian estimate of their log-mean-exp did worse than
 splitting them. The price is more parts to score at each step (about ``n / 3`` for ``split=4``,
 against ``n / 8.5`` communities on SmolLM2 at 3K tokens), the larger tables that go with them, and
-the split itself, which runs in the same job as the graph's partition (`kv.community_graph`). The measurements:
-``benchmarks/results/smollm2-communitykv-multikey``.
+the split itself, which runs in the same job as the graph's partition (`kv.community_graph`). The
+measurements: ``benchmarks/results/smollm2-communitykv-multikey``.
 
 **Layout.** Per row and graph (a *unit*), ``order`` lists token slots grouped by community: community
 ``c`` holds ``order[offset_c : offset_c + size_c]``, its prompt tokens first, most central (largest
@@ -219,7 +219,8 @@ class CommunityKV(KVSelector):
             tic = time.perf_counter()
             done = [job.result() for job in jobs]  # `Communities`, one per graph
             units = len(done) // b
-            self._lay_out(state, [[(d.membership, d.strength) for d in done[r * units : (r + 1) * units]] for r in range(b)], per_kv, length)
+            rows = [[(d.membership, d.strength) for d in done[r * units : (r + 1) * units]] for r in range(b)]
+            self._lay_out(state, rows, per_kv, length)
             self.clustering.graph_seconds += edge_s + sum(d.graph_seconds for d in done)
             self.clustering.leiden_seconds += sum(d.partition_seconds for d in done)
             self.clustering.split_seconds += sum(d.split_seconds for d in done)
