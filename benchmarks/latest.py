@@ -50,6 +50,14 @@ TITLES = {
 }
 
 
+# Settings whose definition changed: the rows of runs dated before the change measured what the
+# second name means now, and are listed under it.
+REDEFINED = {
+    # `CommunityKV.split` (default 4) came on 2026-12-06; the earlier rows scored whole communities.
+    "community-kv0.1-runs10": ("2026-12-06", "community-kv0.1-runs10-whole"),
+}
+
+
 @dataclass(frozen=True)
 class Row:
     """One benchmark row and the run it came from."""
@@ -90,6 +98,9 @@ def load_rows(results: Path = RESULTS) -> list[Row]:
             continue  # not a device sweep (quality results, gate files)
         for d in record.get("rows", []):
             if isinstance(d, dict) and d.get("section") in COLUMNS and "error" not in d and not d.get("excluded"):
+                changed, now = REDEFINED.get(d.get("setting"), ("", ""))
+                if str(record["meta"].get("date", "")) < changed:
+                    d = {**d, "setting": now}
                 rows.append(Row(d, record["meta"], path))
     return rows
 

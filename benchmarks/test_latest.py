@@ -74,3 +74,11 @@ def test_generate_rows_make_the_readme_block_between_its_markers():
 
 def test_the_committed_latest_and_readme_are_current():
     assert latest.main(["--check"]) == 0, "run: python -m benchmarks.latest"
+
+
+def test_rows_of_a_redefined_setting_from_before_the_change_go_under_the_name_of_what_they_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(latest, "REDEFINED", {"comm": ("2026-01-02", "comm-whole")})
+    _run(tmp_path / "2026-01-01-run1", "call1.json", "2026-01-01", [_row("comm", 4096, 5.0)])
+    _run(tmp_path / "2026-01-02-run2", "call1.json", "2026-01-02", [_row("comm", 4096, 6.0)])
+    got = {r.data["setting"]: r.data["ms"] for r in latest.newest(latest.load_rows(tmp_path))}
+    assert got == {"comm-whole": 5.0, "comm": 6.0}
