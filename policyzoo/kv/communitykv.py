@@ -261,7 +261,8 @@ class CommunityKV(KVSelector):
         cache = state.cache
         b, units, d = len(parts), len(parts[0]), cache.head_dim
         capacity = cache.capacity
-        keys_of = [state.keys[row, :, int(cache.start[row]) : length].float().cpu() for row in range(b)]  # [H_kv, n, D]
+        # [H_kv, n, D] each, copied in the cache's dtype (half the bytes of float32 for bf16), then widened.
+        keys_of = [state.keys[row, :, int(cache.start[row]) : length].cpu().float() for row in range(b)]
         counts = [[int(m.max()) + 1 for m, _ in row] for row in parts]
         most = max(max(row) for row in counts)
         step = 1 << max(0, most.bit_length() - 4)  # eight sizes per octave: few distinct shapes, at most 1/8 unused
