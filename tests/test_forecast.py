@@ -231,42 +231,56 @@ def test_compiled_steps_replay_one_graph_and_match_eager():
 
 
 class RescoreRecorder(Forecast):
-    """Forecast that writes down, per layer and step, the candidate blocks it was handed and the
-    token selection it returned."""
+    """Forecast that writes down, per layer and step, the blocks it was handed, its query, the cache's
+    keys and visibility, and the selection it returned."""
 
     def select(self, state, q):
         ahead = state.request_for(self).next if state.layer else None
         sel = super().select(state, q)
-        self.seen.append((state.layer, ahead, sel, int(state.cache.length), state.cache.start.clone()))
+        c = state.cache
+        self.seen.append((ahead, sel, q.clone(), state.keys.clone(), int(c.length), c.start.clone(), state.scale))
         return sel
 
 
-def test_rescore_keeps_the_budgets_tokens_among_the_nominated_blocks():
+def test_rescore_keeps_the_budgets_best_blocks_among_the_nominated_ones():
     """With ``rescore=r`` the forecast nominates ``r`` times the budget's blocks one layer ahead and
-    the layer keeps the budget's tokens among them: a token selection, inside the candidates, the
-    sinks, window and step's token kept, as many tokens as the budget's blocks hold."""
+    the layer keeps the budget's blocks among them: blocks (not tokens), inside the nominated ones,
+    the sink's and the step's own kept, and no dropped candidate with a better exact logit (the
+    group's max over its visible keys) than a kept unforced one."""
     model = tiny_model("llama", layers=3)
     ids, mask = padded_batch(2, 60)
     policy = RescoreRecorder(0.25, rank=4, rescore=2, **SMALL)
     policy.seen = []
-    out = Decoder(model, kv=policy).generate(ids, 4, attention_mask=mask)
-    assert policy.two_stage and out.shape == (2, ids.shape[1] + 4)
-    checked = 0
-    for layer, ahead, sel, length, start in policy.seen:
-        assert sel.block == 1
+    Decoder(model, kv=policy).generate(ids, 4, attention_mask=mask)
+    assert policy.two_stage
+    checked = narrowed = 0
+    for ahead, sel, q, keys, length, start, scale in policy.seen:
+        assert sel.block == 8
         if ahead is None:
             continue
+        h_kv = keys.shape[1]
+        g = q.shape[1] // h_kv
         for r in range(2):
-            visible_blocks = -(-(length - int(start[r])) // 8) + 1  # blocks a row's tokens touch, at most
-            for hk in range(sel.count.shape[1]):
-                kept = sel.indices[r, hk, : int(sel.count[r, hk])].tolist()
-                blocks = set(ahead.indices[r, hk, : int(ahead.count[r, hk])].tolist())
-                assert {t // 8 for t in kept} <= blocks, "kept tokens lie in the nominated blocks"
-                assert {length - 1, int(start[r])} <= set(kept), "the step's token and the first sink kept"
-                assert len(kept) <= max(math.ceil(0.25 * visible_blocks), 2) * 8
-                assert len(blocks) >= min(2 * len(kept) // 8, visible_blocks - 1)
+            s0 = int(start[r])
+            for hk in range(h_kv):
+                kept = set(sel.indices[r, hk, : int(sel.count[r, hk])].tolist())
+                nominated = set(ahead.indices[r, hk, : int(ahead.count[r, hk])].tolist())
+                assert kept <= nominated and {(length - 1) // 8, s0 // 8} <= kept
+                visible_blocks = len({t // 8 for t in range(s0, length)})
+                forced_all = {t // 8 for t in range(s0, length) if t < s0 + SMALL["sinks"] or t >= length - SMALL["window"]}
+                assert len(kept) <= max(math.ceil(0.25 * visible_blocks), len(forced_all))
+                narrowed += len(nominated) > len(kept)
+
+                def best(block):
+                    pos = [t for t in range(block * 8, block * 8 + 8) if s0 <= t < length]
+                    return float((q[r, hk * g : (hk + 1) * g].float() @ keys[r, hk, pos].float().T).max() * scale)
+
+                forced = {x for x in kept if x * 8 < s0 + SMALL["sinks"] or x * 8 + 8 > length - SMALL["window"]}
+                dropped = [best(x) for x in nominated - kept]
+                for x in kept - forced:
+                    assert all(best(x) >= d - 1e-2 * abs(d) - 1e-5 for d in dropped)
                 checked += 1
-    assert checked
+    assert checked and narrowed  # the layer chose among more blocks than it kept
 
 
 def test_rescore_compiles_into_one_graph_and_matches_eager():

@@ -17,9 +17,10 @@ Compressed keys, blocks and scores (the InfLLM-V2 geometry SparDA uses):
 
 With ``rescore=r`` (our extension, not SparDA's) the forecast only nominates: ``r`` times the
 budget's blocks are chosen one layer ahead (what a prefetch fetches), and the layer, which knows its
-own query, keeps the best tokens among them by their exact logits (`kv.choose.rescore_pages`, as
-`Quest`'s ``rescore``): the predicted query need only rank a needle's block among the candidates,
-not among the budget, and the budget is the same number of tokens.
+own query, keeps the budget's blocks among them, ranked by their best exact logit (the group's max
+over the block's keys, `kv.choose.selection_logits`): the predicted query need only rank a needle's
+block among the candidates, not among the budget. The selection stays one of blocks, so an
+offloaded layer's page cache serves it and the attention reads whole pages.
 
 The heads (`ForecastHeads`) are the policy's learned parameters: a parameter-free RMS norm, then a
 rank-``rank`` projection to ``H_kv · D``, rotated with the model's own rotary embedding of the step's
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 from .. import _compat
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count, policy_params, read_policy_file
-from .choose import candidate_budget, check_rescore, choose_topk, rescore_pages
+from .choose import candidate_budget, check_rescore, choose_topk, selection_logits
 from .registry import register
 
 
@@ -365,12 +366,7 @@ class Forecast(KVSelector):
                                    "(its layers must select once per step, in order)")
         if layer + 1 < state.cache.num_layers:  # the next layer's blocks, one layer ahead
             request.next = self.choose(state, layer + 1, ctx.hidden, ctx.rotary)
-        if not self.rescore:
-            return mine
-        # The forecast nominated `mine` (rescore × the budget's blocks); this layer's query keeps the
-        # budget's tokens among them.
-        k_max, count = self._block_budget(state)
-        return rescore_pages(state, q, mine, count * self.block, k_max * self.block, self.sinks, self.window)
+        return self.rank_nominated(state, q, mine) if self.rescore else mine
 
     def predicts_layer(self, layer: int) -> bool:
         return layer > 0  # layer 0's selection is its own head's
@@ -396,15 +392,36 @@ class Forecast(KVSelector):
         """Layer ``layer``'s selection (entries of ``block`` tokens): the forced and the best-scoring blocks."""
         cache = state.cache
         scores = self.scores(state, layer, hidden, rotary)
-        first, last = cache.page_spans(self.block)
-        scores = scores.masked_fill(~(first < last)[:, None, :], -torch.inf)
-        forced = (first < last) & ((first < cache.start[:, None] + self.sinks) | (last > cache.length - max(self.window, 1)))
+        visible, forced = self._forced_blocks(cache)
+        scores = scores.masked_fill(~visible[:, None, :], -torch.inf)
         k_max, count = self._block_budget(state)
         if self.rescore:  # candidates for the layer's own query to rank (`select`)
             k_max, count = candidate_budget(k_max, count, self.rescore, scores.shape[-1])
         # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
         # ``indices[i]·block ..`` and skips those outside the row's visible span.
         return choose_topk(scores, forced, k_max, count, block=self.block, workspace=state.workspace)
+
+    def rank_nominated(self, state: KVState, q: Tensor, nominated: Selection) -> Selection:
+        """The budget's blocks among the ``nominated`` ones (`choose` with ``rescore``), ranked by
+        their best exact logit under this layer's query ``q`` (the group's max), the forced blocks
+        first; block ids ascending, as `choose` gives them."""
+        cache = state.cache
+        b, h_kv, wide = nominated.indices.shape
+        logits, _, _ = selection_logits(state, q, nominated, "max")  # [B, H_kv, wide·block], -inf where invalid
+        best = logits.view(b, h_kv, wide, self.block).amax(-1)
+        _, forced = self._forced_blocks(cache)
+        listed = nominated.indices.masked_fill(~nominated.entry_valid(), -1).long()
+        forced_listed = torch.gather(forced[:, None, :].expand(b, h_kv, -1), 2, listed.clamp(min=0)) & (listed >= 0)
+        k_max, count = self._block_budget(state)
+        chosen = choose_topk(best, forced_listed, min(k_max, wide), count, workspace=state.workspace)
+        return Selection(torch.gather(nominated.indices, 2, chosen.indices.long()), chosen.count, block=self.block)
+
+    def _forced_blocks(self, cache) -> tuple[Tensor, Tensor]:
+        """``(visible, forced) bool[B, NB]``: the blocks holding a visible token, and those always kept
+        (the first ``sinks`` and the last ``window`` tokens' blocks, the step's own among them)."""
+        first, last = cache.page_spans(self.block)
+        visible = first < last
+        return visible, visible & ((first < cache.start[:, None] + self.sinks) | (last > cache.length - max(self.window, 1)))
 
     def _block_budget(self, state: KVState) -> tuple[int, Tensor]:
         """``(k_max, count [B])`` in blocks: the budget over the visible blocks, room for the forced ones."""
