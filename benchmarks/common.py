@@ -118,7 +118,7 @@ def settings() -> dict[str, tuple]:
         # the model's query projections: random weights train nothing), the first and last 64 tokens kept.
         "forecast0.1": (lambda: Forecast(0.1), None, 1.0, 0.1),
         "forecast0.2": (lambda: Forecast(0.2), None, 1.0, 0.2),
-        # The forecast nominating three times the blocks, the layer's own query keeping the best tokens.
+        # The forecast nominating three times the blocks, the layer's own query keeping the best of them.
         "forecast0.1-rescore3": (lambda: Forecast(0.1, rescore=3), None, 1.0, 0.1),
         # CommunityKV: Leiden communities of the prefill's attention graph (of a random prompt on
         # random weights: the speed of its decode, and what the prefill's clustering costs).
