@@ -15,10 +15,10 @@ same-place tokens of other needles and with filler text, the one key that matche
 is averaged away, and the needle is dropped. So each community of more than ``split`` tokens is
 halved at the median of its keys' projection on their principal axis (power iteration on the
 centred keys), again until no part is larger (`community_graph.split_communities`): the parts never
-straddle a community, and each is close in key space, so its mean key's logit is near its members'. The parts
-are what the layout and decode below call communities. Scoring whole communities by a bound (a
-min/max box, a ball around the mean) or by a Gaussian estimate of their log-mean-exp did worse than
-splitting them. The price is more parts to score at each step (about ``n / 3`` for ``split=4``,
+straddle a community, and each is close in key space, so its mean key's logit is near its members'.
+The parts are what the layout and decode below call communities. Scoring whole communities by a
+bound (a min/max box, a ball around the mean) or by a Gaussian estimate of their log-mean-exp did
+worse than splitting them. The price is more parts to score at each step (about ``n / 3`` for ``split=4``,
 against ``n / 8.5`` communities on SmolLM2 at 3K tokens), the larger tables that go with them, and
 the split itself, which runs in the same job as the graph's partition (`kv.community_graph`). The
 measurements: ``benchmarks/results/smollm2-communitykv-multikey``.
@@ -197,7 +197,9 @@ class CommunityKV(KVSelector):
             dst, p, first = self._edges(state, row, q[row], length)
             # The split's keys, at the precision it rounds them to (bf16's, so the cast is exact):
             # half the bytes to send, and a row is split alike alone and in a padded batch.
-            keys = round_for_ranking(state.keys[row, :, starts[row] : length].float()).bfloat16().cpu() if self.split else None
+            keys = None
+            if self.split:
+                keys = round_for_ranking(state.keys[row, :, starts[row] : length].float()).bfloat16().cpu()
             gamma = float(self.resolution) * n / 1000
             for u in range(h // heads):
                 one = slice(u * heads, (u + 1) * heads)

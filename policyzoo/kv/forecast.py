@@ -394,7 +394,7 @@ class Forecast(KVSelector):
         scores = self.scores(state, layer, hidden, rotary)
         visible, forced = self._forced_blocks(cache)
         scores = scores.masked_fill(~visible[:, None, :], -torch.inf)
-        k_max, count = self._block_budget(state)
+        k_max, count = self._block_budget(visible)
         if self.rescore:  # candidates for the layer's own query to rank (`select`)
             k_max, count = candidate_budget(k_max, count, self.rescore, scores.shape[-1])
         # Blocks are whole multiples of pages in slot space: the kernel reads entry ``i``'s slots
@@ -409,10 +409,10 @@ class Forecast(KVSelector):
         b, h_kv, wide = nominated.indices.shape
         logits, _, _ = selection_logits(state, q, nominated, "max")  # [B, H_kv, wide·block], -inf where invalid
         best = logits.view(b, h_kv, wide, self.block).amax(-1)
-        _, forced = self._forced_blocks(cache)
+        visible, forced = self._forced_blocks(cache)
         listed = nominated.indices.masked_fill(~nominated.entry_valid(), -1).long()
         forced_listed = torch.gather(forced[:, None, :].expand(b, h_kv, -1), 2, listed.clamp(min=0)) & (listed >= 0)
-        k_max, count = self._block_budget(state)
+        k_max, count = self._block_budget(visible)
         chosen = choose_topk(best, forced_listed, min(k_max, wide), count, workspace=state.workspace)
         return Selection(torch.gather(nominated.indices, 2, chosen.indices.long()), chosen.count, block=self.block)
 
@@ -423,10 +423,10 @@ class Forecast(KVSelector):
         visible = first < last
         return visible, visible & ((first < cache.start[:, None] + self.sinks) | (last > cache.length - max(self.window, 1)))
 
-    def _block_budget(self, state: KVState) -> tuple[int, Tensor]:
-        """``(k_max, count [B])`` in blocks: the budget over the visible blocks, room for the forced ones."""
-        first, last = state.cache.page_spans(self.block)
-        nb, n_visible = first.shape[-1], (first < last).sum(-1)
+    def _block_budget(self, visible: Tensor) -> tuple[int, Tensor]:
+        """``(k_max, count [B])`` in blocks: the budget over the ``visible`` blocks (`_forced_blocks`),
+        room for the forced ones."""
+        nb, n_visible = visible.shape[-1], visible.sum(-1)
         if self._budget.is_ratio:
             k_max, count = self._budget.k_max(nb), self._budget.count(n_visible)
         else:

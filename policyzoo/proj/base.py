@@ -136,7 +136,7 @@ def fuse_shared_inputs(model: nn.Module, switch: ProjectionSwitch, workspace: ke
             same = all(m.sparsifier is members[0].sparsifier for m in members)
             if same and all(m.w_t is not None and m.group is None for m in members):
                 SharedInput(members)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embedding(model)
     if rows and type(head) is nn.Linear:  # the same weight, tied or not: the wrapper holds the linear
         model.set_output_embeddings(DenseDecodeLinear(head, rows, workspace))
 
@@ -154,6 +154,11 @@ def shared_groups(model: nn.Module, sparsifier: "ProjectionSparsifier | None" = 
 def group_segment(sizes: Sequence[int]) -> int:
     """The widest run of columns on which every member boundary of a group falls: ``gcd(sizes)``."""
     return math.gcd(*sizes)
+
+
+def _output_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's LM head (a Hugging Face model's output embedding), or None."""
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 def _linear(layer: nn.Module, target: str) -> nn.Module:
@@ -176,7 +181,7 @@ def _wrap(
 
 def uninstall(model: nn.Module) -> None:
     """Put back the original linears, weights in their original layout (a no-op where nothing was wrapped)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embedding(model)
     if isinstance(head, DenseDecodeLinear):
         model.set_output_embeddings(head.linear)
     for layer in decoder_layers(model):
