@@ -21,6 +21,7 @@ from policyzoo import kernels
 from policyzoo.kernels import (
     AttentionConfig,
     AttentionEdgesConfig,
+    CommunityChoiceConfig,
     DenseGemvConfig,
     EntmaxThresholdConfig,
     GatheredLogitsConfig,
@@ -105,6 +106,8 @@ def test_configs_are_frozen_values(kind):
         (EntmaxThresholdConfig, dict(block_p=1000), "block_p must be a power of two"),
         (SelectPagesConfig, dict(finish_warps=6), "finish_warps must be a power of two"),
         (SelectPagesConfig, dict(finish_min_row=-1), "finish_min_row must be an int >= 0"),
+        (CommunityChoiceConfig, dict(chunk=48), "chunk must be a power of two"),
+        (CommunityChoiceConfig, dict(width=0), "width must be a power of two"),
     ],
 )
 def test_invalid_fields_raise(kind, fields, message):
@@ -119,7 +122,7 @@ def test_each_op_config_names_its_kernel_once():
         "sketch_score": SketchScoreConfig, "entmax_threshold": EntmaxThresholdConfig,
         "gathered_logits": GatheredLogitsConfig, "attention_edges": AttentionEdgesConfig, "page_fetch": PageFetchConfig,
         "select_pages": SelectPagesConfig, "dense_gemv": DenseGemvConfig,
-        "page_gaussians": PageGaussiansConfig,
+        "page_gaussians": PageGaussiansConfig, "community_choice": CommunityChoiceConfig,
     }
 
 

@@ -13,6 +13,7 @@ zeroed comes from the caller's `Workspace` (``workspace=``).
 from . import config, reference, route
 from .ops.attention_edges import AttentionEdgesConfig, attention_edges
 from .ops.cache_append import cache_append
+from .ops.community_choice import CommunityChoiceConfig, community_choice
 from .ops.decode_attention import AttentionConfig, decode_attention, decode_attention_entmax15
 from .ops.dense_gemv import DenseGemvConfig, dense_gemv, dense_gemv_decode_rows, dense_gemv_t
 from .ops.entmax_threshold import EntmaxThresholdConfig, gaussian_entmax_threshold
@@ -41,6 +42,7 @@ __all__ = [
     "Workspace",
     "attention_edges",
     "cache_append",
+    "community_choice",
     "decode_attention",
     "decode_attention_entmax15",
     "dense_gemv",
@@ -69,6 +71,7 @@ __all__ = [
     "wait_for_prefetch",
     "AttentionConfig",
     "AttentionEdgesConfig",
+    "CommunityChoiceConfig",
     "DenseGemvConfig",
     "EntmaxThresholdConfig",
     "GatheredLogitsConfig",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .ops.attention_edges.reference import EDGES_BLOCK_ELEMENTS, attention_edges
 from .ops.cache_append.reference import cache_append, page_summaries
+from .ops.community_choice.reference import community_choice
 from .ops.decode_attention.reference import (
     decode_attention,
     decode_attention_entmax15,
@@ -44,6 +45,7 @@ __all__ = [
     "SKETCH_LEVELS",
     "attention_edges",
     "cache_append",
+    "community_choice",
     "censored_relu_sq",
     "decode_attention",
     "decode_attention_entmax15",

@@ -64,11 +64,9 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..cache import PagedKVCache
 from ..selection import Selection
 from .base import Budget, KVSelector, KVState, check_count
 from .choose import round_for_ranking
-from .scoring import forced_at
 from ..workers import INLINE, cpus
 from .community_graph import LEIDENS, ClusteringTime, Leiden, Partition, graph_communities, require_leiden
 from .registry import register
@@ -369,84 +367,22 @@ class CommunityKV(KVSelector):
         # head mode) of scale·q·centroid, by the candidates' logit kernel (read once per group).
         ids = torch.arange(c, device=q.device, dtype=torch.int32).expand(b, units, c)
         scores = kernels.gathered_logits(q.to(centroid.dtype), centroid, ids, state.scale, agg="max")  # [B, U, C]
-        scores = round_for_ranking(scores.masked_fill(size == 0, -torch.inf))
-        sizes = size.view(b, h_kv, m)
-        # Exact at the ranking's bf16 precision, and a 16-bit sort key is half the radix passes.
-        ranked = scores.view(b, h_kv, m).to(torch.bfloat16)
-        best = torch.sort(ranked, dim=-1, descending=True, stable=True).indices  # [B, H_kv, M]
-        # The next token's candidate communities: this query's best, per unit, ties to the lower id (a
-        # top-k breaks the rounded scores' ties by the table's padded width, which a batch sets);
-        # fewer than `candidates` repeat, cyclically, as at the layout.
-        # Head mode sorts each unit's bf16 keys, as the group's are sorted above.
-        ranked_ids = best if per_kv == 1 else torch.sort(ranked.view(b, units, c), dim=-1, descending=True,
-                                                          stable=True).indices
-        top = recent.shape[-1]
-        if ranked_ids.shape[-1] >= top:  # static: the tables' width is fixed at prefill
-            recent.copy_(ranked_ids[..., :top])
-        else:
-            recent.copy_(ranked_ids[..., torch.arange(top, device=q.device) % ranked_ids.shape[-1]])
-        ranked_sizes = torch.gather(sizes, 2, best)
-        ends = ranked_sizes.cumsum(-1)
 
         # The budget: the forced tokens, then `free` more from the communities.
         k_max = max(self._budget.k_max(cache.capacity), min(self.sinks + self.window, cache.capacity))
-        forced_slots, forced_ok = self._forced(cache)
-        n_forced = forced_ok.sum(-1)
         n_valid = state.num_valid()
+        # The sinks of a row, then its window past them: each visible forced token once.
+        n_forced = torch.clamp(n_valid, max=min(self.sinks, cache.capacity) + min(self.window, cache.capacity))
         kept = torch.minimum(torch.maximum(self._budget.count(n_valid), n_forced).clamp(max=k_max), n_valid)
-        free = (kept - n_forced)[:, None, None]
-
-        # Ranges to indices: position p of the communities' concatenation (best first) lies in the
-        # community of rank r = #{ends <= p}, at p - (its start) in its range. A token is in at most
-        # `per_kv` communities of a KV head, so the first per_kv·k_max positions hold enough tokens.
-        # The count is a prefix sum of where the ranges end (not a binary search: Inductor's fused
-        # searchsorted fails to compile on Triton 3.6).
-        width = per_kv * k_max
-        p = torch.arange(width, device=q.device).expand(b, h_kv, width)
-        ended = torch.zeros(b, h_kv, width + 1, dtype=ends.dtype, device=q.device)
-        rank = ended.scatter_add_(2, ends.clamp(max=width), torch.ones_like(ends)).cumsum(-1)[..., :width]
-        within = rank < m
-        rank = rank.clamp(max=m - 1)
-        range_start = torch.gather(ends - ranked_sizes, 2, rank)  # of the community, in the concatenation
-        community = torch.gather(best, 2, rank)
-        stride = order.shape[-1]
-        where = (community // c) * stride + torch.gather(offset.view(b, h_kv, m), 2, community) + p - range_start
-        # Past the chosen ranges (``~within``) the arithmetic can point beyond the layout: clamped,
-        # and masked out below.
-        where = where.clamp(0, per_kv * stride - 1)
-        slots = torch.gather(order.view(b, h_kv, per_kv * stride), 2, where).long()
-        ok = within & cache.visible_at(slots) & ~forced_at(state, slots, self.sinks, self.window)
-
-        # Each token once (its first position), then the first `free` of them. In group mode a token
-        # is in one community of its KV head: no duplicates.
-        capacity = cache.capacity
-        unique = ok
-        if per_kv > 1:
-            by_slot, at = torch.sort(torch.where(ok, slots, capacity), dim=-1, stable=True)
-            first_seen = torch.ones_like(ok)
-            first_seen[..., 1:] = by_slot[..., 1:] != by_slot[..., :-1]
-            unique = torch.zeros_like(ok).scatter(2, at, first_seen & (by_slot < capacity))
-        place = unique.cumsum(-1)
-        take = unique & (place <= free)
-
-        # Compacted, not sorted: the taken tokens in rank order (the i-th at entry i), then the forced
-        # ones; the rest of the row is padding (written to a spare last entry and dropped).
-        n_taken = take.sum(-1)
-        forced_place = n_taken[..., None] + forced_ok.cumsum(-1)[:, None]
-        at = torch.cat([torch.where(take, place - 1, k_max), torch.where(forced_ok[:, None], forced_place - 1, k_max)], -1)
-        forced = forced_slots[:, None].expand(b, h_kv, -1)
-        indices = torch.zeros(b, h_kv, k_max + 1, dtype=torch.int32, device=q.device)
-        indices.scatter_(2, at, torch.cat([slots, forced], -1).int())
-        return Selection(indices=indices[..., :k_max], count=(n_taken + n_forced[:, None]).int(), block=1)
-
-    def _forced(self, cache: PagedKVCache) -> tuple[Tensor, Tensor]:
-        """``(slots, visible) [B, F]``: the sinks then the window of every row, each forced token once."""
-        sinks, window = min(self.sinks, cache.capacity), min(self.window, cache.capacity)
-        start = cache.start[:, None]
-        sink_slots = start + torch.arange(sinks, device=start.device)
-        win_slots = (cache.length - window + torch.arange(window, device=start.device)).expand(cache.batch, window)
-        slots = torch.cat([sink_slots, win_slots], -1)
-        return slots, torch.cat([sink_slots < cache.length, win_slots >= start + self.sinks], -1)
+        indices, count, best = kernels.community_choice(
+            scores, size, offset, order, cache.start, cache.length, kept - n_forced, k_max, h_kv, self.sinks,
+            self.window, recent.shape[-1], cache.capacity, workspace=state.workspace)
+        # The next token's candidate communities: this query's best, per unit, ties to the lower id;
+        # fewer than `candidates` repeat, cyclically, as at the layout (static: the tables' width is
+        # fixed at prefill).
+        top = recent.shape[-1]
+        recent.copy_(best if c >= top else best[..., torch.arange(top, device=q.device) % c])
+        return Selection(indices=indices, count=count, block=1)
 
     # ---------------------------------------------------------------------------- inspection
     def members(self, state: KVState, row: int, unit: int) -> list[list[int]]:
