@@ -35,11 +35,13 @@ key), the largest over the group's query heads in group mode, its own head's in 
 KV head's candidates are the communities of all its query heads). The sinks and the window are kept,
 then whole communities in score order fill the budget; the last one that does not fit is cut after
 its most central tokens. A token reached through several communities (head mode) counts once. The
-chosen communities' ranges become token slots by prefix sums over the ranked communities' sizes
-and over where their ranges end ("ranges to indices"): the step reads ``O(communities + budget)``
-entries, never the whole context. The kept slots are compacted in rank order (best community first,
-then the sinks and the window), not sorted. The communities are scored by the candidates' logit
-kernel (`kernels.gathered_logits`, the centroids as keys) and ranked by a sort on 16-bit keys.
+communities are scored by the candidates' logit kernel (`kernels.gathered_logits`, the centroids as
+keys) and chosen by `kernels.community_choice`: on CUDA in group mode a weighted threshold of their
+16-bit score keys (each community weighing the slots of its range free to take), no sort; its
+reference (CPU, head mode) sorts them and turns the ranked ranges into slots by prefix sums. Either
+way the step reads ``O(communities + budget)`` entries, never the whole context. The kept slots come
+first (by community id from the kernel, in rank order from the reference), then the sinks and the
+window.
 
 **Appends.** A decoded token joins, per unit, one of ``candidates`` communities: those its layer's
 last query ranked best (the previous step's selection; at the first step, the communities of the
@@ -353,16 +355,14 @@ class CommunityKV(KVSelector):
         size.index_put_((rows, heads, nearest), n + fits.long())
 
     def select(self, state: KVState, q: Tensor) -> Selection:
-        """The best-scored communities' tokens (best first), then the sinks and the window, ``count``
+        """The best-scored communities' tokens, then the sinks and the window, ``count``
         of them at most (a token selection; see the module docstring)."""
         layer = self._ready(state)
         cache = state.cache
         order, offset, size, centroid, recent = layer.order, layer.offset, layer.size, layer.centroid_key, layer.recent
-        b, h, d = q.shape
+        b = q.shape[0]
         h_kv = state.keys.shape[1]
         units, c = size.shape[1], size.shape[2]
-        per_kv = units // h_kv
-        m = per_kv * c  # candidate communities per KV head
         # Each unit's communities scored as keys: the group's best (group mode; one head per unit in
         # head mode) of scale·q·centroid, by the candidates' logit kernel (read once per group).
         ids = torch.arange(c, device=q.device, dtype=torch.int32).expand(b, units, c)
