@@ -57,7 +57,9 @@ def poisoned():
 def layouts(draw):
     """A layer's communities as `CommunityKV` lays them out, group mode: per row and KV head, its
     visible tokens (some of them, in any order) dealt to ``C`` communities (some empty), each range
-    followed by spare slots; scores with ties and infinities; a budget and the forced tokens."""
+    followed by spare slots; scores with ties and infinities; a budget and the forced tokens. With
+    ``stale``, the ranges also hold slots past the length (a rewound cache's), which are not taken:
+    then ``k_max`` covers every range, the reference's condition for seeing all of them."""
     b, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     capacity = draw(st.integers(1, 160))
     length = draw(st.integers(1, capacity))
@@ -65,6 +67,7 @@ def layouts(draw):
     c = draw(st.integers(1, 70))
     spare = draw(st.integers(0, 3))
     seed = draw(st.integers(0, 2**31 - 1))
+    stale = draw(st.booleans())
     gen = torch.Generator().manual_seed(seed)
     width = capacity + c * (spare + 1) + 1
     order = torch.full((b, heads, width), -3, dtype=torch.int32)  # unused entries: never read
@@ -72,7 +75,7 @@ def layouts(draw):
     offset = torch.zeros(b, heads, c, dtype=torch.long)
     for r in range(b):
         for h in range(heads):
-            slots = starts[r] + torch.randperm(length - starts[r], generator=gen)
+            slots = starts[r] + torch.randperm((capacity if stale else length) - starts[r], generator=gen)
             slots = slots[: draw(st.integers(0, len(slots)))]
             member = torch.randint(0, c, (len(slots),), generator=gen)
             if draw(st.booleans()):  # skewed: most tokens in one community
@@ -92,7 +95,7 @@ def layouts(draw):
     start = torch.tensor(starts)
     n_valid = length - start
     n_forced = torch.clamp(n_valid, max=min(sinks, capacity) + min(window, capacity))
-    k_max = draw(st.integers(min(sinks + window, capacity), capacity + 4))
+    k_max = draw(st.integers(capacity if stale else min(sinks + window, capacity), capacity + 4))
     free = torch.minimum(torch.randint(0, capacity + 1, (b,), generator=gen), k_max - n_forced).clamp(min=0)
     top = draw(st.integers(1, 10))
     return dict(scores=scores, size=size, offset=offset, order=order, start=start, length=torch.tensor(length), free=free,

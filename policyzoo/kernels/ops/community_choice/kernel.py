@@ -57,7 +57,8 @@ def _range_slots(order_row, off, sz, w0, start, length, sinks, window, WIDTH: tl
     pos = w0 + tl.arange(0, WIDTH)[None, :]
     inside = pos < sz[:, None]
     slot = tl.load(order_row + off[:, None] + pos, mask=inside, other=0)
-    free = inside & (slot >= start + sinks) & (slot < length - window) & (slot >= start) & (slot < length)
+    # Visible and not forced: past the row's sinks (so past its start) and before its window.
+    free = inside & (slot >= start + sinks) & (slot < length - window)
     return slot, free
 
 
@@ -77,6 +78,7 @@ def _weighted_histogram(bins, weight, counted, CHUNK: tl.constexpr):
 
 @triton.jit
 def _chunk(chunk, row, m, CHUNK: tl.constexpr):
+    """The program's community ids, which of them exist, and the row's first entry."""
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
     return ids, ids < m, row.to(tl.int64) * m
 
