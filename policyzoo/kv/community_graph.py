@@ -133,6 +133,13 @@ def graph_communities(n: int, first: int, dst: Tensor, p: Tensor, mix: float, si
     return Communities(membership, strength, graph_s, partition_s, time.perf_counter() - tic)
 
 
+def projection(x: Tensor, axis: Tensor, part: Tensor, per_token: Tensor, out: Tensor) -> Tensor:
+    """``out [n, 1]``: each token's ``x [n, D]`` along its part's ``axis [P, D]`` (``part int64[n]``),
+    through the scratch ``per_token`` (``x``'s shape)."""
+    torch.index_select(axis, 0, part, out=per_token)
+    return torch.sum(torch.mul(x, per_token, out=per_token), -1, keepdim=True, out=out)
+
+
 def split_communities(member: Tensor, keys: Tensor, most: int) -> Tensor:
     """``member int64[n]`` (community ids ``0 .. C-1`` of ``n`` tokens) refined so that no community
     has more than ``most`` tokens: each larger one is halved at the median of its keys' (``keys [n, D]``)
@@ -149,14 +156,18 @@ def split_communities(member: Tensor, keys: Tensor, most: int) -> Tensor:
         # the same order as over all tokens, so the halves are the same, for less work each round.
         at = big.nonzero().squeeze(1)
         _, part, sizes = torch.unique(member[at], return_inverse=True, return_counts=True)
-        inner = keys[at]
-        mean = torch.zeros(sizes.shape[0], keys.shape[1], dtype=keys.dtype).index_add_(0, part, inner) / sizes[:, None]
-        x = inner - mean[part]
-        axis = torch.zeros_like(mean).index_add_(0, part, x.abs())  # a start with a share of every direction
+        x = keys[at]
+        # The token-sized intermediates go to buffers made once a round: a fresh tensor the size of
+        # the keys costs more in page faults than its arithmetic (the same operations, so the same bits).
+        per_token, along = torch.empty_like(x), torch.empty(x.shape[0], 1, dtype=x.dtype)
+        mean = torch.zeros(sizes.shape[0], keys.shape[1], dtype=keys.dtype).index_add_(0, part, x) / sizes[:, None]
+        x.sub_(torch.index_select(mean, 0, part, out=per_token))  # centred
+        axis = torch.zeros_like(mean).index_add_(0, part, torch.abs(x, out=per_token))  # a share of every direction
         for _ in range(SPLIT_ITERATIONS):
-            axis = torch.zeros_like(mean).index_add_(0, part, (x * axis[part]).sum(-1, keepdim=True) * x)
+            projection(x, axis, part, per_token, along)
+            axis = torch.zeros_like(mean).index_add_(0, part, torch.mul(along, x, out=per_token))
             axis = axis / axis.norm(dim=-1, keepdim=True).clamp(min=1e-30)
-        by_projection = torch.argsort((x * axis[part]).sum(-1), stable=True)
+        by_projection = torch.argsort(projection(x, axis, part, per_token, along).squeeze(1), stable=True)
         grouped = by_projection[torch.argsort(part[by_projection], stable=True)]  # by community, then along the axis
         rank = torch.empty_like(part)
         rank[grouped] = torch.arange(part.shape[0]) - (sizes.cumsum(0) - sizes)[part[grouped]]
