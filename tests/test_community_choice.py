@@ -1,19 +1,11 @@
 """`kernels.community_choice` (CommunityKV's choice of communities) against its reference: the same
 count, the same kept tokens (their order is not part of the contract), the forced tokens after them,
 zeros after those, the same candidates, and a workspace left zero. Without a GPU the kernels run in
-Triton's interpreter (see ``test_kernels.py`` for the fresh-interpreter detour when triton was loaded
-compiled)."""
+Triton's interpreter (`triton_mode`: in a fresh one when triton was loaded compiled)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from contextlib import contextmanager
-from pathlib import Path
-from unittest import mock
-
-from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, poisoned, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -35,22 +27,13 @@ SETTINGS = settings(max_examples=40, deadline=None, database=None)
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
 def test_community_choice_in_fresh_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+    run_in_fresh_interpreter(__file__)
 
 
-@contextmanager
-def poisoned():
-    """Every buffer the kernel allocates starts as NaN (integer buffers as -7)."""
+def kernel_buffers_poisoned():
     from policyzoo.kernels.ops.community_choice import kernel
 
-    def alloc(*shape, dtype, device):
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
-
-    with mock.patch.object(kernel, "_alloc", alloc):
-        yield
+    return poisoned(kernel)
 
 
 @st.composite
@@ -116,7 +99,7 @@ def taken_and_rest(indices, count, free_kept):
 def test_community_choice_matches_its_reference(case, chunk, width):
     args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     want_idx, want_count, want_best = ref.community_choice(**args)
-    with override(community_choice=CommunityChoiceConfig(chunk=chunk, width=width)), poisoned():
+    with override(community_choice=CommunityChoiceConfig(chunk=chunk, width=width)), kernel_buffers_poisoned():
         idx, count, best = kernels.community_choice.triton(**args, workspace=WORKSPACE)
     assert torch.equal(count, want_count)
     assert torch.equal(best, want_best)

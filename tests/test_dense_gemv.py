@@ -5,24 +5,18 @@ Without a GPU the kernels run on CPU tensors through the Triton interpreter. Tri
 compiled and interpreted kernels when each ``@triton.jit`` function is defined, so
 ``TRITON_INTERPRET=1`` must be in the environment before triton is first imported. This module sets
 it first thing when it can (on CPU, when triton is not yet loaded); when triton is loaded already in
-compiled mode, a single test re-runs this file in a fresh interpreter with the variable set (as in
-tests/test_kernels.py).
+compiled mode, a single test re-runs this file in a fresh interpreter with the variable set
+(`triton_mode.run_in_fresh_interpreter`).
 
 Every example draws fresh random inputs (seeded by hypothesis), and every buffer the kernels allocate
 — outputs and split-K partials — starts as NaN, so an output element the kernel forgets to write, or
 a partial it reads without having written it, fails the test.
 """
 
-import os
-import sys
-
-from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, poisoned, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
-import subprocess  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
@@ -53,21 +47,12 @@ SETTINGS = settings(max_examples=60, deadline=None, database=None)
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
 def test_dense_gemv_in_fresh_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+    run_in_fresh_interpreter(__file__)
 
 
-@contextmanager
-def poisoned():
-    """Make every buffer the kernels allocate start as NaN (integer buffers as -7)."""
-
-    def alloc(*shape, dtype, device):
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
-
-    with mock.patch.object(dense_kernel, "_alloc", alloc):
-        yield
+def kernel_buffers_poisoned():
+    """Every buffer the kernels allocate starts as NaN (integer buffers as -7)."""
+    return poisoned(dense_kernel)
 
 
 def workspace_is_zero() -> bool:
@@ -129,7 +114,7 @@ def assert_dense_close(got, expected, dtype):
 def test_dense_gemv_matches_the_reference(case):
     x, w, bias, cfg = case["x"], case["w"], case["bias"], case["cfg"]
     op, spec = (kernels.dense_gemv_t, ref.dense_gemv_t) if case["input_major"] else (kernels.dense_gemv, ref.dense_gemv)
-    with poisoned(), override(dense_gemv=cfg):
+    with kernel_buffers_poisoned(), override(dense_gemv=cfg):
         got = op.triton(x, w, bias, workspace=WORKSPACE)
     if case["dtype"] == torch.float32:
         expected = spec(x, w, bias)
@@ -156,7 +141,7 @@ def test_fused_split_leaves_the_counters_zero(input_major, b):
         launched = dense_op.dense_gemv_config(96, 40, b, input_major)
         assert (launched.split, launched.fuse_epilogue) == (3, True)
         for _ in range(2):
-            with poisoned():
+            with kernel_buffers_poisoned():
                 got = op.triton(x, w, bias, workspace=WORKSPACE)
             assert workspace_is_zero()
             torch.testing.assert_close(got, ref.dense_gemv(x, weight, bias), rtol=1e-4, atol=1e-4)

@@ -13,16 +13,11 @@ Every example draws fresh random inputs (seeded by hypothesis), and every buffer
 scratch element it reads without having written it, fails the test.
 """
 
-import os
-import sys
-
-from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
-import subprocess  # noqa: E402
-from contextlib import ExitStack, contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
@@ -79,10 +74,7 @@ def workspace_is_zero() -> bool:
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
 def test_kernels_in_fresh_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+    run_in_fresh_interpreter(__file__)
 
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -90,17 +82,9 @@ SETTINGS = settings(max_examples=20, deadline=None, database=None)
 ATTENTION_SETTINGS = settings(max_examples=25, deadline=None, database=None)
 
 
-@contextmanager
 def poisoned():
     """Make every buffer the kernels allocate start as NaN (integer buffers as -7)."""
-
-    def alloc(*shape, dtype, device):
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
-
-    with ExitStack() as stack:
-        for mod in KERNEL_MODULES:
-            stack.enter_context(mock.patch.object(mod, "_alloc", alloc))
-        yield
+    return poisoned_buffers(*KERNEL_MODULES)
 
 
 def assert_close(actual, expected, dtype, scale=1.0):

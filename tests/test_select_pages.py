@@ -7,23 +7,18 @@ own kernel followed by that reference, since the reference's bound sums in anoth
 round a page's bound to the other side of a bf16 step. The policies that use them (`Quest`,
 `EntmaxKV(mode="topk")`, `SSA`'s candidates) are checked against their steps, on the reference path
 and on the kernels' path. Without a GPU the kernels run in Triton's interpreter (see
-``test_kernels.py`` for the fresh-interpreter detour when triton was loaded compiled).
+`triton_mode` for the fresh-interpreter detour when triton was loaded compiled).
 """
 
 from __future__ import annotations
 
 import itertools
 
-import os
-import sys
-
-from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
-import subprocess  # noqa: E402
-from contextlib import ExitStack, contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
@@ -50,27 +45,18 @@ FINISH_MIN_ROWS = st.sampled_from([0, 100, 2048])
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")
 def test_select_pages_in_fresh_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    res = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+    run_in_fresh_interpreter(__file__)
 
 
 def workspace_is_zero() -> bool:
     return all(int(b.abs().sum()) == 0 for b in WORKSPACE.buffers.values())
 
 
-@contextmanager
 def poisoned():
     """Every buffer the kernel allocates starts as NaN (integer buffers as -7)."""
     from policyzoo.kernels.ops.select_pages import kernel
 
-    def alloc(*shape, dtype, device):
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
-
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(kernel, "_alloc", alloc))
-        yield
+    return poisoned_buffers(kernel)
 
 
 @contextmanager

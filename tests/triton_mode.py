@@ -7,11 +7,19 @@ MODE``): it sets the variable when it can (on CPU, triton not yet loaded).
 
 `MODE`: ``"cuda"`` (the compiled kernels), ``"interpret"`` (CPU tensors through the interpreter), or
 ``"subprocess"`` (triton already loaded in compiled mode: interpreted kernels cannot run in this
-process, so the module re-runs itself in a fresh interpreter with the variable set).
+process, so the module re-runs itself in a fresh interpreter with the variable set:
+`run_in_fresh_interpreter`).
+
+`poisoned` makes the buffers a kernel module allocates (through its ``_alloc``) start as garbage, so
+that a test sees every entry the kernel fails to write.
 """
 
 import os
+import subprocess
 import sys
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -24,3 +32,26 @@ elif "triton" not in sys.modules:
     MODE = "interpret"
 else:
     MODE = "subprocess"
+
+
+def run_in_fresh_interpreter(test_file: str) -> None:
+    """Run the tests of ``test_file`` in a fresh interpreter with ``TRITON_INTERPRET=1``, and fail
+    with their output unless they all pass (`MODE` ``"subprocess"``)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
+    res = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+
+
+@contextmanager
+def poisoned(*modules):
+    """Within it, every buffer the kernel ``modules`` allocate through their ``_alloc`` starts as NaN
+    (integer buffers as -7)."""
+
+    def alloc(*shape, dtype, device):
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+
+    with ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(mock.patch.object(module, "_alloc", alloc))
+        yield
