@@ -133,7 +133,7 @@ def graph_communities(n: int, first: int, dst: Tensor, p: Tensor, mix: float, si
     return Communities(membership, strength, graph_s, partition_s, time.perf_counter() - tic)
 
 
-def projection(x: Tensor, axis: Tensor, part: Tensor, per_token: Tensor, out: Tensor) -> Tensor:
+def _projection(x: Tensor, axis: Tensor, part: Tensor, per_token: Tensor, out: Tensor) -> Tensor:
     """``out [n, 1]``: each token's ``x [n, D]`` along its part's ``axis [P, D]`` (``part int64[n]``),
     through the scratch ``per_token`` (``x``'s shape)."""
     torch.index_select(axis, 0, part, out=per_token)
@@ -164,10 +164,10 @@ def split_communities(member: Tensor, keys: Tensor, most: int) -> Tensor:
         x.sub_(torch.index_select(mean, 0, part, out=per_token))  # centred
         axis = torch.zeros_like(mean).index_add_(0, part, torch.abs(x, out=per_token))  # a share of every direction
         for _ in range(SPLIT_ITERATIONS):
-            projection(x, axis, part, per_token, along)
+            _projection(x, axis, part, per_token, along)
             axis = torch.zeros_like(mean).index_add_(0, part, torch.mul(along, x, out=per_token))
             axis = axis / axis.norm(dim=-1, keepdim=True).clamp(min=1e-30)
-        by_projection = torch.argsort(projection(x, axis, part, per_token, along).squeeze(1), stable=True)
+        by_projection = torch.argsort(_projection(x, axis, part, per_token, along).squeeze(1), stable=True)
         grouped = by_projection[torch.argsort(part[by_projection], stable=True)]  # by community, then along the axis
         rank = torch.empty_like(part)
         rank[grouped] = torch.arange(part.shape[0]) - (sizes.cumsum(0) - sizes)[part[grouped]]

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ...config import LaunchConfig, current, positive, powers_of_two
+from ...config import LaunchConfig, current, powers_of_two
 from ...route import HAS_TRITON, check_device, need_triton, routed
 from ...workspace import Workspace, buffer, zeroed
 from . import reference
@@ -37,7 +37,6 @@ class CommunityChoiceConfig(LaunchConfig):
 
     def __post_init__(self) -> None:
         powers_of_two(self, "chunk", "width", "num_warps")
-        positive(self, "chunk")
 
 
 def takes(scores: Tensor, size: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor, free: Tensor,
