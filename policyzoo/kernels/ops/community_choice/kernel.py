@@ -4,7 +4,7 @@ beside this file.
 The reference sorts every community of a KV head by score (13,106 parts a head at 32K with
 ``split=4``: a segmented radix sort, about 42 µs a layer on an H100) and turns the ranked ranges into
 slots through tensors as wide as the budget. The choice needs no order, only a threshold: the
-communities above it are taken whole, and those at it by id until the budget is full. Here four
+communities above it are taken whole, and those at it by id until the budget is full. Here three
 launches over chunks of ``CHUNK`` communities a program, each of them reading ``O(communities +
 their tokens)``, find it and write the slots:
 
@@ -12,17 +12,19 @@ their tokens)``, find it and write the slots:
    `select_pages` orders bf16 bits) and its *weight*, the slots of its range free to take (visible,
    not forced: the budget counts those), read from the layout; a weighted histogram of the keys' high
    bytes per row (bit planes of the weights, one `tl.histogram` each); the chunk's best ``top``
-   communities (packed ``key << 32 | ~id``) for the next token's candidates.
+   communities for the next token's candidates.
 2. `_low_kernel`: the high byte holding the budget's last token, and the weighted histogram of the
-   low bytes within it; the first program of a row merges the chunks' candidates.
-3. `_counts_kernel`: the exact threshold key ``t`` and the tokens still wanted at it, and each
-   chunk's weight above ``t`` and at ``t``.
-4. `_emit_kernel`: each community's tokens taken (all above ``t``; at ``t``, by id, what the earlier
+   low bytes within it, added to the row's and kept per chunk with the chunk's weight above that
+   byte. The first program of a row merges the chunks' candidates; the last to arrive (an arrival
+   counter) finds the exact threshold key ``t`` and the tokens wanted at it, turns the chunks'
+   histograms into each chunk's weight above ``t`` and at ``t`` before it (prefix sums over the
+   chunks), and zeroes the row's histograms and counter.
+3. `_emit_kernel`: each community's tokens taken (all above ``t``; at ``t``, by id, what the earlier
    ones leave) and its first output entry (a prefix sum over ids), then its range's free slots; the
-   first program of a row writes the forced slots and zeroes the histograms again.
+   first program of a row writes the forced slots.
 
 The kept slots come out by community id (the reference's come in rank order): the same set, which
-is the contract. The histograms live in the caller's zeroed workspace, left zero.
+is the contract. The histograms and counters live in the caller's zeroed workspace, left zero.
 """
 
 from __future__ import annotations
@@ -35,8 +37,14 @@ from torch import Tensor
 from ..select_pages.kernel import _ranking_keys
 from ..select_top.kernel import _histogram, _top_bin
 
-# int32 entries a row needs zeroed: the weighted histograms of the keys' high bytes, then low bytes.
-HIST = 512
+# int32 entries a row needs zeroed: the weighted histograms of the keys' high bytes, then low bytes,
+# then the arrival counter of `_low_kernel`.
+HIST = 513
+# A chunk's summary for the row's last `_low_kernel` program: its weight above the threshold's high
+# byte, its whole weight, and its weighted histogram of low bytes within that byte.
+SUMMARY = 2 + 256
+_HIST: tl.constexpr = tl.constexpr(HIST)  # the kernels' copies
+_SUMMARY: tl.constexpr = tl.constexpr(SUMMARY)
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -103,78 +111,97 @@ def _weigh_kernel(s_ptr, size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, ke
     tl.store(key_ptr + base + ids, key, mask=valid)
     tl.store(w_ptr + base + ids, weight, mask=valid)
     h = _weighted_histogram((key + 32768) >> 8, weight, valid & (weight > 0), CHUNK)
-    tl.atomic_add(hist_ptr + row * 512 + tl.arange(0, 256), h, mask=h != 0)
-    # The chunk's best `top`, packed so that the larger key wins and, at equal keys, the lower id.
-    packed = tl.where(valid, ((key + 32768).to(tl.int64) << 32) | (0x7FFFFFFF - ids), -1)
+    tl.atomic_add(hist_ptr + row * _HIST + tl.arange(0, 256), h, mask=h != 0, sem="relaxed", scope="gpu")
+    # The chunk's best `top`: the larger key first, at equal keys the lower id. Ranked as int32 words
+    # (the 16-bit key over the id within the chunk: cheaper reductions than int64), stored as int64
+    # words over the row's ids for the merge.
+    local = tl.arange(0, CHUNK)
+    packed = tl.where(valid, ((key + 32768) << 15) | (32767 - local), -1)
     cand_row = cand_ptr + (row * tl.num_programs(0) + chunk) * top
     for i in range(top):
         best = tl.max(packed, 0)
-        tl.store(cand_row + i, best)
+        best_id = chunk * CHUNK + 32767 - (best & 32767)
+        tl.store(cand_row + i, tl.where(best < 0, -1, ((best >> 15).to(tl.int64) << 32) | (0x7FFFFFFF - best_id)))
         packed = tl.where(packed == best, -1, packed)
 
 
 @triton.jit
-def _low_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr, best_ptr, m, heads, top, n_best,
-                CHUNK: tl.constexpr, CAND_PAD: tl.constexpr):
+def _low_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr, best_ptr, sum_ptr, part_ptr, m, heads, top, n_best,
+                CHUNK: tl.constexpr, CAND_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     chunk, row = tl.program_id(0), tl.program_id(1)
-    want = tl.maximum(tl.load(free_ptr + row // heads).to(tl.int32), 1)
-    high, _ = _top_bin(tl.load(hist_ptr + row * 512 + tl.arange(0, 256)), want)  # -1: fewer tokens than wanted
+    n_chunks = tl.num_programs(0)
+    free = tl.load(free_ptr + row // heads).to(tl.int32)
+    hist_row = hist_ptr + row * _HIST
+    bins = tl.arange(0, 256)
+    high, _ = _top_bin(tl.load(hist_row + bins), tl.maximum(free, 1))  # -1: fewer tokens than wanted
     ids, valid, base = _chunk(chunk, row, m, CHUNK)
     key = tl.load(key_ptr + base + ids, mask=valid, other=-32768)
     weight = tl.load(w_ptr + base + ids, mask=valid, other=0)
+    weight = tl.where(valid, weight, 0)
     u = key + 32768
     h = _weighted_histogram(u & 255, weight, valid & (weight > 0) & ((u >> 8) == high), CHUNK)
-    tl.atomic_add(hist_ptr + row * 512 + 256 + tl.arange(0, 256), h, mask=h != 0)
+    tl.atomic_add(hist_row + 256 + bins, h, mask=h != 0, sem="relaxed", scope="gpu")
+    summary = sum_ptr + (row * n_chunks + chunk) * _SUMMARY
+    tl.store(summary, tl.sum(tl.where((u >> 8) > high, weight, 0), 0))
+    tl.store(summary + 1, tl.sum(weight, 0))
+    tl.store(summary + 2 + bins, h)
     if chunk == 0:  # the row's best `n_best` among the chunks' candidates
-        n = tl.num_programs(0) * top
+        n = n_chunks * top
         offs = tl.arange(0, CAND_PAD)
         cand = tl.load(cand_ptr + row * n + offs, mask=offs < n, other=-1)
         for i in range(n_best):
             best = tl.max(cand, 0)
             tl.store(best_ptr + row * n_best + i, 0x7FFFFFFF - (best & 0x7FFFFFFF))
             cand = tl.where(cand == best, -1, cand)
+    tl.debug_barrier()  # every store and atomic of this program before its arrival
+    if tl.atomic_add(hist_row + 512, 1, sem="acq_rel", scope="gpu") == n_chunks - 1:
+        _threshold(free, hist_row, sum_ptr + row * n_chunks * _SUMMARY, part_ptr, row, n_chunks, CHUNKS_PAD)
 
 
 @triton.jit
-def _counts_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, part_ptr, m, heads, CHUNK: tl.constexpr):
-    """The threshold key ``t``, the tokens wanted at it and in all (the row's parameters, from its
-    first program), and each chunk's weight above ``t`` and at it."""
-    chunk, row = tl.program_id(0), tl.program_id(1)
-    free = tl.load(free_ptr + row // heads).to(tl.int32)
-    h_high = tl.load(hist_ptr + row * 512 + tl.arange(0, 256))
+def _threshold(free, hist_row, sums, part_ptr, row, n_chunks, CHUNKS_PAD: tl.constexpr):
+    """The row's last `_low_kernel` program: the exact threshold key ``t``, the tokens wanted at it and
+    in all (``params``), each chunk's weight above ``t`` and at ``t`` in the chunks before it (exclusive
+    prefix sums), and the row's histograms and counter back to zero."""
+    bins = tl.arange(0, 256)
+    h_high = tl.load(hist_row + bins)
     total = tl.sum(h_high, 0)
     high, above_high = _top_bin(h_high, tl.maximum(free, 1))
-    low, above_low = _top_bin(tl.load(hist_ptr + row * 512 + 256 + tl.arange(0, 256)), tl.maximum(free - above_high, 1))
+    low, above_low = _top_bin(tl.load(hist_row + 256 + bins), tl.maximum(free - above_high, 1))
     # Nothing wanted: no key reaches t. Fewer tokens than wanted: every key is above t.
-    t = tl.where(free <= 0, 32768, tl.where(total <= free, -32769, high * 256 + low - 32768))
-    at_t = tl.where((free <= 0) | (total <= free), 0, free - above_high - above_low)
+    nothing, everything = free <= 0, total <= free
+    t = tl.where(nothing, 32768, tl.where(everything, -32769, high * 256 + low - 32768))
+    at_t = tl.where(nothing | everything, 0, free - above_high - above_low)
     taken = tl.minimum(tl.maximum(free, 0), total)
-    ids, valid, base = _chunk(chunk, row, m, CHUNK)
-    key = tl.load(key_ptr + base + ids, mask=valid, other=-32768)
-    weight = tl.load(w_ptr + base + ids, mask=valid, other=0)
-    part = part_ptr + (row * tl.num_programs(0) + chunk) * 2
-    tl.store(part, tl.sum(tl.where(valid & (key > t), weight, 0), 0))
-    tl.store(part + 1, tl.sum(tl.where(valid & (key == t), weight, 0), 0))
-    if chunk == 0:
-        params = part_ptr + tl.num_programs(1) * tl.num_programs(0) * 2 + row * 3
-        tl.store(params, t)
-        tl.store(params + 1, at_t)
-        tl.store(params + 2, taken)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    inside = chunks < n_chunks
+    summary = sums + chunks * _SUMMARY
+    lows = tl.load(summary[:, None] + 2 + bins[None, :], mask=inside[:, None], other=0)
+    above = tl.load(summary, mask=inside, other=0) + tl.sum(tl.where(bins[None, :] > low, lows, 0), 1)
+    above = tl.where(everything, tl.load(summary + 1, mask=inside, other=0), tl.where(nothing, 0, above))
+    ties = tl.where(nothing | everything, 0, tl.sum(tl.where(bins[None, :] == low, lows, 0), 1))
+    part = part_ptr + (row * n_chunks + chunks) * 2
+    tl.store(part, tl.cumsum(above, 0) - above, mask=inside)
+    tl.store(part + 1, tl.cumsum(ties, 0) - ties, mask=inside)
+    params = part_ptr + tl.num_programs(1) * n_chunks * 2 + row * 3
+    tl.store(params, t)
+    tl.store(params + 1, at_t)
+    tl.store(params + 2, taken)
+    tl.debug_barrier()  # every thread has read the histograms before any zeroes them
+    tl.store(hist_row + tl.arange(0, 512), tl.zeros((512,), tl.int32))
+    tl.store(hist_row + 512, 0)
 
 
 @triton.jit
-def _emit_kernel(size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w_ptr, hist_ptr, part_ptr,
+def _emit_kernel(size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w_ptr, part_ptr,
                  idx_ptr, count_ptr, m, order_stride, sinks, window, heads, k_max,
-                 CHUNK: tl.constexpr, WIDTH: tl.constexpr, CHUNKS_PAD: tl.constexpr, FORCED_PAD: tl.constexpr):
+                 CHUNK: tl.constexpr, WIDTH: tl.constexpr, FORCED_PAD: tl.constexpr):
     chunk, row = tl.program_id(0), tl.program_id(1)
     n_chunks = tl.num_programs(0)
     params = part_ptr + tl.num_programs(1) * n_chunks * 2 + row * 3
     t, at_t, n_taken = tl.load(params), tl.load(params + 1), tl.load(params + 2)
-    earlier = tl.arange(0, CHUNKS_PAD)
-    before = earlier < chunk
-    part = part_ptr + (row * n_chunks + earlier) * 2
-    above_before = tl.sum(tl.load(part, mask=before, other=0), 0)
-    ties_before = tl.sum(tl.load(part + 1, mask=before, other=0), 0)
+    part = part_ptr + (row * n_chunks + chunk) * 2
+    above_before, ties_before = tl.load(part), tl.load(part + 1)
 
     ids, valid, base = _chunk(chunk, row, m, CHUNK)
     key = tl.load(key_ptr + base + ids, mask=valid, other=-32768)
@@ -211,7 +238,6 @@ def _emit_kernel(size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w
         f_at = n_taken + tl.cumsum(f_ok.to(tl.int32), 0) - 1
         tl.store(idx_row + f_at, f_slot, mask=f_ok)
         tl.store(count_ptr + row, count)
-        tl.store(hist_ptr + row * 512 + tl.arange(0, 512), tl.zeros((512,), tl.int32))
     for p0 in range(chunk * CHUNK, k_max, n_chunks * CHUNK):  # entries count..k_max-1 hold 0
         p = p0 + tl.arange(0, CHUNK)
         tl.store(idx_row + p, tl.zeros((CHUNK,), tl.int32), mask=(p >= count) & (p < k_max))
@@ -222,7 +248,7 @@ def community_choice(scores: Tensor, size: Tensor, offset: Tensor, order: Tensor
     """Group mode (one unit per KV head): ``scores, size, offset [B, H_kv, C]``, ``order [B, H_kv, W]``
     → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, H_kv, min(top, C)])``
     (`reference.community_choice`); ``sinks`` and ``window`` already capped at the capacity; ``hist``
-    the zeroed ``[B·H_kv·512]`` workspace (zero again afterwards); ``cfg`` the `CommunityChoiceConfig`."""
+    the zeroed ``[B·H_kv·HIST]`` workspace (zero again afterwards); ``cfg`` the `CommunityChoiceConfig`."""
     b, heads, m = size.shape
     rows, device = b * heads, scores.device
     n_best = min(top, m)
@@ -237,17 +263,17 @@ def community_choice(scores: Tensor, size: Tensor, offset: Tensor, order: Tensor
     keys = _alloc(rows * m, dtype=torch.int32, device=device)
     weights = _alloc(rows * m, dtype=torch.int32, device=device)
     cand = _alloc(rows * chunks * top, dtype=torch.int64, device=device)
+    sums = _alloc(rows * chunks * SUMMARY, dtype=torch.int32, device=device)
     part = _alloc(rows * chunks * 2 + rows * 3, dtype=torch.int32, device=device)
     start, length, free = start.contiguous(), length.reshape(1), free.contiguous()
     grid = (chunks, rows)
     meta = dict(CHUNK=chunk, num_warps=cfg.num_warps)
     _weigh_kernel[grid](scores, size, offset, order, start, length, keys, weights, hist, cand,
                         m, order.stride(1), sinks, window, heads, top, WIDTH=cfg.width, **meta)
-    _low_kernel[grid](free, keys, weights, hist, cand, best, m, heads, top, n_best,
-                      CAND_PAD=max(16, triton.next_power_of_2(chunks * top)), **meta)
-    _counts_kernel[grid](free, keys, weights, hist, part, m, heads, **meta)
-    _emit_kernel[grid](size, offset, order, start, length, keys, weights, hist, part, idx, count,
+    _low_kernel[grid](free, keys, weights, hist, cand, best, sums, part, m, heads, top, n_best,
+                      CAND_PAD=max(16, triton.next_power_of_2(chunks * top)),
+                      CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)), **meta)
+    _emit_kernel[grid](size, offset, order, start, length, keys, weights, part, idx, count,
                        m, order.stride(1), sinks, window, heads, k_max, WIDTH=cfg.width,
-                       CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)),
                        FORCED_PAD=max(16, triton.next_power_of_2(sinks + window)), **meta)
     return idx, count, best
