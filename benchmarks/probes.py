@@ -556,15 +556,22 @@ def select_policies(keep: float = 0.1) -> dict:
     }
 
 
+def prefill_communities(policy: CommunityKV, state: KVState, q: torch.Tensor) -> None:
+    """``policy``'s communities of ``state``'s layer, from random queries (shaped as ``q``) at every
+    visible slot."""
+    n = int(state.cache.length)
+    policy.prefill(state, torch.randn(q.shape[0], q.shape[1], n, q.shape[2], device=q.device, dtype=q.dtype), None, None)
+    policy.finish_prefill([state])
+
+
 def select_call(policy, state: KVState, q: torch.Tensor) -> Callable:
     """The call that makes ``policy``'s selection of one layer. Forecast's is made from the hidden
     state of the layer below (a random one here) and needs its page means first; CommunityKV's needs
     its communities (a prefill from random queries at every slot) and includes the step's append;
     the others' from ``q``."""
     if isinstance(policy, CommunityKV):
+        prefill_communities(policy, state, q)
         n = int(state.cache.length)
-        policy.prefill(state, torch.randn(q.shape[0], q.shape[1], n, q.shape[2], device=q.device, dtype=q.dtype), None, None)
-        policy.finish_prefill([state])
         k = state.keys[:, :, n - 1 : n]
 
         def step():

@@ -13,7 +13,10 @@ must not change a token), then times each path's selection compiled (torch.compi
 and replayed as a CUDA graph (`common.graph_time_ms`: 20 calls per graph, the median of 15
 replays). The old path is the same policy with the fused kernels taking no rows (its choice is
 then the grouped bound, torch masks and `select_top`, as before issue 38) and the Gaussian
-threshold in one program per row; the new path is the library as it is. Then:
+threshold in one program per row, and CommunityKV's choice the sort of its reference; the new path
+is the library as it is. CommunityKV's communities are runs of 10 tokens split along their keys
+(parts of 2-3 tokens, as the sweep's ``community-kv0.1-runs10``), made once per copy of the layer
+from random queries. Then:
 
 - ``threshold``: the Gaussian threshold alone (`kernels.gaussian_entmax_threshold` over ``[1, 32,
   P]`` pages: EntmaxKV's call), one program per row against the split rows;
@@ -22,9 +25,10 @@ threshold in one program per row; the new path is the library as it is. Then:
 
 With ``--tune`` it times launch parameters instead (each config checked against the default's
 result first): the box selection (`SelectPagesConfig`) beside what bounds it from below (the
-grouped page bound alone, and the selection from given scores), and decode attention
-(`AttentionConfig`) over every page and over the box selection, at each context; the fastest
-correct config of each case is printed last::
+grouped page bound alone, and the selection from given scores), decode attention
+(`AttentionConfig`) over every page and over the box selection, and CommunityKV's selection
+(`CommunityChoiceConfig`), at each context; the fastest correct config of each case is printed
+last::
 
     python -m benchmarks.select_bench --tune --contexts 4096,32768,131072
 
@@ -57,8 +61,8 @@ from unittest import mock
 
 import torch
 
-from policyzoo import EntmaxKV, Quest, inductor_compat, kernels
-from policyzoo.kernels import AttentionConfig, EntmaxThresholdConfig, SelectPagesConfig
+from policyzoo import CommunityKV, EntmaxKV, Quest, inductor_compat, kernels
+from policyzoo.kernels import AttentionConfig, CommunityChoiceConfig, EntmaxThresholdConfig, SelectPagesConfig
 from policyzoo.kernels.config import override
 from policyzoo.kernels.ops import select_pages as select_op
 from policyzoo.kv.base import KVState
@@ -66,7 +70,7 @@ from policyzoo.kv.choose import choose_topk_steps
 from policyzoo.selection import Selection
 
 from . import common
-from .probes import D, H, H_KV, PAGE, filled_cache
+from .probes import D, H, H_KV, PAGE, filled_cache, prefill_communities
 
 CONTEXTS = (32768, 131072)
 TINY_CONTEXTS = (256,)
@@ -79,24 +83,46 @@ def policies(keep: float = 0.1) -> dict[str, Callable[[], object]]:
         f"quest{keep}-sketch": lambda: Quest(keep, page=PAGE, window=64, bound="sketch"),
         f"quest{keep}-nominate4": lambda: Quest(keep, page=PAGE, window=64, bound="sketch", nominate=4),
         f"entmax-kv{keep}": lambda: EntmaxKV(keep, page=PAGE, window=64),
+        # Communities forced to runs of 10 tokens (`common.runs_partition`), split into parts of 2-3.
+        f"community-kv{keep}-runs10": lambda: CommunityKV(keep, window=64, partition=functools.partial(common.runs_partition, size=10),
+                                                          workers=1),
     }
+
+
+def prepared(policy, states: list[KVState], q: torch.Tensor):
+    """``policy`` ready to select on each of ``states``: a `CommunityKV` gets its communities there
+    (`probes.prefill_communities`); the page policies need nothing."""
+    if isinstance(policy, CommunityKV):
+        for state in states:
+            prefill_communities(policy, state, q)
+    return policy
 
 
 @contextmanager
 def old_path() -> Iterator[None]:
-    """The steps as before issue 38: the fused kernels take no rows (`kv.choose.fused_rows`), and the
-    Gaussian threshold runs one program per row. Kept on while a path is compiled and captured:
-    the compiled code guards on the first, and each launch reads the second."""
-    with mock.patch.object(select_op, "MAX_ROW", 0), override(entmax_threshold=EntmaxThresholdConfig(split=1)):
+    """The steps as before issue 38: the fused kernels take no rows (`kv.choose.fused_rows`), the
+    Gaussian threshold runs one program per row, and CommunityKV's choice is the sort (the reference
+    of `kernels.community_choice`). Kept on while a path is compiled and captured: the compiled code
+    guards on the first, and each launch reads the second."""
+    sort = kernels.community_choice.reference
+
+    def sorted_choice(*args, workspace=None):
+        return sort(*args)
+
+    with (mock.patch.object(select_op, "MAX_ROW", 0), override(entmax_threshold=EntmaxThresholdConfig(split=1)),
+          mock.patch.object(kernels, "community_choice", sorted_choice)):
         yield
 
 
 def same_choice(a: Selection, b: Selection) -> tuple[bool, int]:
-    """Whether two selections keep the same entries, and how many valid entries differ."""
+    """Whether two selections keep the same entries (as sets: the order of a selection's entries is
+    not part of its contract), and how many valid entries differ."""
     if not torch.equal(a.count, b.count) or a.block != b.block:
         return False, int((a.count != b.count).sum())
-    valid = a.entry_valid()
-    differ = int((a.indices[valid] != b.indices[valid]).sum())
+    big = torch.iinfo(torch.int32).max  # past every entry: the invalid ones sort last
+    ids_a = a.indices.masked_fill(~a.entry_valid(), big).sort(-1).values
+    ids_b = b.indices.masked_fill(~b.entry_valid(), big).sort(-1).values
+    differ = int((ids_a != ids_b).sum())
     return differ == 0, differ
 
 
@@ -171,7 +197,7 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
     for name in names:
         row = {"context": n, "setting": name, "copies": len(states)}
         with common.recorded(row, f"select_bench {name}@{n}"), torch._dynamo.config.patch(recompile_limit=64):
-            policy = made[name]()
+            policy = prepared(made[name](), states, q)
             call = lambda s: policy.select(s, q)  # noqa: E731
             with old_path():
                 old = call(state)
@@ -224,6 +250,8 @@ NEVER = 1 << 30
 SELECT_GRID = [dict(block_p=p, num_warps=w) for p in (32, 64, 128, 256) for w in (2, 4, 8, 16)] + [
     dict(group=g) for g in (16, 64)] + [dict(finish_min_row=0), dict(finish_min_row=NEVER)] + [
     dict(finish_warps=w) for w in (8, 32)]
+COMMUNITY_GRID = [dict(chunk=c, num_warps=w) for c in (128, 256, 512, 1024, 2048) for w in (2, 4, 8)
+                  if (c, w) != (512, 4)] + [dict(width=w) for w in (2, 8)]
 ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
                   for t in (32, 64) for w in (4, 8) for s in (2, 3)
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
@@ -296,6 +324,15 @@ def tune_context(n: int, rows: list[dict], copies: int | None = None) -> None:
                       torch.full((1, H_KV), pages, device=dev, dtype=torch.int32), block=PAGE)
     _tune(rows, "attention, every page", n, AttentionConfig, ATTENTION_GRID, attention(dense), close)
     _tune(rows, "attention, box selection", n, AttentionConfig, ATTENTION_GRID, attention(box), close)
+    tune_communities(n, rows, states, q)
+
+
+def tune_communities(n: int, rows: list[dict], states: list[KVState], q: torch.Tensor) -> None:
+    """CommunityKV's selection (its centroids' logits, then `kernels.community_choice`) at context
+    ``n`` under the choice's launch parameters (`COMMUNITY_GRID`), on ``states`` in turn."""
+    community = prepared(policies()["community-kv0.1-runs10"](), states, q)
+    _tune(rows, "community selection", n, CommunityChoiceConfig, COMMUNITY_GRID,
+          rotating(lambda s: community.select(s, q), states), lambda a, b: same_choice(a, b)[0])
 
 
 STAGE_NAMES = {1: "score and store the keys", 2: "+ the histogram tally", 3: "+ the arrival counter",

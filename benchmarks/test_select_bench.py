@@ -30,7 +30,8 @@ def test_select_bench_runs_on_cpu(tmp_path):
     assert [r for r in rows if "error" in r] == []
     assert all(r["copies"] == 2 for r in rows if "copies" in r) and any("copies" in r for r in rows)
     policies = [r for r in rows if r["setting"] not in ("dense", "gaussian threshold")]
-    assert {r["setting"] for r in policies} == {"quest0.1", "quest0.1-sketch", "quest0.1-nominate4", "entmax-kv0.1"}
+    assert {r["setting"] for r in policies} == {"quest0.1", "quest0.1-sketch", "quest0.1-nominate4", "entmax-kv0.1",
+                                                "community-kv0.1-runs10"}
     assert all(r["same"] and r["old_select_us"] > 0 and r["new_select_us"] > 0 for r in policies)
     assert all(r["attention_us"] > 0 and 0 < r["kv_keep"] <= 1 for r in policies)
     threshold = [r for r in rows if r["setting"] == "gaussian threshold"]
@@ -42,10 +43,10 @@ def test_select_bench_tune_runs_on_cpu(tmp_path):
     assert [r for r in rows if "error" in r] == []
     cases = {r["case"] for r in rows}
     assert cases == {"grouped bound alone", "select_scores alone", "box selection", "attention, every page",
-                     "attention, box selection"}
+                     "attention, box selection", "community selection"}
     timed = [r for r in rows if "correct" in r]
     assert timed and all(r["correct"] and r["us"] > 0 for r in timed)  # every config chose what the default chose
-    assert sum(r["config"].startswith("best: ") for r in rows) == 3
+    assert sum(r["config"].startswith("best: ") for r in rows) == 4
 
 
 def test_select_bench_breakdown_runs_on_cpu(tmp_path):
