@@ -55,6 +55,7 @@ def layouts(draw):
     width = capacity + c * (spare + 1) + 1
     order = torch.full((b, heads, width), -3, dtype=torch.int32)  # unused entries: never read
     size = torch.zeros(b, heads, c, dtype=torch.long)
+    room = torch.zeros(b, heads, c, dtype=torch.long)
     offset = torch.zeros(b, heads, c, dtype=torch.long)
     for r in range(b):
         for h in range(heads):
@@ -68,7 +69,9 @@ def layouts(draw):
             offs = ends - sizes - spare
             for i in range(c):
                 order[r, h, offs[i] : offs[i] + sizes[i]] = slots[member == i].int()
-            size[r, h], offset[r, h] = sizes, offs
+            # Room left: up to the spare slots, fewer where appends took some (ties for the roomiest).
+            left = torch.randint(0, spare + 1, (c,), generator=gen)
+            size[r, h], offset[r, h], room[r, h] = sizes, offs, torch.where(sizes > 0, sizes + left, 0)
     levels = draw(st.sampled_from([3, 20, 1000]))
     scores = torch.randint(-levels, levels + 1, (b, heads, c), generator=gen).float() / 4
     if draw(st.booleans()):
@@ -81,8 +84,8 @@ def layouts(draw):
     k_max = draw(st.integers(capacity if stale else min(sinks + window, capacity), capacity + 4))
     free = torch.minimum(torch.randint(0, capacity + 1, (b,), generator=gen), k_max - n_forced).clamp(min=0)
     top = draw(st.integers(1, 10))
-    return dict(scores=scores, size=size, offset=offset, order=order, start=start, length=torch.tensor(length), free=free,
-                k_max=k_max, heads=heads, sinks=sinks, window=window, top=top, capacity=capacity)
+    return dict(scores=scores, size=size, room=room, offset=offset, order=order, start=start, length=torch.tensor(length),
+                free=free, k_max=k_max, heads=heads, sinks=sinks, window=window, top=top, capacity=capacity)
 
 
 def taken_and_rest(indices, count, free_kept):
@@ -98,11 +101,12 @@ def taken_and_rest(indices, count, free_kept):
 @given(case=layouts(), chunk=st.sampled_from([16, 64, 512]), width=st.sampled_from([1, 4, 8]))
 def test_community_choice_matches_its_reference(case, chunk, width):
     args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-    want_idx, want_count, want_best = ref.community_choice(**args)
+    want_idx, want_count, want_best, want_roomiest = ref.community_choice(**args)
     with override(community_choice=CommunityChoiceConfig(chunk=chunk, width=width)), kernel_buffers_poisoned():
-        idx, count, best = kernels.community_choice.triton(**args, workspace=WORKSPACE)
+        idx, count, best, roomiest = kernels.community_choice.triton(**args, workspace=WORKSPACE)
     assert torch.equal(count, want_count)
     assert torch.equal(best, want_best)
+    assert torch.equal(roomiest, want_roomiest)
     n_forced = torch.clamp(case["length"] - case["start"], max=min(case["sinks"], case["capacity"]) + min(case["window"], case["capacity"]))
     taken = (want_count.cpu() - n_forced[:, None]).reshape(-1).tolist()
     assert taken_and_rest(idx.cpu(), count.cpu(), taken) == taken_and_rest(want_idx.cpu(), want_count.cpu(), taken)
@@ -117,19 +121,24 @@ def test_community_choice_without_a_workspace_and_in_head_mode():
     b, heads, c, length = 1, 2, 5, 20
     order = torch.arange(length, dtype=torch.int32).repeat(b, heads * 2, 2)[..., : length + 1].contiguous()
     size = torch.tensor([4, 4, 4, 4, 4]).repeat(b, heads * 2, 1)
+    room = torch.tensor([4, 5, 4, 6, 6]).repeat(b, heads * 2, 1)
     offset = torch.tensor([0, 4, 8, 12, 16]).repeat(b, heads * 2, 1)
     scores = torch.randn(b, heads * 2, c, generator=gen)
     args = dict(start=torch.tensor([0]), length=torch.tensor(length), free=torch.tensor([6]), k_max=12, heads=heads,
                 sinks=1, window=2, top=3, capacity=length)
-    head_mode = kernels.community_choice(scores.to(DEVICE), size.to(DEVICE), offset.to(DEVICE), order.to(DEVICE),
+    head_mode = kernels.community_choice(scores.to(DEVICE), size.to(DEVICE), room.to(DEVICE), offset.to(DEVICE),
+                                         order.to(DEVICE),
                                          **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
-    want = ref.community_choice(scores, size, offset, order, **args)
+    want = ref.community_choice(scores, size, room, offset, order, **args)
     assert all(torch.equal(x.cpu(), y) for x, y in zip(head_mode, want))
-    group = dict(scores=scores[:, :heads], size=size[:, :heads], offset=offset[:, :heads], order=order[:, :heads].contiguous(), **args)
+    assert want[3].flatten().tolist() == [3] * heads * 2  # the most room left, the lower id of a tie
+    group = dict(scores=scores[:, :heads], size=size[:, :heads], room=room[:, :heads], offset=offset[:, :heads],
+                 order=order[:, :heads].contiguous(), **args)
     dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in group.items()}
-    idx, count, best = kernels.community_choice.triton(**dev)
-    want_idx, want_count, want_best = ref.community_choice(**group)
+    idx, count, best, roomiest = kernels.community_choice.triton(**dev)
+    want_idx, want_count, want_best, want_roomiest = ref.community_choice(**group)
     assert torch.equal(count.cpu(), want_count) and torch.equal(best.cpu(), want_best)
+    assert torch.equal(roomiest.cpu(), want_roomiest)
     assert sorted(idx[0, 0, :6].tolist()) == sorted(want_idx[0, 0, :6].tolist())
     assert torch.equal(idx[..., 6:].cpu(), want_idx[..., 6:])
 
@@ -142,8 +151,9 @@ def test_community_choice_op_schema_and_fake():
     b, heads, c, length = 2, 2, 6, 24
     order = torch.randperm(length, generator=gen).int().repeat(b, heads, 2).contiguous()
     size = torch.tensor([4, 0, 5, 3, 2, 4]).repeat(b, heads, 1)
+    room = torch.tensor([4, 0, 5, 3, 2, 6]).repeat(b, heads, 1)
     offset = torch.tensor([0, 4, 4, 9, 12, 14]).repeat(b, heads, 1)
-    args = [torch.randn(b, heads, c, generator=gen), size, offset, order, torch.tensor([0, 3]), torch.tensor(length),
+    args = [torch.randn(b, heads, c, generator=gen), size, room, offset, order, torch.tensor([0, 3]), torch.tensor(length),
             torch.tensor([5, 7])]
     args = [a.to(DEVICE) for a in args] + [12, 1, 2, 4]
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")

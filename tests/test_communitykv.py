@@ -197,16 +197,20 @@ def test_a_new_token_joins_the_nearest_candidate_with_room(make_case, graph):
     case = make_case(b=1, h_kv=2, g=2, d=8, page=4, prompt=40, steps=0, starts=[0], seed=0, extra=4)
     policy = CommunityKV(0.5, graph=graph, candidates=2, **SMALL)
     state = prefilled(case, policy)
-    policy.select(state, case.q)  # ranks the communities: `recent` becomes this query's best
     store = state.layer_state_of(policy)
-    units = store.size.shape[1]
     for full in (False, True):
+        policy.select(state, case.q)  # ranks the communities: `recent` becomes this query's best
+        units = store.size.shape[1]
         recent = store.recent.clone()
         size, room = store.size.clone(), store.room
         if full:  # no candidate has room left
             store.size.scatter_(2, recent, torch.gather(room, 2, recent))
             size = store.size.clone()
             assert ((room - size) > 0).any(-1).all()  # but some other community has
+            # The step's selection after the sizes changed, as in decoding: it finds the roomiest
+            # (the scores, and so the candidates, are as they were).
+            policy.select(state, case.q)
+            assert torch.equal(store.recent, recent)
         case.cache.length += 1
         k = torch.randn(1, 2, 1, 8, generator=torch.Generator().manual_seed(int(full)))
         case.cache.write(0, k, torch.zeros_like(k))

@@ -48,7 +48,11 @@ last query ranked best (the previous step's selection; at the first step, the co
 prompt's last tokens), the one whose centroid is nearest to its key (squared distance) among those
 with a free slot. That is the local rule: ``O(candidates · d)`` per unit, whatever the context,
 where the nearest of all centroids would read them all (as many bytes as the selection) every step.
-Where no candidate has room, the community with the most room left takes it. The centroid is
+Where no candidate has room, the community with the most room left takes it: the one the layer's
+last selection found (`kernels.community_choice` finds it in passing), which is the one with the
+most room now, since each append follows its layer's previous selection and nothing else changes
+the sizes (a layer that never selects, whose selection a wrapper takes from another layer, keeps
+the layout's). The centroid is
 updated in place, ``c ← c + (k − c) / (n + 1)`` (in float32, and copied to the cache's dtype, in
 which decode scores the communities); nothing is re-partitioned. The token is in the window
 (always kept) for its first ``window`` steps anyway.
@@ -89,8 +93,9 @@ class CommunityLayer:
     `finish_prefill` lays them out), then the communities of every row and unit (KV head, or query
     head in head mode): ``order [B, U, W+1]`` the token slots of each community's range, its
     ``offset``, ``size`` and ``room`` ``[B, U, C]``, the ``centroid [B, U, C, D]`` (float32) and its
-    copy in the cache's dtype ``centroid_key`` that decode scores, and the next token's candidate
-    communities ``recent [B, U, M]``."""
+    copy in the cache's dtype ``centroid_key`` that decode scores, the next token's candidate
+    communities ``recent [B, U, M]``, and the community with the most room left ``roomiest [B, U,
+    1]`` (as of the last selection)."""
 
     jobs: tuple | None = None
     order: Tensor | None = None
@@ -100,6 +105,7 @@ class CommunityLayer:
     centroid: Tensor | None = None
     centroid_key: Tensor | None = None
     recent: Tensor | None = None
+    roomiest: Tensor | None = None
 
     @property
     def laid_out(self) -> bool:
@@ -301,7 +307,8 @@ class CommunityKV(KVSelector):
                 recent[row, unit] = last[torch.arange(recent.shape[-1]) % len(last)]
         device = state.keys.device
         stored = {"order": order, "offset": offset, "size": size, "room": room, "centroid": centroid,
-                  "centroid_key": centroid.to(state.keys.dtype), "recent": recent}  # fmt: skip
+                  "centroid_key": centroid.to(state.keys.dtype), "recent": recent,
+                  "roomiest": (room - size).argmax(-1, keepdim=True)}  # fmt: skip
         layer = state.layer_state_of(self)
         for name, value in stored.items():
             value = value.to(device)
@@ -338,8 +345,8 @@ class CommunityKV(KVSelector):
         open_near = torch.gather(open_, 2, recent)
         # Ranked at bf16 precision, ties to the earlier candidate: a row chooses alike alone and in a batch.
         pick = round_for_ranking(dist).masked_fill(~open_near, torch.inf).argmin(-1, keepdim=True)
-        roomiest = (room - size).argmax(-1, keepdim=True)  # where no candidate has room left
-        nearest = torch.where(open_near.any(-1, keepdim=True), torch.gather(recent, 2, pick), roomiest)  # [B, U, 1]
+        # Where no candidate has room: the roomiest community, as the layer's last selection found it.
+        nearest = torch.where(open_near.any(-1, keepdim=True), torch.gather(recent, 2, pick), layer.roomiest)  # [B, U, 1]
         fits = torch.gather(open_, 2, nearest)  # False only where every range is full (a rewound cache)
         n = torch.gather(size, 2, nearest)
         where = torch.where(fits, torch.gather(offset, 2, nearest) + n, order.shape[-1] - 1)  # else: the discard slot
@@ -359,7 +366,8 @@ class CommunityKV(KVSelector):
         of them at most (a token selection; see the module docstring)."""
         layer = self._ready(state)
         cache = state.cache
-        order, offset, size, centroid, recent = layer.order, layer.offset, layer.size, layer.centroid_key, layer.recent
+        order, offset, size, room = layer.order, layer.offset, layer.size, layer.room
+        centroid, recent = layer.centroid_key, layer.recent
         b = q.shape[0]
         h_kv = state.keys.shape[1]
         units, c = size.shape[1], size.shape[2]
@@ -374,9 +382,10 @@ class CommunityKV(KVSelector):
         # The sinks of a row, then its window past them: each visible forced token once.
         n_forced = torch.clamp(n_valid, max=min(self.sinks, cache.capacity) + min(self.window, cache.capacity))
         kept = torch.minimum(torch.maximum(self._budget.count(n_valid), n_forced).clamp(max=k_max), n_valid)
-        indices, count, best = kernels.community_choice(
-            scores, size, offset, order, cache.start, cache.length, kept - n_forced, k_max, h_kv, self.sinks,
+        indices, count, best, roomiest = kernels.community_choice(
+            scores, size, room, offset, order, cache.start, cache.length, kept - n_forced, k_max, h_kv, self.sinks,
             self.window, recent.shape[-1], cache.capacity, workspace=state.workspace)
+        layer.roomiest.copy_(roomiest)  # for the next append (see the module docstring)
         # The next token's candidate communities: this query's best, per unit, ties to the lower id;
         # fewer than `candidates` repeat, cyclically, as at the layout (static: the tables' width is
         # fixed at prefill).

@@ -39,48 +39,50 @@ class CommunityChoiceConfig(LaunchConfig):
         powers_of_two(self, "chunk", "width", "num_warps")
 
 
-def takes(scores: Tensor, size: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor, free: Tensor,
-          k_max: int, heads: int, *args, **kwargs) -> bool:
+def takes(scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor,
+          free: Tensor, k_max: int, heads: int, *args, **kwargs) -> bool:
     """Whether the kernel takes the call: group mode (one unit per KV head) and ids that fit 31 bits."""
     return size.shape[1] == heads and size.shape[2] < 2**31
 
 
 @torch.library.custom_op("policyzoo::community_choice", mutates_args=())
 def _community_choice_op(
-    scores: Tensor, size: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor, free: Tensor,
-    k_max: int, sinks: int, window: int, top: int, histograms: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor,
+    free: Tensor, k_max: int, sinks: int, window: int, top: int, histograms: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # ``histograms`` is written and left zero: to torch the op does not mutate it.
     need_triton()
     check_device(scores)
     b, heads, m = size.shape
-    if scores.shape != size.shape or offset.shape != size.shape or order.shape[:2] != (b, heads):
-        raise ValueError(f"expected scores, size, offset [B, H_kv, C] and order [B, H_kv, W], got {tuple(scores.shape)}, "
-                         f"{tuple(size.shape)}, {tuple(offset.shape)} and {tuple(order.shape)}")
+    if any(t.shape != size.shape for t in (scores, room, offset)) or order.shape[:2] != (b, heads):
+        raise ValueError(f"expected scores, size, room, offset [B, H_kv, C] and order [B, H_kv, W], got "
+                         f"{tuple(scores.shape)}, {tuple(size.shape)}, {tuple(room.shape)}, {tuple(offset.shape)} and "
+                         f"{tuple(order.shape)}")
     hist = zeroed(histograms, b * heads * kernel.HIST, scores.device)
-    return kernel.community_choice(scores, size, offset, order, start, length, free, k_max, sinks, window, top, hist,
-                                   current(CommunityChoiceConfig))
+    return kernel.community_choice(scores, size, room, offset, order, start, length, free, k_max, sinks, window, top,
+                                   hist, current(CommunityChoiceConfig))
 
 
 @_community_choice_op.register_fake
-def _(scores, size, offset, order, start, length, free, k_max, sinks, window, top, histograms=None):
+def _(scores, size, room, offset, order, start, length, free, k_max, sinks, window, top, histograms=None):
     b, heads, m = size.shape
     return (scores.new_empty(b, heads, k_max, dtype=torch.int32), scores.new_empty(b, heads, dtype=torch.int32),
-            scores.new_empty(b, heads, min(top, m), dtype=torch.int64))
+            scores.new_empty(b, heads, min(top, m), dtype=torch.int64), scores.new_empty(b, heads, 1, dtype=torch.int64))
 
 
 @routed(reference.community_choice, takes=takes)
 def community_choice(
-    scores: Tensor, size: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor, free: Tensor,
-    k_max: int, heads: int, sinks: int, window: int, top: int, capacity: int, *, workspace: Workspace | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor,
+    free: Tensor, k_max: int, heads: int, sinks: int, window: int, top: int, capacity: int, *,
+    workspace: Workspace | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The tokens of each KV head's best-scored communities, ``free[b]`` of them, then the forced ones
-    → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, U, min(top, C)])``; see
-    `reference.community_choice` (the kept slots' order is not part of it). ``workspace``: the
-    zeroed histograms (`Workspace`)."""
+    → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, U, min(top, C)],
+    roomiest int64[B, U, 1])``; see `reference.community_choice` (the kept slots' order is not part
+    of it). ``workspace``: the zeroed histograms (`Workspace`)."""
     return torch.ops.policyzoo.community_choice(
-        scores, size, offset, order, start, length, free, int(k_max), min(int(sinks), capacity), min(int(window), capacity),
-        int(top), buffer(workspace, "select_histograms"))
+        scores, size, room, offset, order, start, length, free, int(k_max), min(int(sinks), capacity),
+        min(int(window), capacity), int(top), buffer(workspace, "select_histograms"))
 
 
 __all__ = ["CommunityChoiceConfig", "community_choice", "takes"]

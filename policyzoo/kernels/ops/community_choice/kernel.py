@@ -12,13 +12,13 @@ their tokens)``, find it and write the slots:
    `select_pages` orders bf16 bits) and its *weight*, the slots of its range free to take (visible,
    not forced: the budget counts those), read from the layout; a weighted histogram of the keys' high
    bytes per row (bit planes of the weights, one `tl.histogram` each); the chunk's best ``top``
-   communities for the next token's candidates.
+   communities for the next token's candidates, and its community with the most room left.
 2. `_low_kernel`: the high byte holding the budget's last token, and the weighted histogram of the
    low bytes within it, added to the row's and kept per chunk with the chunk's weight above that
-   byte. The first program of a row merges the chunks' candidates; the last to arrive (an arrival
-   counter) finds the exact threshold key ``t`` and the tokens wanted at it, turns the chunks'
-   histograms into each chunk's weight above ``t`` and at ``t`` before it (prefix sums over the
-   chunks), and zeroes the row's histograms and counter.
+   byte. The first program of a row merges the chunks' candidates and roomiest communities; the
+   last to arrive (an arrival counter) finds the exact threshold key ``t`` and the tokens wanted at
+   it, turns the chunks' histograms into each chunk's weight above ``t`` and at ``t`` before it
+   (prefix sums over the chunks), and zeroes the row's histograms and counter.
 3. `_emit_kernel`: each community's tokens taken (all above ``t``; at ``t``, by id, what the earlier
    ones leave) and its first output entry (a prefix sum over ids), then its range's free slots; the
    first program of a row writes the forced slots.
@@ -92,13 +92,18 @@ def _chunk(chunk, row, m, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _weigh_kernel(s_ptr, size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr,
-                  m, order_stride, sinks, window, heads, top,
+def _weigh_kernel(s_ptr, size_ptr, room_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w_ptr, hist_ptr,
+                  cand_ptr, roomy_ptr, m, order_stride, sinks, window, heads, top,
                   CHUNK: tl.constexpr, WIDTH: tl.constexpr):
     chunk, row = tl.program_id(0), tl.program_id(1)
     ids, valid, base = _chunk(chunk, row, m, CHUNK)
     score = tl.load(s_ptr + base + ids, mask=valid, other=0.0)
-    sz = tl.load(size_ptr + base + ids, mask=valid, other=0).to(tl.int32)
+    size = tl.load(size_ptr + base + ids, mask=valid, other=0)
+    sz = size.to(tl.int32)
+    # The chunk's community with the most room left (ties: the lower id), for the row's merge.
+    slack = tl.load(room_ptr + base + ids, mask=valid, other=0) - size
+    tl.store(roomy_ptr + row * tl.num_programs(0) + chunk,
+             tl.max(tl.where(valid, (slack << 32) | (0x7FFFFFFF - ids), -1), 0))
     off = tl.load(off_ptr + base + ids, mask=valid, other=0)
     # Padding communities (no tokens) rank at -inf, as in the reference: candidates still, never taken.
     key = _ranking_keys(tl.where(sz == 0, float("-inf"), score), ids < 0, valid)
@@ -126,8 +131,8 @@ def _weigh_kernel(s_ptr, size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, ke
 
 
 @triton.jit
-def _low_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr, best_ptr, sum_ptr, part_ptr, m, heads, top, n_best,
-                CHUNK: tl.constexpr, CAND_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _low_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr, best_ptr, roomy_ptr, roomiest_ptr, sum_ptr, part_ptr,
+                m, heads, top, n_best, CHUNK: tl.constexpr, CAND_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     chunk, row = tl.program_id(0), tl.program_id(1)
     n_chunks = tl.num_programs(0)
     free = tl.load(free_ptr + row // heads).to(tl.int32)
@@ -145,7 +150,10 @@ def _low_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr, best_ptr, sum_ptr,
     tl.store(summary, tl.sum(tl.where((u >> 8) > high, weight, 0), 0))
     tl.store(summary + 1, tl.sum(weight, 0))
     tl.store(summary + 2 + bins, h)
-    if chunk == 0:  # the row's best `n_best` among the chunks' candidates
+    if chunk == 0:  # the row's roomiest community, and its best `n_best` among the chunks' candidates
+        chunks = tl.arange(0, CHUNKS_PAD)
+        roomy = tl.max(tl.load(roomy_ptr + row * n_chunks + chunks, mask=chunks < n_chunks, other=-1), 0)
+        tl.store(roomiest_ptr + row, 0x7FFFFFFF - (roomy & 0x7FFFFFFF))
         n = n_chunks * top
         offs = tl.arange(0, CAND_PAD)
         cand = tl.load(cand_ptr + row * n + offs, mask=offs < n, other=-1)
@@ -243,10 +251,12 @@ def _emit_kernel(size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w
         tl.store(idx_row + p, tl.zeros((CHUNK,), tl.int32), mask=(p >= count) & (p < k_max))
 
 
-def community_choice(scores: Tensor, size: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor,
-                     free: Tensor, k_max: int, sinks: int, window: int, top: int, hist: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
-    """Group mode (one unit per KV head): ``scores, size, offset [B, H_kv, C]``, ``order [B, H_kv, W]``
-    → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, H_kv, min(top, C)])``
+def community_choice(scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor,
+                     length: Tensor, free: Tensor, k_max: int, sinks: int, window: int, top: int, hist: Tensor,
+                     cfg) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group mode (one unit per KV head): ``scores, size, room, offset [B, H_kv, C]``, ``order [B, H_kv, W]``
+    → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, H_kv, min(top, C)], roomiest
+    int64[B, H_kv, 1])``
     (`reference.community_choice`); ``sinks`` and ``window`` already capped at the capacity; ``hist``
     the zeroed ``[B·H_kv·HIST]`` workspace (zero again afterwards); ``cfg`` the `CommunityChoiceConfig`."""
     b, heads, m = size.shape
@@ -255,25 +265,27 @@ def community_choice(scores: Tensor, size: Tensor, offset: Tensor, order: Tensor
     idx = _alloc(b, heads, k_max, dtype=torch.int32, device=device)
     count = _alloc(b, heads, dtype=torch.int32, device=device)
     best = _alloc(b, heads, n_best, dtype=torch.int64, device=device)
+    roomiest = _alloc(b, heads, 1, dtype=torch.int64, device=device)
     if rows == 0:
-        return idx, count, best
+        return idx, count, best, roomiest
     chunk = cfg.chunk
     chunks = triton.cdiv(m, chunk)
-    scores, size, offset, order = (t.contiguous() for t in (scores.float(), size, offset, order))
+    scores, size, room, offset, order = (t.contiguous() for t in (scores.float(), size, room, offset, order))
     keys = _alloc(rows * m, dtype=torch.int32, device=device)
     weights = _alloc(rows * m, dtype=torch.int32, device=device)
     cand = _alloc(rows * chunks * top, dtype=torch.int64, device=device)
+    roomy = _alloc(rows * chunks, dtype=torch.int64, device=device)
     sums = _alloc(rows * chunks * SUMMARY, dtype=torch.int32, device=device)
     part = _alloc(rows * chunks * 2 + rows * 3, dtype=torch.int32, device=device)
     start, length, free = start.contiguous(), length.reshape(1), free.contiguous()
     grid = (chunks, rows)
     meta = dict(CHUNK=chunk, num_warps=cfg.num_warps)
-    _weigh_kernel[grid](scores, size, offset, order, start, length, keys, weights, hist, cand,
+    _weigh_kernel[grid](scores, size, room, offset, order, start, length, keys, weights, hist, cand, roomy,
                         m, order.stride(1), sinks, window, heads, top, WIDTH=cfg.width, **meta)
-    _low_kernel[grid](free, keys, weights, hist, cand, best, sums, part, m, heads, top, n_best,
+    _low_kernel[grid](free, keys, weights, hist, cand, best, roomy, roomiest, sums, part, m, heads, top, n_best,
                       CAND_PAD=max(16, triton.next_power_of_2(chunks * top)),
                       CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)), **meta)
     _emit_kernel[grid](size, offset, order, start, length, keys, weights, part, idx, count,
                        m, order.stride(1), sinks, window, heads, k_max, WIDTH=cfg.width,
                        FORCED_PAD=max(16, triton.next_power_of_2(sinks + window)), **meta)
-    return idx, count, best
+    return idx, count, best, roomiest

@@ -21,11 +21,12 @@ def forced_slots(start: Tensor, length: Tensor, sinks: int, window: int, capacit
 
 
 def community_choice(
-    scores: Tensor, size: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor, free: Tensor,
-    k_max: int, heads: int, sinks: int, window: int, top: int, capacity: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+    scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor,
+    free: Tensor, k_max: int, heads: int, sinks: int, window: int, top: int, capacity: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The tokens of the best-scored communities, ``free[b]`` of them per KV head, then the forced ones
-    → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, U, min(top, C)])``.
+    → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, U, min(top, C)],
+    roomiest int64[B, U, 1])``.
 
     Per row ``b`` and unit ``u`` (``U = heads · per_kv`` units; the ``per_kv`` units of KV head ``h``
     are ``h · per_kv ...``), community ``c`` holds the slots ``order[b, u, offset : offset + size]``
@@ -45,6 +46,8 @@ def community_choice(
     visible (a rewound cache's).
 
     ``best``: each unit's first ``min(top, C)`` communities by score, ties to the lower id.
+    ``roomiest``: each unit's community with the most room left, ``room - size`` (``room``: the slots
+    of its range), ties to the lower id.
     """
     b, units, c = size.shape
     h_kv = heads
@@ -104,4 +107,5 @@ def community_choice(
     indices = torch.zeros(b, h_kv, k_max + 1, dtype=torch.int32, device=device)
     indices.scatter_(2, at, torch.cat([slots, forced], -1).int())
     count = (n_taken + f_ok.sum(-1)[:, None]).int()
-    return indices[..., :k_max], count, ranked_ids[..., : min(top, c)]
+    roomiest = (room - size).argmax(-1, keepdim=True)
+    return indices[..., :k_max], count, ranked_ids[..., : min(top, c)], roomiest
