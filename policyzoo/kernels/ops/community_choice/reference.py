@@ -34,9 +34,9 @@ def community_choice(
     Per row ``b`` and unit ``u`` (``U = heads · per_kv`` units; the ``per_kv`` units of KV head ``h``
     are ``h · per_kv ...``), community ``c`` holds the slots ``order[b, u, offset : offset + size]``
     (``size`` 0: padding) and scores ``scale · q · centroids[b, u, c]`` in float32, the best over the
-    unit's ``H / U`` query heads of ``q [B, H, D]`` (`gathered_logits` with ``agg="max"``). A slot is
-    *free to take* when it holds a visible token (``start[b] <= slot < length``) that is not forced (a
-    sink, ``slot < start + sinks``, or in the window, ``slot >= length - window``).
+    unit's ``H / U`` query heads of ``q [B, H, D]`` (`gathered_logits` with ``agg="max"``). A slot is *free to take* when it
+    holds a visible token (``start[b] <= slot < length``) that is not forced (a sink, ``slot < start
+    + sinks``, or in the window, ``slot >= length - window``).
 
     A KV head's communities (those of its units) are ranked by score rounded to bf16
     (`round_for_ranking`), ties to the lower ``u · C + c``; their ranges, concatenated in that order,
