@@ -251,7 +251,7 @@ SELECT_GRID = [dict(block_p=p, num_warps=w) for p in (32, 64, 128, 256) for w in
     dict(group=g) for g in (16, 64)] + [dict(finish_min_row=0), dict(finish_min_row=NEVER)] + [
     dict(finish_warps=w) for w in (8, 32)]
 COMMUNITY_GRID = [dict(chunk=c, num_warps=w) for c in (128, 256, 512, 1024, 2048) for w in (2, 4, 8)
-                  if (c, w) != (512, 4)] + [dict(width=w) for w in (2, 8)] + [dict(block_d=d) for d in (16, 64, 128)]
+                  if (c, w) != (512, 4)] + [dict(width=w) for w in (2, 8)]
 ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
                   for t in (32, 64) for w in (4, 8) for s in (2, 3)
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
