@@ -72,13 +72,11 @@ def layouts(draw):
             # Room left: up to the spare slots, fewer where appends took some (ties for the roomiest).
             left = torch.randint(0, spare + 1, (c,), generator=gen)
             size[r, h], offset[r, h], room[r, h] = sizes, offs, torch.where(sizes > 0, sizes + left, 0)
-    # The scores, scale·q·centroid at the group's best: halves of small integers, so that every dot is
-    # exact in fp32 and bf16 alike (ties among them); head dims under 16 take the kernel's loop.
-    d, g = draw(st.sampled_from([8, 16, 48])), draw(st.integers(1, 3))
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    levels = draw(st.sampled_from([1, 3]))
-    q = (torch.randint(-levels, levels + 1, (b, heads * g, d), generator=gen) / 2).to(dtype)
-    centroids = (torch.randint(-levels, levels + 1, (b, heads, c, d), generator=gen) / 2).to(dtype)
+    levels = draw(st.sampled_from([3, 20, 1000]))
+    scores = torch.randint(-levels, levels + 1, (b, heads, c), generator=gen).float() / 4
+    if draw(st.booleans()):
+        scores = torch.where(torch.rand(b, heads, c, generator=gen) < 0.1, torch.inf, scores)
+        scores = torch.where(torch.rand(b, heads, c, generator=gen) < 0.1, -torch.inf, scores)
     sinks, window = draw(st.integers(0, 5)), draw(st.integers(1, 6))
     start = torch.tensor(starts)
     n_valid = length - start
@@ -86,7 +84,7 @@ def layouts(draw):
     k_max = draw(st.integers(capacity if stale else min(sinks + window, capacity), capacity + 4))
     free = torch.minimum(torch.randint(0, capacity + 1, (b,), generator=gen), k_max - n_forced).clamp(min=0)
     top = draw(st.integers(1, 10))
-    return dict(q=q, centroids=centroids, scale=0.5, size=size, room=room, offset=offset, order=order, start=start, length=torch.tensor(length),
+    return dict(scores=scores, size=size, room=room, offset=offset, order=order, start=start, length=torch.tensor(length),
                 free=free, k_max=k_max, heads=heads, sinks=sinks, window=window, top=top, capacity=capacity)
 
 
@@ -120,23 +118,22 @@ def test_community_choice_without_a_workspace_and_in_head_mode():
     """Without a workspace the op zeroes its own histograms; head mode (units of several query heads
     per KV head) goes to the reference."""
     gen = torch.Generator().manual_seed(0)
-    b, heads, c, length, d = 1, 2, 5, 20, 16
+    b, heads, c, length = 1, 2, 5, 20
     order = torch.arange(length, dtype=torch.int32).repeat(b, heads * 2, 2)[..., : length + 1].contiguous()
     size = torch.tensor([4, 4, 4, 4, 4]).repeat(b, heads * 2, 1)
     room = torch.tensor([4, 5, 4, 6, 6]).repeat(b, heads * 2, 1)
     offset = torch.tensor([0, 4, 8, 12, 16]).repeat(b, heads * 2, 1)
-    q = torch.randn(b, heads * 2, d, generator=gen)
-    centroids = torch.randn(b, heads * 2, c, d, generator=gen)
+    scores = torch.randn(b, heads * 2, c, generator=gen)
     args = dict(start=torch.tensor([0]), length=torch.tensor(length), free=torch.tensor([6]), k_max=12, heads=heads,
                 sinks=1, window=2, top=3, capacity=length)
-    on = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    head_mode = kernels.community_choice(q.to(DEVICE), centroids.to(DEVICE), 0.25, size.to(DEVICE), room.to(DEVICE),
-                                         offset.to(DEVICE), order.to(DEVICE), **on)
-    want = ref.community_choice(q, centroids, 0.25, size, room, offset, order, **args)
+    head_mode = kernels.community_choice(scores.to(DEVICE), size.to(DEVICE), room.to(DEVICE), offset.to(DEVICE),
+                                         order.to(DEVICE),
+                                         **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
+    want = ref.community_choice(scores, size, room, offset, order, **args)
     assert all(torch.equal(x.cpu(), y) for x, y in zip(head_mode, want))
     assert want[3].flatten().tolist() == [3] * heads * 2  # the most room left, the lower id of a tie
-    group = dict(q=q, centroids=centroids[:, :heads], scale=0.25, size=size[:, :heads], room=room[:, :heads],
-                 offset=offset[:, :heads], order=order[:, :heads].contiguous(), **args)
+    group = dict(scores=scores[:, :heads], size=size[:, :heads], room=room[:, :heads], offset=offset[:, :heads],
+                 order=order[:, :heads].contiguous(), **args)
     dev = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in group.items()}
     idx, count, best, roomiest = kernels.community_choice.triton(**dev)
     want_idx, want_count, want_best, want_roomiest = ref.community_choice(**group)
@@ -156,9 +153,9 @@ def test_community_choice_op_schema_and_fake():
     size = torch.tensor([4, 0, 5, 3, 2, 4]).repeat(b, heads, 1)
     room = torch.tensor([4, 0, 5, 3, 2, 6]).repeat(b, heads, 1)
     offset = torch.tensor([0, 4, 4, 9, 12, 14]).repeat(b, heads, 1)
-    args = [torch.randn(b, heads * 4, 16, generator=gen), torch.randn(b, heads, c, 16, generator=gen), 0.25, size, room,
-            offset, order, torch.tensor([0, 3]), torch.tensor(length), torch.tensor([5, 7])]
-    args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args] + [12, 1, 2, 4]
+    args = [torch.randn(b, heads, c, generator=gen), size, room, offset, order, torch.tensor([0, 3]), torch.tensor(length),
+            torch.tensor([5, 7])]
+    args = [a.to(DEVICE) for a in args] + [12, 1, 2, 4]
     checks = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.policyzoo.community_choice.default, tuple(args), test_utils=checks)
     torch.library.opcheck(torch.ops.policyzoo.community_choice.default, (*args, WORKSPACE.select_histograms),

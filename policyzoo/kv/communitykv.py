@@ -35,11 +35,10 @@ key), the largest over the group's query heads in group mode, its own head's in 
 KV head's candidates are the communities of all its query heads). The sinks and the window are kept,
 then whole communities in score order fill the budget; the last one that does not fit is cut after
 its most central tokens. A token reached through several communities (head mode) counts once. The
-communities are scored and chosen by `kernels.community_choice`: on CUDA in group mode its first
-launch scores the centroids as keys (as `kernels.gathered_logits` scores candidates), and the
-launches find a weighted threshold of their 16-bit score keys (each community weighing the slots of
-its range free to take), no sort; its reference (CPU, head mode) scores them with
-`gathered_logits`, sorts them and turns the ranked ranges into slots by prefix sums. Either
+communities are scored by the candidates' logit kernel (`kernels.gathered_logits`, the centroids as
+keys) and chosen by `kernels.community_choice`: on CUDA in group mode a weighted threshold of their
+16-bit score keys (each community weighing the slots of its range free to take), no sort; its
+reference (CPU, head mode) sorts them and turns the ranked ranges into slots by prefix sums. Either
 way the step reads ``O(communities + budget)`` entries, never the whole context. The kept slots come
 first (by community id from the kernel, in rank order from the reference), then the sinks and the
 window.
@@ -369,8 +368,13 @@ class CommunityKV(KVSelector):
         cache = state.cache
         order, offset, size, room = layer.order, layer.offset, layer.size, layer.room
         centroid, recent = layer.centroid_key, layer.recent
+        b = q.shape[0]
         h_kv = state.keys.shape[1]
-        c = size.shape[2]
+        units, c = size.shape[1], size.shape[2]
+        # Each unit's communities scored as keys: the group's best (group mode; one head per unit in
+        # head mode) of scale·q·centroid, by the candidates' logit kernel (read once per group).
+        ids = torch.arange(c, device=q.device, dtype=torch.int32).expand(b, units, c)
+        scores = kernels.gathered_logits(q.to(centroid.dtype), centroid, ids, state.scale, agg="max")  # [B, U, C]
 
         # The budget: the forced tokens, then `free` more from the communities.
         k_max = max(self._budget.k_max(cache.capacity), min(self.sinks + self.window, cache.capacity))
@@ -378,12 +382,9 @@ class CommunityKV(KVSelector):
         # The sinks of a row, then its window past them: each visible forced token once.
         n_forced = torch.clamp(n_valid, max=min(self.sinks, cache.capacity) + min(self.window, cache.capacity))
         kept = torch.minimum(torch.maximum(self._budget.count(n_valid), n_forced).clamp(max=k_max), n_valid)
-        # Each unit's communities scored as keys, scale·q·centroid, the group's best (group mode; one
-        # head per unit in head mode), then chosen.
         indices, count, best, roomiest = kernels.community_choice(
-            q.to(centroid.dtype), centroid, state.scale, size, room, offset, order, cache.start, cache.length,
-            kept - n_forced, k_max, h_kv, self.sinks, self.window, recent.shape[-1], cache.capacity,
-            workspace=state.workspace)
+            scores, size, room, offset, order, cache.start, cache.length, kept - n_forced, k_max, h_kv, self.sinks,
+            self.window, recent.shape[-1], cache.capacity, workspace=state.workspace)
         layer.roomiest.copy_(roomiest)  # for the next append (see the module docstring)
         # The next token's candidate communities: this query's best, per unit, ties to the lower id;
         # fewer than `candidates` repeat, cyclically, as at the layout (static: the tables' width is

@@ -8,9 +8,7 @@ communities above it are taken whole, and those at it by id until the budget is 
 launches over chunks of ``CHUNK`` communities a program, each of them reading ``O(communities +
 their tokens)``, find it and write the slots:
 
-1. `_weigh_kernel`: each community's score, ``scale · q · centroid`` (the best of the unit's query
-   heads, by tl.dot over slices of the head dim, as `kernels.gathered_logits` scores keys: each
-   centroid read once for the group), its 16-bit ranking key (the score rounded to bf16, as
+1. `_weigh_kernel`: each community's 16-bit ranking key (its score rounded to bf16, as
    `select_pages` orders bf16 bits) and its *weight*, the slots of its range free to take (visible,
    not forced: the budget counts those), read from the layout; a weighted histogram of the keys' high
    bytes per row (bit planes of the weights, one `tl.histogram` each); the chunk's best ``top``
@@ -36,7 +34,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ... import route
 from ..select_pages.kernel import _ranking_keys
 from ..select_top.kernel import _histogram, _top_bin
 
@@ -88,41 +85,6 @@ def _weighted_histogram(bins, weight, counted, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _scores(q_ptr, c_ptr, row, heads, ids, valid, scale, s_qb, s_qh, s_cb, s_cu, s_cc,
-            G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-            DOT: tl.constexpr, IEEE: tl.constexpr, CHUNK: tl.constexpr):
-    """``scale · q · centroid`` of the chunk's communities, the best over the unit's G query heads:
-    tl.dot of the heads (padded to G_PAD rows) with the centroids, ``BLOCK_D`` channels at a time
-    into one accumulator, or a loop over the heads for head dims under 16 (``DOT`` off)."""
-    b, unit = row // heads, row % heads
-    offs_g = tl.arange(0, G_PAD)
-    g_mask = offs_g < G
-    q_group = q_ptr + b * s_qb + unit * G * s_qh
-    c_rows = c_ptr + b * s_cb + unit * s_cu + ids.to(tl.int64) * s_cc
-    if DOT:
-        acc = tl.zeros([G_PAD, CHUNK], tl.float32)
-        for d0 in tl.static_range(0, D_PAD, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d < D
-            q = tl.load(q_group + offs_g[:, None] * s_qh + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :],
-                        other=0.0)
-            k = tl.load(c_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
-            if IEEE:  # fp32 somewhere: full-precision dots
-                acc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), acc, input_precision="ieee")
-            else:  # q and the centroids share a 16-bit dtype: its products are exact in the fp32 accumulator
-                acc = tl.dot(q.to(k.dtype), tl.trans(k), acc)
-        return tl.max(tl.where(g_mask[:, None], acc * scale, -float("inf")), 0)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < D
-    k = tl.load(c_rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    best = tl.full([CHUNK], -float("inf"), tl.float32)
-    for g in tl.static_range(G):
-        q = tl.load(q_group + g * s_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.sum(k * q[None, :], 1) * scale)
-    return best
-
-
-@triton.jit
 def _chunk(chunk, row, m, CHUNK: tl.constexpr):
     """The program's community ids, which of them exist, and the row's first entry."""
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -130,15 +92,12 @@ def _chunk(chunk, row, m, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _weigh_kernel(q_ptr, c_ptr, size_ptr, room_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w_ptr, hist_ptr,
-                  cand_ptr, roomy_ptr, m, order_stride, sinks, window, heads, top, scale,
-                  s_qb, s_qh, s_cb, s_cu, s_cc,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                  DOT: tl.constexpr, IEEE: tl.constexpr, CHUNK: tl.constexpr, WIDTH: tl.constexpr):
+def _weigh_kernel(s_ptr, size_ptr, room_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w_ptr, hist_ptr,
+                  cand_ptr, roomy_ptr, m, order_stride, sinks, window, heads, top,
+                  CHUNK: tl.constexpr, WIDTH: tl.constexpr):
     chunk, row = tl.program_id(0), tl.program_id(1)
     ids, valid, base = _chunk(chunk, row, m, CHUNK)
-    score = _scores(q_ptr, c_ptr, row, heads, ids, valid, scale, s_qb, s_qh, s_cb, s_cu, s_cc,
-                    G, G_PAD, D, D_PAD, BLOCK_D, DOT, IEEE, CHUNK)
+    score = tl.load(s_ptr + base + ids, mask=valid, other=0.0)
     size = tl.load(size_ptr + base + ids, mask=valid, other=0)
     sz = size.to(tl.int32)
     # The chunk's community with the most room left (ties: the lower id), for the row's merge.
@@ -292,17 +251,16 @@ def _emit_kernel(size_ptr, off_ptr, order_ptr, start_ptr, length_ptr, key_ptr, w
         tl.store(idx_row + p, tl.zeros((CHUNK,), tl.int32), mask=(p >= count) & (p < k_max))
 
 
-def community_choice(q: Tensor, centroids: Tensor, scale: float, size: Tensor, room: Tensor, offset: Tensor,
-                     order: Tensor, start: Tensor, length: Tensor, free: Tensor, k_max: int, sinks: int, window: int,
-                     top: int, hist: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Group mode (one unit per KV head): ``q [B, H, D]``, ``centroids [B, H_kv, C, D]``, ``size, room,
-    offset [B, H_kv, C]``, ``order [B, H_kv, W]``
+def community_choice(scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor,
+                     length: Tensor, free: Tensor, k_max: int, sinks: int, window: int, top: int, hist: Tensor,
+                     cfg) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group mode (one unit per KV head): ``scores, size, room, offset [B, H_kv, C]``, ``order [B, H_kv, W]``
     → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, H_kv, min(top, C)], roomiest
     int64[B, H_kv, 1])``
     (`reference.community_choice`); ``sinks`` and ``window`` already capped at the capacity; ``hist``
     the zeroed ``[B·H_kv·HIST]`` workspace (zero again afterwards); ``cfg`` the `CommunityChoiceConfig`."""
     b, heads, m = size.shape
-    rows, device = b * heads, q.device
+    rows, device = b * heads, scores.device
     n_best = min(top, m)
     idx = _alloc(b, heads, k_max, dtype=torch.int32, device=device)
     count = _alloc(b, heads, dtype=torch.int32, device=device)
@@ -312,14 +270,7 @@ def community_choice(q: Tensor, centroids: Tensor, scale: float, size: Tensor, r
         return idx, count, best, roomiest
     chunk = cfg.chunk
     chunks = triton.cdiv(m, chunk)
-    size, room, offset, order = (t.contiguous() for t in (size, room, offset, order))
-    q, centroids = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, centroids))
-    g, d = q.shape[1] // heads, q.shape[-1]
-    d_pad = triton.next_power_of_2(d)
-    scoring = dict(G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, D_PAD=d_pad, BLOCK_D=min(cfg.block_d, d_pad),
-                   DOT=d_pad >= 16,
-                   # fp32 dots where a dtype is fp32 or they differ, and under the interpreter (`route.INTERPRET`).
-                   IEEE=route.INTERPRET or q.dtype != centroids.dtype or centroids.dtype == torch.float32)
+    scores, size, room, offset, order = (t.contiguous() for t in (scores.float(), size, room, offset, order))
     keys = _alloc(rows * m, dtype=torch.int32, device=device)
     weights = _alloc(rows * m, dtype=torch.int32, device=device)
     cand = _alloc(rows * chunks * top, dtype=torch.int64, device=device)
@@ -329,10 +280,8 @@ def community_choice(q: Tensor, centroids: Tensor, scale: float, size: Tensor, r
     start, length, free = start.contiguous(), length.reshape(1), free.contiguous()
     grid = (chunks, rows)
     meta = dict(CHUNK=chunk, num_warps=cfg.num_warps)
-    _weigh_kernel[grid](q, centroids, size, room, offset, order, start, length, keys, weights, hist, cand, roomy,
-                        m, order.stride(1), sinks, window, heads, top, float(scale),
-                        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), centroids.stride(2),
-                        WIDTH=cfg.width, **scoring, **meta)
+    _weigh_kernel[grid](scores, size, room, offset, order, start, length, keys, weights, hist, cand, roomy,
+                        m, order.stride(1), sinks, window, heads, top, WIDTH=cfg.width, **meta)
     _low_kernel[grid](free, keys, weights, hist, cand, best, roomy, roomiest, sums, part, m, heads, top, n_best,
                       CAND_PAD=max(16, triton.next_power_of_2(chunks * top)),
                       CHUNKS_PAD=max(16, triton.next_power_of_2(chunks)), **meta)

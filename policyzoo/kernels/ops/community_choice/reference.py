@@ -1,13 +1,11 @@
-"""`community_choice`'s specification, in plain torch: the communities' scores (their centroids'
-logits), a sort of every community by score, and its ranges turned into token slots by prefix sums
-(static shapes, no host sync)."""
+"""`community_choice`'s specification, in plain torch: a sort of every community by score, and its
+ranges turned into token slots by prefix sums (static shapes, no host sync)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ..gathered_logits.reference import gathered_logits
 from ..select_pages.reference import round_for_ranking
 
 
@@ -23,9 +21,8 @@ def forced_slots(start: Tensor, length: Tensor, sinks: int, window: int, capacit
 
 
 def community_choice(
-    q: Tensor, centroids: Tensor, scale: float, size: Tensor, room: Tensor, offset: Tensor, order: Tensor,
-    start: Tensor, length: Tensor, free: Tensor, k_max: int, heads: int, sinks: int, window: int, top: int,
-    capacity: int,
+    scores: Tensor, size: Tensor, room: Tensor, offset: Tensor, order: Tensor, start: Tensor, length: Tensor,
+    free: Tensor, k_max: int, heads: int, sinks: int, window: int, top: int, capacity: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The tokens of the best-scored communities, ``free[b]`` of them per KV head, then the forced ones
     → ``(indices int32[B, H_kv, k_max], count int32[B, H_kv], best int64[B, U, min(top, C)],
@@ -33,8 +30,7 @@ def community_choice(
 
     Per row ``b`` and unit ``u`` (``U = heads · per_kv`` units; the ``per_kv`` units of KV head ``h``
     are ``h · per_kv ...``), community ``c`` holds the slots ``order[b, u, offset : offset + size]``
-    (``size`` 0: padding) and scores ``scale · q · centroids[b, u, c]`` in float32, the best over the
-    unit's ``H / U`` query heads of ``q [B, H, D]`` (`gathered_logits` with ``agg="max"``). A slot is *free to take* when it
+    (``size`` 0: padding) and scores ``scores[b, u, c]`` (float32). A slot is *free to take* when it
     holds a visible token (``start[b] <= slot < length``) that is not forced (a sink, ``slot < start
     + sinks``, or in the window, ``slot >= length - window``).
 
@@ -54,8 +50,6 @@ def community_choice(
     of its range), ties to the lower id.
     """
     b, units, c = size.shape
-    ids = torch.arange(c, device=size.device).expand(b, units, c)
-    scores = gathered_logits(q, centroids, ids, scale, "max")  # [B, U, C]
     h_kv = heads
     per_kv = units // h_kv
     m = per_kv * c
