@@ -142,7 +142,6 @@ def _low_kernel(free_ptr, key_ptr, w_ptr, hist_ptr, cand_ptr, best_ptr, roomy_pt
     ids, valid, base = _chunk(chunk, row, m, CHUNK)
     key = tl.load(key_ptr + base + ids, mask=valid, other=-32768)
     weight = tl.load(w_ptr + base + ids, mask=valid, other=0)
-    weight = tl.where(valid, weight, 0)
     u = key + 32768
     h = _weighted_histogram(u & 255, weight, valid & (weight > 0) & ((u >> 8) == high), CHUNK)
     tl.atomic_add(hist_row + 256 + bins, h, mask=h != 0, sem="relaxed", scope="gpu")
