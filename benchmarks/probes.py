@@ -454,7 +454,11 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
         fn = lambda: kernels.sketch_page_bound.triton(*args)  # noqa: E731
         base = current(SketchScoreConfig)
         tiles = {f"{m} BLOCK_P={bp} warps={w}": {"sketch_score": replace(base, method=m, block_p=bp, num_warps=w)}
-                 for m in SketchScoreConfig.METHODS for bp in (2, 4, 8) for w in (2, 4, 8)}
+                 for m in SketchScoreConfig.METHODS if m != "rows" for bp in (2, 4, 8) for w in (2, 4, 8)}
+        # "rows" spreads a program's pages over its threads, a few tokens of one page each: wider tiles.
+        tiles |= {f"rows BLOCK_P={bp} warps={w} words={vw}":
+                  {"sketch_score": replace(base, method="rows", block_p=bp, num_warps=w, words=vw)}
+                  for bp in (8, 16, 32) for w in (1, 2, 4) for vw in (1, 2, 4)}
         if small:
             tiles = dict(list(tiles.items())[::9])
         _, chosen = _pick(rows, "variants", "sketch bound 128K bfloat16", fn, check, tiles)

@@ -28,33 +28,38 @@ class SketchScoreConfig(LaunchConfig):
     """Launch parameters of the key-sketch page bound: a program holds ``block_p`` pages of codes."""
 
     keyword = "sketch_score"
-    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys")
+    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys", "rows")
 
     method: str = "sum"
     """``"sum"``: the products summed on CUDA cores; ``"dot"``: a batched tl.dot per page of the codes
     (fp16, exact) with the page's weights ``q·step`` in fp16, their rounding added back (pages of 16
     or more; smaller ones take the sum); ``"keys"``: the sketch's keys decoded in fp16 and one tl.dot
     of the program's tokens with the group's queries in fp16, the roundings' worst case added back
-    (``block_p·page`` of 16 or more; else the sum)."""
+    (``block_p·page`` of 16 or more; else the sum); ``"rows"``: the codes read as 32-bit words, each
+    thread summing whole rows of a few tokens of one page in fp32 (codes of a multiple of 4 bytes a
+    token; else the sum)."""
     block_p: int = 4
     """Pages per program."""
     num_warps: int = 4
     """Warps per program."""
+    words: int = 2
+    """``"rows"``: 32-bit words of a token's codes per step (fewer where they do not divide a row)."""
 
     def __post_init__(self) -> None:
         one_of(self, "method", self.METHODS)
-        powers_of_two(self, "block_p", "num_warps")
+        powers_of_two(self, "block_p", "num_warps", "words")
 
 
-def sketch_score_config(page: int) -> SketchScoreConfig:
-    """The launch parameters of a call on pages of ``page`` tokens: the config in force
-    (`config.current`), its method the sum where tl.dot would get fewer than 16 token rows."""
-    return _choose(current(SketchScoreConfig), page)
+def sketch_score_config(page: int, code_bytes: int) -> SketchScoreConfig:
+    """The launch parameters of a call on pages of ``page`` tokens whose codes take ``code_bytes`` a
+    token: the config in force (`config.current`), its method the sum where tl.dot would get fewer
+    than 16 token rows, or where ``"rows"`` would not get whole 32-bit words."""
+    return _choose(current(SketchScoreConfig), page, code_bytes)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: SketchScoreConfig, page: int) -> SketchScoreConfig:
-    rows = {"sum": 16, "dot": page, "keys": page * cfg.block_p}[cfg.method]
+def _choose(cfg: SketchScoreConfig, page: int, code_bytes: int) -> SketchScoreConfig:
+    rows = {"sum": 16, "dot": page, "keys": page * cfg.block_p, "rows": 16 if code_bytes % 4 == 0 else 0}[cfg.method]
     return cfg if rows >= 16 else dataclasses.replace(cfg, method="sum")
 
 
@@ -64,7 +69,7 @@ def _sketch_page_bound_op(
     agg: str = "none", pages: Tensor | None = None,
 ) -> Tensor:
     need_triton()
-    cfg = sketch_score_config(codes.shape[2] // page_min.shape[2])
+    cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1])
     return kernel.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages, cfg)
 
 

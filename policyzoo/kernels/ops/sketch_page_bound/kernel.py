@@ -10,7 +10,9 @@ rounding is added back so the result stays an upper bound (`_code_dot_bound`); o
 sketch's keys ``min + step·c`` decoded in fp16 and one tl.dot of the program's tokens with the
 group's queries (the query is the same for every page, so the dot is as wide as the program's
 tokens), the worst case of both roundings added back per page (`_keys_bound`). "sum" and "dot" are
-bound by their arithmetic, not their bytes.
+bound by their arithmetic, not their bytes; so is ``"rows"`` (`_sketch_rows_kernel`), which spends
+fewer instructions on a code byte: each thread sums whole code rows of a few tokens of one page, so
+the channel sums need no shuffles and the page's weights serve several tokens.
 
 Grid ``(cdiv(entries, block_p), H_kv, B)``: entries are the pages, or with a list of pages the
 listed ones.
@@ -202,6 +204,98 @@ def _sketch_bound_kernel(
                    mn_hi, step_hi, rad_hi, seen, scale, out_row, s_oh, offs_e, e_mask, DH, G, BLOCK_P, AGG)
 
 
+@triton.jit
+def _unit_float(words, K: tl.constexpr):
+    """Nibble ``K`` of each 32-bit word (bits ``4K .. 4K+3``) as the fp32 ``1 + c/16``: the nibble moved
+    to the top of the mantissa (bits 19-22) under the exponent of 1.0. A shift and a bit operation,
+    where an integer-to-float conversion runs at an eighth of the FMA rate."""
+    if 4 * K <= 19:
+        moved = words << (19 - 4 * K)
+    else:
+        moved = words >> (4 * K - 19)
+    return ((moved & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sketch_rows_kernel(
+    q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, list_ptr, out_ptr,
+    s_qb, s_qh,
+    s_wb, s_wh, s_wt,
+    s_mb, s_mh, s_mp,
+    s_xb, s_xh, s_xp,
+    s_lb, s_lh,
+    s_ob, s_oh,
+    n_pages, n_entries, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DH: tl.constexpr,
+    WORDS: tl.constexpr, VW: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr,
+    LISTED: tl.constexpr,
+):
+    """The bound of ``BLOCK_P`` entries, the codes read as 32-bit words, ``VW`` words of a token a step.
+
+    A code byte ``j`` holds channel ``j`` (low nibble) and ``j + DH`` (high nibble), so nibble ``k``
+    of word ``u`` is channel ``4u + k // 2 + (k % 2)·DH``. With ``f = 1 + c/16`` (`_unit_float`) and
+    ``w = q·step``, ``Σ w·c = Σ 16w·f - 16·Σ w``: the loop sums ``16w·f`` per token, and the second
+    term joins the page's own, ``q·min + |q|·radius``, summed once per page on a page-major tile."""
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_e = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    e_mask = offs_e < n_entries
+    if LISTED:
+        offs_p = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_e, mask=e_mask, other=0).to(tl.int32)
+        p_mask = e_mask & (offs_p >= 0) & (offs_p < n_pages)
+    else:
+        offs_p = offs_e
+        p_mask = e_mask
+    start = tl.load(start_ptr + b)
+    length = tl.load(length_ptr)
+    offs_g = tl.arange(0, G_PAD)
+
+    # The page's own term, per page and query head: q·min + |q|·radius - 16·q·step over every channel.
+    offs_d = tl.arange(0, D_PAD)
+    grid_mask = p_mask[:, None] & (offs_d[None, :] < D)
+    mn, step, rad = _sketch_grid(mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp + offs_d[None, :],
+                                 mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp + offs_d[None, :], grid_mask)
+    base = tl.zeros([BLOCK_P, G_PAD], tl.float32)
+    for g in tl.static_range(G):
+        qg = tl.load(q_ptr + b * s_qb + (kv * G + g) * s_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        own = tl.sum(mn * qg[None, :] + rad * tl.abs(qg)[None, :] - 16.0 * step * qg[None, :], 1)  # [BLOCK_P]
+        base = tl.where(offs_g[None, :] == g, own[:, None], base)
+
+    # Tokens x pages x words x heads: a thread holds words of a few tokens of one page.
+    t4 = tl.arange(0, PAGE)[:, None, None, None]
+    p4 = offs_p[None, :, None, None]
+    u4 = tl.arange(0, VW)[None, None, :, None]
+    g4 = offs_g[None, None, None, :]
+    pm4 = p_mask[None, :, None, None]
+    slot4 = p4 * PAGE + t4
+    seen4 = pm4 & (slot4 >= start) & (slot4 < length)
+    word_row = word_ptr + b * s_wb + kv * s_wh + slot4 * s_wt + u4
+    mn_row = mn_ptr + b * s_mb + kv * s_mh + p4 * s_mp
+    mx_row = mx_ptr + b * s_xb + kv * s_xh + p4 * s_xp
+    q_row = q_ptr + b * s_qb + (kv * G + g4) * s_qh
+    g_ok4 = g4 < G
+    acc = tl.zeros([PAGE, BLOCK_P, VW, G_PAD], tl.float32)
+    for w0 in range(0, WORDS, VW):
+        words = tl.load(word_row + w0, mask=seen4, other=0).to(tl.uint32, bitcast=True)
+        for k in tl.static_range(8):
+            ch = 4 * (w0 + u4) + k // 2 + (k % 2) * DH  # [1, 1, VW, 1]
+            ok = ch < D
+            lo = tl.load(mn_row + ch, mask=pm4 & ok, other=0.0).to(tl.float32)
+            hi = tl.load(mx_row + ch, mask=pm4 & ok, other=0.0).to(tl.float32)
+            qk = tl.load(q_row + ch, mask=ok & g_ok4, other=0.0).to(tl.float32)
+            acc += _unit_float(words, k) * (qk * ((hi - lo) * (16.0 / 15.0)))
+    coded = tl.sum(acc, 2)  # [PAGE, BLOCK_P, G_PAD]
+    slot3 = offs_p[None, :, None] * PAGE + tl.arange(0, PAGE)[:, None, None]
+    seen3 = p_mask[None, :, None] & (slot3 >= start) & (slot3 < length)
+    best = tl.max(tl.where(seen3, (coded + base[None, :, :]) * scale, -float("inf")), 0)  # [BLOCK_P, G_PAD]
+    g_ok = offs_g[None, :] < G
+    if AGG == 0:
+        tl.store(out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None], best, mask=e_mask[:, None] & g_ok)
+    else:
+        red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
+        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
+
+
 def sketch_page_bound(
     q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
     agg: str, pages: Tensor | None, cfg,
@@ -233,6 +327,9 @@ def sketch_page_bound(
     g = h // h_kv
     dot, keys = cfg.method == "dot", cfg.method == "keys"
     listed = pages if pages is not None else out  # a placeholder pointer when nothing is listed
+    if cfg.method == "rows" and rows_fit(codes):  # else the sum, which reads bytes
+        _rows(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg)
+        return out
     _sketch_bound_kernel[(triton.cdiv(n_entries, cfg.block_p), h_kv, b)](
         q, codes, page_min, page_max, start, length, listed, out,
         q.stride(0), q.stride(1),
@@ -248,3 +345,34 @@ def sketch_page_bound(
         num_warps=cfg.num_warps,
     )
     return out
+
+
+def _rows(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg) -> None:
+    """Launch `_sketch_rows_kernel` on the codes viewed as 32-bit words (`rows_fit` said they can be)."""
+    b, h, d = q.shape
+    h_kv, dh = page_min.shape[1], codes.shape[-1]
+    words = codes.view(torch.int32)
+    n_words = dh // 4
+    vw = min(cfg.words, n_words & -n_words)  # a power of two dividing the words of a token
+    _sketch_rows_kernel[(triton.cdiv(n_entries, cfg.block_p), h_kv, b)](
+        q, words, page_min, page_max, start, length, listed, out,
+        q.stride(0), q.stride(1),
+        words.stride(0), words.stride(1), words.stride(2),
+        page_min.stride(0), page_min.stride(1), page_min.stride(2),
+        page_max.stride(0), page_max.stride(1), page_max.stride(2),
+        listed.stride(0), listed.stride(1),
+        out.stride(0), out.stride(1),
+        n_pages, n_entries, float(scale),
+        G=h // h_kv, G_PAD=triton.next_power_of_2(h // h_kv), D=d, D_PAD=triton.next_power_of_2(d), DH=dh,
+        WORDS=n_words, VW=vw, PAGE=codes.shape[2] // n_pages, BLOCK_P=cfg.block_p,
+        AGG=0 if agg == "none" else 1, LISTED=pages is not None,
+        num_warps=cfg.num_warps,
+    )
+
+
+def rows_fit(codes: Tensor) -> bool:
+    """Whether the ``"rows"`` method can read ``codes`` as 32-bit words: whole words per token, and
+    every token's row starting on a word."""
+    dh = codes.shape[-1]
+    return (dh % 4 == 0 and codes.stride(-1) == 1 and codes.data_ptr() % 4 == 0
+            and all(st % 4 == 0 for st in codes.stride()[:-1]))
