@@ -558,6 +558,28 @@ def test_sketch_page_bound_listed(seed, d, h_kv, group, pages, listed, page, agg
     assert torch.equal(got.isneginf(), expected.isneginf())
 
 
+@here
+def test_sketch_page_bound_rows_on_codes_off_the_word_grid():
+    """Codes whose rows do not start on a 32-bit word (a view at an odd byte) take the sum, with the
+    reference's result; the rows kernel itself refuses them by name."""
+    g_rand = gen(3)
+    b, h_kv, group, pages, page, d = 1, 2, 4, 3, 16, 64
+    keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32)
+    page_min, page_max = keys.amin(3), keys.amax(3)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3)
+    shifted = torch.zeros(codes.numel() + 1, dtype=torch.uint8, device=codes.device)
+    shifted[1:] = codes.flatten()
+    odd = shifted[1:].view(codes.shape)  # the same codes, one byte off the word grid
+    q = randn(g_rand, b, h_kv * group, d, dtype=torch.float32)
+    start, length = torch.zeros(b, dtype=torch.long, device=DEVICE), torch.tensor(pages * page, device=DEVICE)
+    args = (q, odd, page_min, page_max, start, length, d**-0.5, "max")
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="rows")):
+        got = kernels.sketch_page_bound.triton(*args)
+    assert_close(got, ref.sketch_page_bound(*args), torch.float32, scale=got.abs().max().item() + 1)
+    with pytest.raises(ValueError, match="rows method reads the codes as 32-bit words"):
+        sketch_kernel.sketch_page_bound(*args, None, SketchScoreConfig(method="rows"))
+
+
 def test_sketch_page_bound_listed_shape_error():
     q = torch.zeros(1, 2, 8)
     codes = torch.zeros(1, 1, 16, 4, dtype=torch.uint8)

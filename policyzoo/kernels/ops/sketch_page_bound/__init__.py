@@ -84,6 +84,8 @@ def _sketch_page_bound_op(
 ) -> Tensor:
     need_triton()
     cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1])
+    if cfg.method == "rows" and not kernel.rows_fit(codes):  # a view whose rows do not start on a word
+        cfg = dataclasses.replace(cfg, method="sum", block_p=SUM_BLOCK_P, num_warps=SUM_WARPS)
     return kernel.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages, cfg)
 
 

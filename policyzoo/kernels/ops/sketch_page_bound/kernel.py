@@ -327,7 +327,9 @@ def sketch_page_bound(
     g = h // h_kv
     dot, keys = cfg.method == "dot", cfg.method == "keys"
     listed = pages if pages is not None else out  # a placeholder pointer when nothing is listed
-    if cfg.method == "rows" and rows_fit(codes):  # else the sum, which reads bytes
+    if cfg.method == "rows":
+        if not rows_fit(codes):
+            raise ValueError("the rows method reads the codes as 32-bit words: rows of whole, aligned words needed")
         _rows(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg)
         return out
     _sketch_bound_kernel[(triton.cdiv(n_entries, cfg.block_p), h_kv, b)](
