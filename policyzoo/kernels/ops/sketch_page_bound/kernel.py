@@ -62,6 +62,34 @@ def _group_queries(q_ptr, b, kv, s_qb, s_qh, offs_j, lo_ch, hi_ch, DH: tl.conste
 
 
 @triton.jit
+def _entries(list_ptr, b, kv, s_lb, s_lh, n_pages, n_entries, BLOCK_P: tl.constexpr, LISTED: tl.constexpr):
+    """This program's output entries and the pages they score: with LISTED, entry ``e`` scores page
+    ``list[b, kv, e]`` (masked outside ``[0, n_pages)``), else page ``e``."""
+    offs_e = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    e_mask = offs_e < n_entries
+    if LISTED:
+        offs_p = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_e, mask=e_mask, other=0).to(tl.int32)
+        p_mask = e_mask & (offs_p >= 0) & (offs_p < n_pages)
+    else:
+        offs_p = offs_e
+        p_mask = e_mask
+    return offs_e, e_mask, offs_p, p_mask
+
+
+@triton.jit
+def _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G: tl.constexpr, G_PAD: tl.constexpr,
+                AGG: tl.constexpr):
+    """Store ``best [BLOCK_P, G_PAD]``: each query head's row, or (AGG) the group's max."""
+    offs_g = tl.arange(0, G_PAD)
+    g_ok = offs_g[None, :] < G
+    if AGG == 0:
+        tl.store(out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None], best, mask=e_mask[:, None] & g_ok)
+    else:
+        red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
+        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
+
+
+@triton.jit
 def _keys_bound(c, q_lo, q_hi, mn_lo, step_lo, rad_lo, mn_hi, step_hi, rad_hi, seen, scale,
                 BLOCK_P: tl.constexpr, PAGE: tl.constexpr, DH_PAD: tl.constexpr, G_PAD: tl.constexpr):
     """``[BLOCK_P, G_PAD]`` best bounds: the sketch's keys ``k̂ = low + step·c`` decoded in fp16,
@@ -152,15 +180,7 @@ def _sketch_bound_kernel(
 ):
     kv = tl.program_id(1)
     b = tl.program_id(2)
-    # Output entries of this program; with LISTED, entry e scores page list[b, kv, e], else page e.
-    offs_e = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    e_mask = offs_e < n_entries
-    if LISTED:
-        offs_p = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_e, mask=e_mask, other=0).to(tl.int32)
-        p_mask = e_mask & (offs_p >= 0) & (offs_p < n_pages)
-    else:
-        offs_p = offs_e
-        p_mask = e_mask
+    offs_e, e_mask, offs_p, p_mask = _entries(list_ptr, b, kv, s_lb, s_lh, n_pages, n_entries, BLOCK_P, LISTED)
     offs_t = tl.arange(0, PAGE)
     offs_j = tl.arange(0, DH_PAD)
     lo_ch = offs_j < DH  # channel j: the low nibble
@@ -187,14 +207,7 @@ def _sketch_bound_kernel(
                                BLOCK_P, PAGE, DH_PAD, G_PAD)
         else:
             best = _code_dot_bound(c, q_lo, q_hi, mn_lo, step_lo, rad_lo, mn_hi, step_hi, rad_hi, seen, scale)
-        offs_g = tl.arange(0, G_PAD)
-        g_ok = offs_g[None, :] < G
-        if AGG == 0:
-            out = out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None]
-            tl.store(out, best, mask=e_mask[:, None] & g_ok)
-        else:
-            red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
-            tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
+        _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
     else:
         if AGG == 0:  # the group's first head's row; each head's follows at s_oh
             out_row = out_ptr + b * s_ob + kv * G * s_oh
@@ -238,14 +251,7 @@ def _sketch_rows_kernel(
     term joins the page's own, ``q·min + |q|·radius``, summed once per page on a page-major tile."""
     kv = tl.program_id(1)
     b = tl.program_id(2)
-    offs_e = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    e_mask = offs_e < n_entries
-    if LISTED:
-        offs_p = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_e, mask=e_mask, other=0).to(tl.int32)
-        p_mask = e_mask & (offs_p >= 0) & (offs_p < n_pages)
-    else:
-        offs_p = offs_e
-        p_mask = e_mask
+    offs_e, e_mask, offs_p, p_mask = _entries(list_ptr, b, kv, s_lb, s_lh, n_pages, n_entries, BLOCK_P, LISTED)
     start = tl.load(start_ptr + b)
     length = tl.load(length_ptr)
     offs_g = tl.arange(0, G_PAD)
@@ -288,12 +294,7 @@ def _sketch_rows_kernel(
     slot3 = offs_p[None, :, None] * PAGE + tl.arange(0, PAGE)[:, None, None]
     seen3 = p_mask[None, :, None] & (slot3 >= start) & (slot3 < length)
     best = tl.max(tl.where(seen3, (coded + base[None, :, :]) * scale, -float("inf")), 0)  # [BLOCK_P, G_PAD]
-    g_ok = offs_g[None, :] < G
-    if AGG == 0:
-        tl.store(out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None], best, mask=e_mask[:, None] & g_ok)
-    else:
-        red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
-        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
+    _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
 
 
 def sketch_page_bound(
