@@ -908,6 +908,41 @@ def test_cache_append_codes_ties_to_even_as_the_reference():
     assert torch.equal(low[:, 0], torch.tensor([4, 6, 8, 10, 12], device=DEVICE))
 
 
+_SM90_APPEND = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from policyzoo.kernels.ops.cache_append import kernel as K
+fn = K._cache_append_kernel
+pointers = dict(k_ptr="*bf16", v_ptr="*bf16", keys_ptr="*bf16", values_ptr="*bf16", mn_ptr="*bf16", mx_ptr="*bf16",
+                mean_ptr="*fp32", std_ptr="*fp32", code_ptr="*u8", start_ptr="*i64", length_ptr="*i64")
+for page, d, minmax, moments, sketch in ((16, 128, True, False, True), (3, 9, True, True, True), (16, 128, True, True, False)):
+    const = dict(D=d, D_PAD=triton.next_power_of_2(d), DH=(d + 1) // 2, DH_PAD=triton.next_power_of_2((d + 1) // 2),
+                 PAGE=page, PAGE_PAD=triton.next_power_of_2(page), MINMAX=minmax, MOMENTS=moments, SKETCH=sketch)
+    sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K._warps(page * d, sketch)))
+    assert kernel.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_cache_append_compiles_for_sm90():
+    """The interpreter runs code that the compiler refuses (a module global read in the kernel, for
+    one): the append kernel, with the key sketch and without, compiles for an H100/H200 (sm_90)
+    with the toolchain Triton ships, no GPU needed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    res = subprocess.run([sys.executable, "-c", _SM90_APPEND], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
 def test_cache_append_refuses_unpaired_summaries_and_bad_shapes():
     keys = torch.zeros(1, 2, 8, 4, device=DEVICE)
     k = torch.zeros(1, 2, 1, 4, device=DEVICE)

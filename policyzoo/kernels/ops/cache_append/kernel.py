@@ -23,9 +23,9 @@ from torch import Tensor
 from ... import route
 
 
-# Added to and taken from an fp32 of magnitude below 2^22, 1.5·2^23 leaves it rounded to an integer,
-# ties to even, as torch.round (fp32 addition rounds to nearest even).
-ROUNDER = 12582912.0
+# Quotients are clamped to this magnitude before rounding, far outside 0..15: below 2^23, where
+# every fp32 step of the rounding is exact.
+FAR = tl.constexpr(1048576.0)
 
 
 @triton.jit
@@ -37,8 +37,12 @@ def _sketch_codes(tile, lo, hi):
     some = step > 0
     x = tl.div_rn(tile - lo[None, :], tl.where(some, step, 1.0)[None, :])
     x = tl.where(some[None, :], x, 0.0)
-    x = tl.minimum(tl.maximum(x, -ROUNDER), ROUNDER)  # far outside 0..15 either way; keeps the rounding exact
-    r = (x + ROUNDER) - ROUNDER
+    x = tl.minimum(tl.maximum(x, -FAR), FAR)
+    # Round to the nearest integer, ties to the even one (torch.round), in exact steps.
+    t = tl.floor(x)
+    frac = x - t
+    odd = (t - 2.0 * tl.floor(t * 0.5)) != 0.0
+    r = t + ((frac > 0.5) | ((frac == 0.5) & odd)).to(tl.float32)
     return tl.minimum(tl.maximum(r, 0.0), 15.0).to(tl.int32)
 
 
@@ -166,5 +170,15 @@ def cache_append(
         stride[0], stride[1], stride[2], code_stride[0], code_stride[1], code_stride[2],
         D=d, D_PAD=triton.next_power_of_2(d), DH=dh, DH_PAD=triton.next_power_of_2(dh), PAGE=page_size,
         PAGE_PAD=triton.next_power_of_2(page_size), MINMAX=kmin is not None, MOMENTS=mean is not None,
-        SKETCH=codes is not None, num_warps=1 if page_size * d <= 2048 else 4,
+        SKETCH=codes is not None, num_warps=_warps(page_size * d, codes is not None),
     )
+
+
+def _warps(page_elements: int, sketch: bool) -> int:
+    """Warps per program: one row's page is a few kilobytes, so one warp (4 past 2,048 elements);
+    with the key sketch, whose division and rounding of every element of the page make the program
+    a long serial chain for one warp, 4 (8 past 1,024 elements: about 1,000 instructions a warp at
+    pages of 16 and head dim 128 in the sm_90 code, against 4,350 for one warp)."""
+    if sketch:
+        return 4 if page_elements <= 1024 else 8
+    return 1 if page_elements <= 2048 else 4
