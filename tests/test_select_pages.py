@@ -1,5 +1,6 @@
-"""The fused selection (`kernels.select_pages`, `kernels.select_scores`) against the steps it
-replaces: the same Selection, entry for entry, so that no token changes.
+"""The fused selection (`kernels.select_pages`, `kernels.select_page_scores`,
+`kernels.select_scores`) against the steps it replaces: the same Selection, entry for entry, so that
+no token changes.
 
 `select_scores` is checked against its reference (the masks, the bf16 ranking and `select_top`'s
 reference) exactly. `select_pages` scores the pages itself: it is checked against the grouped bound's
@@ -217,6 +218,101 @@ def test_select_pages_matches_the_steps(rows, block_p, group, finish_min_row):
     assert workspace_is_zero()
 
 
+# ------------------------------------------------------------------------- select_page_scores
+@st.composite
+def page_score_rows(draw):
+    """`select_page_scores`' arguments: given page scores (ties, -inf), rows with left padding or
+    empty, sinks and window, any count form; the entries the pages themselves or listed page ids
+    (a second stage's candidates: ascending, -1 for empty entries, per KV head)."""
+    b, h_kv = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    page = draw(st.sampled_from([4, 16]))
+    n_pages = draw(st.integers(1, 120))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    length = draw(st.integers(1, n_pages * page))
+    start = torch.tensor([draw(st.integers(0, length + 3)) for _ in range(b)])
+    sinks, window = draw(st.integers(0, 8)), draw(st.integers(0, 40))
+    listed = draw(st.booleans())
+    n = draw(st.integers(1, n_pages)) if listed else n_pages
+    scores = torch.randn(b, h_kv, n, generator=g)
+    if draw(st.booleans()):
+        scores = (scores * 2).round() / 2
+    if draw(st.booleans()):
+        scores = torch.where(torch.rand(b, h_kv, n, generator=g) < 0.2, -torch.inf, scores)
+    ids = None
+    if listed:
+        ids = torch.sort(torch.rand(b, h_kv, n_pages, generator=g).argsort(-1)[..., :n], -1).values
+        ids = torch.where(torch.rand(b, h_kv, n, generator=g) < 0.2, -1, ids).int()
+    k_max = draw(st.integers(1, n))
+    kinds = ["row", "head"] if listed else ["ratio", "pages", "row", "head"]
+    kind = draw(st.sampled_from(kinds))
+    ratio = draw(st.sampled_from([0.05, 0.1, 0.3, 1.0])) if kind == "ratio" else 0.0
+    pages = draw(st.integers(0, n_pages + 2)) if kind == "pages" else 0
+    count = None
+    if kind in ("row", "head"):
+        count = torch.randint(0, k_max + 3, (b,) if kind == "row" else (b, h_kv), generator=g)
+    opts = dict(page_size=page, sinks=sinks, window=window, ratio=ratio, pages=pages, ids=ids)
+    return scores, start, torch.tensor(length), k_max, count, opts
+
+
+def to_device(opts):
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+
+
+@here
+@SETTINGS
+@given(rows=page_score_rows(), block_n=st.sampled_from([16, 64, 512]), finish_min_row=FINISH_MIN_ROWS)
+def test_select_page_scores_matches_the_reference(rows, block_n, finish_min_row):
+    """The same positions and counts as its reference, over one or several programs per row and
+    with the choice in the scoring launch or its own; the workspace is zero again after each call."""
+    scores, start, length, k_max, count, opts = rows
+    want = ref.select_page_scores(scores, start, length, k_max, count, **opts)
+    dev = [t.to(DEVICE) for t in (scores, start, length)]
+    with override(select_pages=SelectPagesConfig(block_n=block_n, group=4, finish_min_row=finish_min_row)), poisoned():
+        got = kernels.select_page_scores.triton(*dev, k_max, None if count is None else count.to(DEVICE),
+                                                **to_device(opts), workspace=WORKSPACE)
+    assert got[0].shape == (*scores.shape[:2], k_max)
+    assert_same(got, want)
+    assert workspace_is_zero()
+
+
+@here
+@settings(max_examples=15, deadline=None, database=None)
+@given(rows=page_score_rows())
+def test_select_page_scores_reference_is_select_scores_on_the_page_flags(rows):
+    """The reference is `select_scores` of the scores masked where a page holds no visible slot,
+    with the pages of the sinks and the window forced (`forced_pages`' rule, written out here from
+    the visible slots of each listed page)."""
+    scores, start, length, k_max, count, opts = rows
+    page, sinks, window, ids = opts["page_size"], opts["sinks"], max(opts["window"], 1), opts["ids"]
+    b, h_kv, n = scores.shape
+    ids = torch.arange(n).expand(b, h_kv, n) if ids is None else ids
+    seen = torch.zeros(b, h_kv, n, dtype=torch.bool)
+    forced = torch.zeros(b, h_kv, n, dtype=torch.bool)
+    for r, h, j in itertools.product(range(b), range(h_kv), range(n)):
+        p = int(ids[r, h, j])
+        slots = [t for t in range(p * page, (p + 1) * page) if int(start[r]) <= t < int(length)] if p >= 0 else []
+        seen[r, h, j] = bool(slots)
+        forced[r, h, j] = any(t < int(start[r]) + sinks or t >= int(length) - window for t in slots)
+    wanted = count
+    if count is None:
+        wanted = ref.page_count(seen[:, 0].sum(-1), opts["ratio"], opts["pages"])
+    want = ref.select_scores(scores.masked_fill(~seen, -torch.inf), forced, wanted, k_max)
+    assert_same(ref.select_page_scores(scores, start, length, k_max, count, **opts), want)
+
+
+def test_select_page_scores_needs_a_count_for_listed_pages():
+    """A keep ratio counts a row's pages, which a list of candidates does not hold: refused."""
+    scores = torch.randn(1, 1, 4)
+    ids = torch.tensor([[[0, 3, 5, -1]]])
+    with pytest.raises(ValueError, match="needs a count"):
+        ref.select_page_scores(scores, torch.tensor([0]), torch.tensor(100), 2, None, 16, 0, 0, 0.5, 0, ids)
+    if route.HAS_TRITON and MODE != "subprocess":
+        with pytest.raises(ValueError, match="needs a count"):
+            kernels.select_page_scores.triton(scores.to(DEVICE), torch.tensor([0], device=DEVICE),
+                                              torch.tensor(100, device=DEVICE), 2, None, 16, 0, 0, 0.5, 0,
+                                              ids.to(DEVICE))
+
+
 @here
 def test_select_pages_reference_is_the_steps_on_the_reference_path():
     """The reference is the composition of the references: the same as `steps_of` with the grouped
@@ -280,6 +376,11 @@ def test_select_ops_opcheck():
                               test_utils=checks)
     q, lo = torch.randn(2, 4, 16, generator=g).to(DEVICE), torch.randn(2, 2, 20, 16, generator=g).to(DEVICE)
     start, length = torch.tensor([0, 3], device=DEVICE), torch.tensor(300, device=DEVICE)
+    ids = torch.arange(50, device=DEVICE).expand(2, 2, 50).int() - 1
+    for cnt, ratio, listed in ((None, 0.3, None), (count, 0.0, None), (count, 0.0, ids)):
+        torch.library.opcheck(torch.ops.policyzoo.select_page_scores.default,
+                              (scores, start, length, 12, cnt, 16, 4, 16, ratio, 0, listed, WORKSPACE.select_histograms),
+                              test_utils=checks)
     for cnt, ratio in ((None, 0.3), (count, 0.0)):
         torch.library.opcheck(torch.ops.policyzoo.select_pages.default,
                               (q, lo, lo + 1, start, length, 0.25, 6, cnt, 16, 4, 16, ratio, 0,
@@ -314,7 +415,11 @@ POLICIES = {
     "quest box rescore": lambda page: Quest(0.25, page=page, rescore=2),
     "quest nominate": lambda page: Quest(0.2, page=page, bound="sketch", nominate=2),
     "quest sketch": lambda page: Quest(0.2, page=page, bound="sketch"),
+    "quest sketch tokens": lambda page: Quest(37, page=page, bound="sketch", sinks=5, window=3),
+    "quest sketch rescore": lambda page: Quest(0.25, page=page, bound="sketch", rescore=2),
+    "quest sum": lambda page: Quest(0.3, page=page, aggregate="sum"),
     "entmax topk": lambda page: EntmaxKV(0.3, page=page, mode="topk"),
+    "entmax topk sketch": lambda page: EntmaxKV(0.3, page=page, mode="topk", bound="sketch"),
     "entmax gaussian": lambda page: EntmaxKV(0.5, page=page),
     "ssa rescore": lambda page: SSA(0.2, 0.1, page=page, rescore=2, seed=3),
 }

@@ -23,7 +23,7 @@ from .ops.page_gaussians import PageGaussiansConfig, page_gaussians
 from .ops.prefetch import prefetch_pages_op, wait_for_prefetch
 from .ops.quest_page_bound import PageScoreConfig, quest_page_bound, quest_page_bound_grouped
 from .ops.select_pages import MAX_ROW as SELECT_PAGES_ROW
-from .ops.select_pages import SelectPagesConfig, select_pages, select_scores
+from .ops.select_pages import SelectPagesConfig, select_page_scores, select_pages, select_scores
 from .ops.select_pages import takes as select_pages_takes
 from .ops.select_pages import takes_scores as select_scores_takes
 from .ops.select_top import MAX_BLOCK_N as SELECT_TOP_ROW
@@ -56,6 +56,7 @@ __all__ = [
     "prefetch_pages_op",
     "quest_page_bound",
     "quest_page_bound_grouped",
+    "select_page_scores",
     "select_pages",
     "select_scores",
     "select_pages_takes",

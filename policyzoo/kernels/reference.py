@@ -27,7 +27,15 @@ from .ops.gathered_logits.reference import gathered_logits
 from .ops.page_fetch.reference import page_fetch
 from .ops.page_gaussians.reference import page_gaussians
 from .ops.quest_page_bound.reference import quest_page_bound, quest_page_bound_grouped
-from .ops.select_pages.reference import page_count, round_for_ranking, select_pages, select_scores, visible_pages
+from .ops.select_pages.reference import (
+    page_count,
+    page_flags,
+    round_for_ranking,
+    select_page_scores,
+    select_pages,
+    select_scores,
+    visible_pages,
+)
 from .ops.select_top.reference import select_top
 from .ops.sketch_page_bound.reference import (
     SKETCH_LEVELS,
@@ -64,6 +72,8 @@ __all__ = [
     "quest_page_bound",
     "quest_page_bound_grouped",
     "round_for_ranking",
+    "page_flags",
+    "select_page_scores",
     "select_pages",
     "select_scores",
     "select_top",

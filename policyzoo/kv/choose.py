@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import kernels
 from ..selection import Selection
 from .base import Aggregate, Budget, KVState
-from .scoring import forced_at, forced_pages, forced_pages_at, group_page_bounds, page_count_rule
+from .scoring import forced_at, forced_pages, group_page_bounds, page_count_rule
 
 
 # ------------------------------------------------------------------------------------ chooser
@@ -179,20 +179,54 @@ def nominate_pages(state: KVState, q: Tensor, scores: Tensor, forced: Tensor, k_
     listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)  # -1: the kernel's empty entry
     forced = forced if forced.dim() == 3 else forced[:, None, :].expand_as(scores)
     forced_listed = torch.gather(forced, 2, listed.clamp(min=0).long()) & (listed >= 0)
-    return rank_candidates(state, q, candidates, forced_listed, k_max, count)
+    return rank_candidates(state, q, candidates, k_max, count, forced=forced_listed)
 
 
-def rank_candidates(state: KVState, q: Tensor, candidates: Selection, forced: Tensor, k_max: int,
-                    count: Tensor) -> Selection:
+def rank_candidates(state: KVState, q: Tensor, candidates: Selection, k_max: int, count: Tensor, *,
+                    forced: Tensor | None = None, sinks: int = 0, window: int = 0) -> Selection:
     """Keep the best ``count`` of the candidate ``pages`` by their key-sketch bound (the group's max),
-    the candidates flagged in ``forced`` (``bool``, shaped as their indices) first; ascending."""
+    the forced candidates first, ascending. Forced: those flagged in ``forced`` (``bool``, shaped as
+    the candidates' indices), or without it the pages of the ``sinks`` and ``window``, found from the
+    candidates' page ids inside the choice (`choose_page_scores`)."""
     c = state.cache
     listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)  # -1: the kernel's empty entry
     sketch = kernels.sketch_page_bound(q, c.key_sketch[state.layer], c.page_min[state.layer], c.page_max[state.layer],
                                        c.start, c.length, state.scale, "max", listed)  # [B, H_kv, wide]
-    chosen = choose_topk(sketch, forced, min(k_max, candidates.k_max), count, workspace=state.workspace)
+    k_kept = min(k_max, candidates.k_max)
+    if forced is None:
+        chosen = choose_page_scores(state, sketch, k_kept, count, sinks, window, ids=listed)
+    else:
+        chosen = choose_topk(sketch, forced, k_kept, count, workspace=state.workspace)
     # Candidates ascend and so do the chosen entries: the kept page ids ascend too.
     return Selection(torch.gather(candidates.indices, 2, chosen.indices.long()), chosen.count, block=state.page_size)
+
+
+def choose_page_scores(state: KVState, scores: Tensor, k_max: int, count: Tensor | Budget, sinks: int, window: int,
+                       ids: Tensor | None = None) -> Selection:
+    """The pages of the ``sinks`` and ``window`` plus the best others by page ``scores [B, H_kv, N]``,
+    at most ``count`` per row (a tensor, or the policy's `Budget` of the visible pages), ascending;
+    pages without a visible token are never kept. The entries are the pages ``0 .. N-1``, or the
+    page ids ``ids int[B, H_kv, N]`` (``-1``: none; ``count`` a tensor), and the selection holds
+    positions in ``scores``.
+
+    The same choice as `choose_topk` of the scores masked by `KVState.page_valid` and the flags of
+    `forced_pages`, but the kernel finds the visible and forced pages and the budget from the rows'
+    spans (`kernels.select_page_scores`), so the step writes none of those ``[B, P]`` tensors."""
+    c, page = state.cache, state.page_size
+    ratio, pages = page_count_rule(count, page) if isinstance(count, Budget) else (0.0, 0)
+    given = None if isinstance(count, Budget) else count
+    if fused_rows(scores.shape[-1]):
+        indices, kept = kernels.select_page_scores(scores, c.start, c.length, k_max, given, page, sinks, window, ratio,
+                                                   pages, ids, workspace=state.workspace)
+        return Selection(indices, kept, block=page if ids is None else 1)
+    b, _, n = scores.shape
+    listed = torch.arange(n, device=scores.device).expand(b, n) if ids is None else ids
+    seen, forced = kernels.reference.page_flags(listed, c.start, c.length, page, sinks, window)
+    if given is None:
+        given = kernels.reference.page_count(seen.sum(-1), ratio, pages)
+    seen = seen if seen.dim() == 3 else seen[:, None, :]
+    return choose_topk_steps(scores.masked_fill(~seen, -torch.inf), forced, k_max, given,
+                             page if ids is None else 1, workspace=state.workspace)
 
 
 def box_pages(state: KVState, q: Tensor, k_max: int, count: Tensor | Budget, sinks: int, window: int) -> Selection:
@@ -223,24 +257,27 @@ def choose_pages(
     the pages are chosen so, as candidates of which `rescore_pages` keeps the best tokens (the same
     token budget).
 
-    ``scores=None`` (and ``forced=None``): the pages are ranked by the box bound folded by the group's
-    max, the pages of ``sinks`` and ``window`` forced, and that choice is one launch (`box_pages`);
-    ``count`` may then be the policy's `Budget`, evaluated on the device. The same selection as the
-    scores of `group_page_bounds` and the flags of `forced_pages`."""
+    ``forced=None``: the pages of ``sinks`` and ``window`` are forced, found inside the choice from
+    the rows' spans, and ``count`` may be the policy's `Budget`, evaluated on the device
+    (`choose_page_scores`). ``scores=None`` too: the pages are ranked by the box bound folded by the
+    group's max, and the bound and the choice are one launch (`box_pages`). The same selection as
+    the scores of `group_page_bounds` (masked by `KVState.page_valid`) and the flags of
+    `forced_pages`."""
     page, n_pages = state.page_size, state.cache.num_pages
-    if isinstance(count, Budget) and (rescore or nominate or scores is not None):
+    if isinstance(count, Budget) and (rescore or nominate or forced is not None):
         count = kernels.reference.page_count(state.page_valid().sum(-1), *page_count_rule(count, page))
     k_pages, pages_count = candidate_budget(k_max, count, rescore, n_pages) if rescore else (k_max, count)
     if nominate and scores is None:
         wide, wide_count = candidate_budget(k_pages, pages_count, nominate, n_pages)
         candidates = box_pages(state, q, wide, wide_count, sinks, window)
-        listed = candidates.indices.masked_fill(~candidates.entry_valid(), -1)
-        forced_listed = forced_pages_at(state, listed.clamp(min=0), sinks, window) & (listed >= 0)
-        pages = rank_candidates(state, q, candidates, forced_listed, k_pages, pages_count)
+        pages = rank_candidates(state, q, candidates, k_pages, pages_count, sinks=sinks, window=window)
     elif nominate:
+        forced = forced_pages(state, sinks, window) if forced is None else forced
         pages = nominate_pages(state, q, scores, forced, k_pages, pages_count, nominate)
     elif scores is None:
         pages = box_pages(state, q, k_pages, pages_count, sinks, window)
+    elif forced is None:
+        pages = choose_page_scores(state, scores, k_pages, pages_count, sinks, window)
     else:
         pages = choose_topk(scores, forced, k_pages, pages_count, block=page, workspace=state.workspace)
     if not rescore:

@@ -167,17 +167,17 @@ class EntmaxKV(KVSelector):
         return aggregate_groups(margin, valid, h_kv, "max")
 
     def select(self, state: KVState, q: Tensor) -> Selection:
-        if self.mode == "topk" and self.bound == "box":  # Quest's choice: the bound and the choice in one launch
+        if self.mode == "topk":  # Quest's choice (the box's bound scored inside the choice's launch)
             k_max = page_k_max(state, self._budget, self.page, self.sinks, self.window, "EntmaxKV")
-            return choose_pages(state, q, None, None, k_max, self._budget, rescore=self.rescore, sinks=self.sinks,
+            scores = None if self.bound == "box" else self.page_scores(state, q)
+            return choose_pages(state, q, scores, None, k_max, self._budget, rescore=self.rescore, sinks=self.sinks,
                                 window=self.window, aggregate=self.aggregate)
         k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "EntmaxKV")
         valid = state.page_valid()
         scores = self.page_scores(state, q)
         forced = forced_pages(state, self.sinks, self.window)
-        if self.mode == "gaussian":
-            # Keep forced ∪ candidates (positive margins), the best of them under the cap.
-            f = forced[:, None, :] & valid[:, None, :]
-            count = torch.minimum(count[:, None], (f | (scores > 0)).sum(-1))  # per KV head
+        # Keep forced ∪ candidates (positive margins), the best of them under the cap.
+        f = forced[:, None, :] & valid[:, None, :]
+        count = torch.minimum(count[:, None], (f | (scores > 0)).sum(-1))  # per KV head
         return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, sinks=self.sinks,
                             window=self.window, aggregate=self.aggregate)

@@ -33,10 +33,8 @@ from .scoring import (
     aggregate_groups,
     bound_summaries,
     check_page_bound,
-    forced_pages,
     group_page_bounds,
     page_bound_scores,
-    page_budget,
     page_k_max,
 )
 from .registry import register
@@ -94,16 +92,13 @@ class Quest(KVSelector):
         return bool(self.rescore)
 
     def select(self, state: KVState, q: Tensor) -> Selection:
-        if self.aggregate == "max" and (self.bound == "box" or self.nominate):
-            # Pages ranked by the box, folded by the group's max: the bound and the choice are one launch.
-            k_max = page_k_max(state, self._budget, self.page, self.sinks, self.window, "Quest")
-            return choose_pages(state, q, None, None, k_max, self._budget, rescore=self.rescore, nominate=self.nominate,
-                                sinks=self.sinks, window=self.window, aggregate=self.aggregate)
-        k_max, count = page_budget(state, self._budget, self.page, self.sinks, self.window, "Quest")
-        if self.aggregate == "max":
-            scores = group_page_bounds(state, q, self.bound)
-        else:
+        k_max = page_k_max(state, self._budget, self.page, self.sinks, self.window, "Quest")
+        if self.aggregate == "sum":
             scores = aggregate_groups(page_bound_scores(state, q, self.bound), state.page_valid(), state.keys.shape[1], "sum")
-        forced = forced_pages(state, self.sinks, self.window)
-        return choose_pages(state, q, scores, forced, k_max, count, rescore=self.rescore, nominate=self.nominate,
+        elif self.bound == "box" or self.nominate:
+            scores = None  # the box bound, folded by the group's max, is scored inside the choice's launch
+        else:
+            scores = group_page_bounds(state, q, self.bound)
+        # The sinks' and window's pages and the budget are found inside the choice, from the rows' spans.
+        return choose_pages(state, q, scores, None, k_max, self._budget, rescore=self.rescore, nominate=self.nominate,
                             sinks=self.sinks, window=self.window, aggregate=self.aggregate)

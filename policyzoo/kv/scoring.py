@@ -126,17 +126,6 @@ def forced_pages(state: KVState, sinks: int, window: int) -> Tensor:
     return (first < last) & (holds_sink | holds_window)
 
 
-def forced_pages_at(state: KVState, pages: Tensor, sinks: int, window: int) -> Tensor:
-    """`forced_pages` at the page ids ``pages int[B, ...]`` only (the same shape), from the pages'
-    visible spans: the flags of a few listed pages without building the flags of every page."""
-    c = state.cache
-    shape = (pages.shape[0],) + (1,) * (pages.dim() - 1)
-    lo = pages.long() * c.page_size
-    start, length = c.start.view(shape), c.length.reshape(-1, *shape[1:])
-    first, last = torch.maximum(lo, start), torch.minimum(lo + c.page_size, length)
-    return (first < last) & ((first < start + sinks) | (last > length - max(window, 1)))
-
-
 def page_budget(state: KVState, budget: Budget, page: int, sinks: int, window: int, owner: str) -> tuple[int, Tensor]:
     """``(k_max, count)`` in pages for a page policy: ``budget`` tokens become ``ceil(budget / page)``
     pages, a ratio applies to the visible pages; ``k_max`` always has room for the forced pages."""

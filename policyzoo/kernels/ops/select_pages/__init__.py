@@ -1,7 +1,9 @@
-"""Fused selection: a page policy's choice in one launch (two for long rows). Two ops share the
+"""Fused selection: a page policy's choice in one launch (two for long rows). Three ops share the
 kernel's selection: ``policyzoo::select_pages`` scores the pages itself (the box bound folded by the
-group's max, as `Quest` ranks them) and ``policyzoo::select_scores`` takes scores already made (any
-policy's `kv.choose.choose_topk`).
+group's max, as `Quest` ranks them), ``policyzoo::select_page_scores`` takes page scores already
+made and finds the visible and forced pages from the rows' spans, as `select_pages` does (a page
+policy's other bounds, and the candidates of a second stage), and ``policyzoo::select_scores`` takes
+scores and forced flags already made (any policy's `kv.choose.choose_topk`).
 
 Specification: ``reference.py`` (the steps they replace: the grouped bound, the masks, the bf16
 ranking and `select_top`); kernel: ``kernel.py``. The histograms and counters come from the
@@ -149,6 +151,32 @@ def _(scores, forced, count, k_max, histograms=None):
     return scores.new_empty(b, h_kv, k_max, dtype=torch.int32), scores.new_empty(b, h_kv, dtype=torch.int32)
 
 
+@torch.library.custom_op("policyzoo::select_page_scores", mutates_args=())
+def _select_page_scores_op(
+    scores: Tensor, start: Tensor, length: Tensor, k_max: int, count: Tensor | None, page_size: int, sinks: int,
+    window: int, ratio: float, pages: int, ids: Tensor | None = None, histograms: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    need_triton()
+    if scores.dim() != 3 or (ids is not None and ids.shape != scores.shape):
+        raise ValueError(f"expected scores [B, H_kv, N] and page ids of their shape, got {tuple(scores.shape)} and "
+                         f"{None if ids is None else tuple(ids.shape)}")
+    if ids is not None and count is None:
+        raise ValueError("select_page_scores over listed page ids needs a count: the keep ratio counts a row's pages")
+    b, h_kv, n = scores.shape
+    if not takes(n):
+        raise ValueError(f"select_page_scores takes rows of at most {MAX_ROW} entries, got {n}")
+    if k_max == 0 or b * h_kv == 0:
+        return scores.new_zeros(b, h_kv, k_max, dtype=torch.int32), scores.new_zeros(b, h_kv, dtype=torch.int32)
+    return kernel.select_page_scores(scores, start, length, k_max, count, page_size, sinks, window, ratio, pages, ids,
+                                     _scratch(histograms, b * h_kv, scores.device), select_pages_config(n), tiles(n))
+
+
+@_select_page_scores_op.register_fake
+def _(scores, start, length, k_max, count, page_size, sinks, window, ratio, pages, ids=None, histograms=None):
+    b, h_kv, _ = scores.shape
+    return scores.new_empty(b, h_kv, k_max, dtype=torch.int32), scores.new_empty(b, h_kv, dtype=torch.int32)
+
+
 def _takes_pages(q: Tensor, page_min: Tensor, *args, **kwargs) -> bool:
     return takes(page_min.shape[2])
 
@@ -172,6 +200,23 @@ def select_pages(
                                             buffer(workspace, "select_histograms"))
 
 
+@routed(reference.select_page_scores, takes=_takes_scores)
+def select_page_scores(
+    scores: Tensor, start: Tensor, length: Tensor, k_max: int, count: Tensor | None = None, page_size: int = 16,
+    sinks: int = 0, window: int = 0, ratio: float = 0.0, pages: int = 0, ids: Tensor | None = None, *,
+    workspace: Workspace | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A page policy's choice from page ``scores [B, H_kv, N]`` made elsewhere, in one launch →
+    ``(indices int32[B, H_kv, k_max], kept int32[B, H_kv])``; see `reference.select_page_scores`.
+    The entries are the pages ``0 .. N-1``, or the page ids ``ids`` (``-1``: none; then ``count`` is
+    needed); the visible pages, the forced ones (``sinks``, ``window``) and, without ``count``, the
+    budget (``ratio`` or ``pages``) come from the rows' spans (``start``, ``length``), as in
+    `select_pages`. ``workspace``: the zeroed histograms (`Workspace`)."""
+    return torch.ops.policyzoo.select_page_scores(scores, start, length, int(k_max), count, int(page_size), int(sinks),
+                                                  int(window), float(ratio), int(pages), ids,
+                                                  buffer(workspace, "select_histograms"))
+
+
 @routed(reference.select_scores, takes=_takes_scores)
 def select_scores(
     scores: Tensor, forced: Tensor, count: Tensor, k_max: int, *, workspace: Workspace | None = None
@@ -182,4 +227,4 @@ def select_scores(
     return torch.ops.policyzoo.select_scores(scores, forced, count, int(k_max), buffer(workspace, "select_histograms"))
 
 
-__all__ = ["MAX_ROW", "MAX_SCORES_ROW", "SelectPagesConfig", "select_pages", "select_pages_config", "select_scores", "takes", "takes_scores"]
+__all__ = ["MAX_ROW", "MAX_SCORES_ROW", "SelectPagesConfig", "select_page_scores", "select_pages", "select_pages_config", "select_scores", "takes", "takes_scores"]

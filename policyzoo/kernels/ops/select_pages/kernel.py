@@ -228,6 +228,21 @@ def _arrive(ctr_row):
 
 
 @triton.jit
+def _page_flags(page_id, inside, start_ptr, len_ptr, b, page, sinks, window):
+    """``(seen, forced)`` of the pages ``page_id`` of batch row ``b`` (`reference.page_flags`): a
+    page is seen when it holds a visible slot, forced when it also holds one of the row's first
+    ``sinks`` or last ``window`` visible slots (``window`` >= 1). Lanes outside the row
+    (``inside`` false) or of page id -1 are neither."""
+    start = tl.load(start_ptr + b)
+    length = tl.load(len_ptr)
+    lo = page_id.to(tl.int64) * page
+    first = tl.maximum(lo, start)
+    last = tl.minimum(lo + page, length)
+    seen = inside & (page_id >= 0) & (first < last)
+    return seen, seen & ((first < start + sinks) | (last > length - window))
+
+
+@triton.jit
 def _select_pages_kernel(
     q_ptr, mn_ptr, mx_ptr, start_ptr, len_ptr, cnt_ptr, keys_ptr, ws_ptr, idx_ptr, kept_ptr,
     s_qb, s_qh, s_mb, s_mh, s_mp, s_xb, s_xh, s_xp, s_cb, s_ch,
@@ -249,15 +264,9 @@ def _select_pages_kernel(
     mx = tl.load(mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp + offs_d[None, :], mask=pd_mask, other=0.0)
     bound = grouped_bound(q_ptr + b * s_qb + kv * G * s_qh, s_qh, mn, mx, offs_d, scale, G, G_PAD, D, BLOCK_P,
                           1, DOT, IEEE)
-    # Visibility and forcing from the row's span (`reference.visible_pages`).
-    start = tl.load(start_ptr + b)
-    length = tl.load(len_ptr)
-    lo = offs_p.to(tl.int64) * page
-    first = tl.maximum(lo, start)
-    last = tl.minimum(lo + page, length)
-    valid = p_mask & (first < last) & (bound > float("-inf"))
-    forced = valid & ((first < start + sinks) | (last > length - window))
-    key = _ranking_keys(bound, forced, valid)
+    seen, forced = _page_flags(offs_p, p_mask, start_ptr, len_ptr, b, page, sinks, window)
+    valid = seen & (bound > float("-inf"))
+    key = _ranking_keys(bound, forced & valid, valid)
     keys_row = keys_ptr + row.to(tl.int64) * n_pages
     tl.store(keys_row + offs_p, key.to(tl.int16), mask=p_mask)
     hist_row, ctr_row = _row_workspace(ws_ptr, ctr_offset, row, NB)
@@ -275,12 +284,15 @@ def _select_pages_kernel(
 
 @triton.jit
 def _select_scores_kernel(
-    s_ptr, f_ptr, cnt_ptr, keys_ptr, ws_ptr, idx_ptr, kept_ptr,
+    s_ptr, f_ptr, cnt_ptr, start_ptr, len_ptr, keys_ptr, ws_ptr, idx_ptr, kept_ptr,
     s_sb, s_sh, s_fb, s_fh, s_cb, s_ch,
-    n, k_max, ctr_offset,
-    BLOCK: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr,
-    ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = ALL_STAGES,
+    n, k_max, page, sinks, window, ratio_bits, fixed, ctr_offset,
+    FLAGS: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr,
+    LOW: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_TAIL: tl.constexpr, STAGES: tl.constexpr = ALL_STAGES,
 ):
+    """Given scores. ``FLAGS``: the forced flags at ``f_ptr`` (0), or forcing and visibility from
+    the pages' spans, the entries being the pages ``0 .. n-1`` (1) or the page ids at ``f_ptr``
+    (2, -1 for none). ``COUNT``: as `_row_count`."""
     pid = tl.program_id(0)
     kv = tl.program_id(1)
     b = tl.program_id(2)
@@ -288,9 +300,18 @@ def _select_scores_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     score = tl.load(s_ptr + b * s_sb + kv * s_sh + offs, mask=inside, other=float("-inf")).to(tl.float32)
-    flag = tl.load(f_ptr + b * s_fb + kv * s_fh + offs, mask=inside, other=0)
-    valid = inside & (score > float("-inf"))
-    forced = valid & (flag != 0)
+    if FLAGS == 0:
+        flag = tl.load(f_ptr + b * s_fb + kv * s_fh + offs, mask=inside, other=0)
+        seen = inside
+        forced = flag != 0
+    else:
+        if FLAGS == 1:
+            page_id = offs
+        else:
+            page_id = tl.load(f_ptr + b * s_fb + kv * s_fh + offs, mask=inside, other=-1)
+        seen, forced = _page_flags(page_id, inside, start_ptr, len_ptr, b, page, sinks, window)
+    valid = seen & (score > float("-inf"))
+    forced = valid & forced
     key = _ranking_keys(score, forced, valid)
     keys_row = keys_ptr + row.to(tl.int64) * n
     tl.store(keys_row + offs, key.to(tl.int16), mask=inside)
@@ -301,7 +322,7 @@ def _select_scores_kernel(
         last = _arrive(ctr_row)
         if STAGES >= 4:
             if last:
-                count = tl.load(cnt_ptr + b * s_cb + kv * s_ch).to(tl.int64)
+                count = _row_count(cnt_ptr, s_cb, s_ch, b, kv, start_ptr, len_ptr, n, page, ratio_bits, fixed, COUNT)
                 _finish(keys_row, hist_row, ctr_row, idx_ptr + row.to(tl.int64) * k_max, kept_ptr, row, count, n, k_max,
                         NB, LOW, ROW_BLOCK, ROW_TAIL, STAGES)
 
@@ -407,30 +428,55 @@ def select_pages(q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, l
 
 def select_scores(scores: Tensor, forced: Tensor, count: Tensor, k_max: int, scratch: Tensor, cfg,
                   tiles: tuple[int, int], stages: int = ALL_STAGES) -> tuple[Tensor, Tensor]:
-    """Launch the selection from given scores (`reference.select_scores`); as `select_pages`."""
+    """Launch the selection from given scores and forced flags (`reference.select_scores`); as `select_pages`."""
+    forced = forced if forced.stride(-1) == 1 else forced.contiguous()
+    return _launch_scores(scores, forced.view(torch.uint8), 0, count, k_max, scratch, cfg, tiles, stages)
+
+
+def select_page_scores(scores: Tensor, start: Tensor, length: Tensor, k_max: int, count: Tensor | None,
+                       page_size: int, sinks: int, window: int, ratio: float, pages: int, ids: Tensor | None,
+                       scratch: Tensor, cfg, tiles: tuple[int, int], stages: int = ALL_STAGES) -> tuple[Tensor, Tensor]:
+    """Launch the selection from given page scores, visibility and forcing from the pages' spans
+    (`reference.select_page_scores`); as `select_pages`."""
+    if ids is not None:
+        ids = (ids if ids.stride(-1) == 1 else ids.contiguous()).to(torch.int32)
+    return _launch_scores(scores, ids, 1 if ids is None else 2, count, k_max, scratch, cfg, tiles, stages,
+                          start=start, length=length, page=page_size, sinks=sinks, window=max(window, 1), ratio=ratio,
+                          fixed=pages)
+
+
+def _launch_scores(scores: Tensor, flags: Tensor | None, flag_mode: int, count: Tensor | None, k_max: int,
+                   scratch: Tensor, cfg, tiles: tuple[int, int], stages: int, *, start: Tensor | None = None,
+                   length: Tensor | None = None, page: int = 1, sinks: int = 0, window: int = 1, ratio: float = 0.0,
+                   fixed: int = 0) -> tuple[Tensor, Tensor]:
+    """`_select_scores_kernel` over ``scores [B, H_kv, N]``, with ``flags`` (forced flags or page
+    ids, ``[B, N]`` or ``[B, H_kv, N]``) as ``flag_mode`` (its ``FLAGS``), then the choice's own
+    launch for long rows."""
     route.check_device(scores)
     b, h_kv, n = scores.shape
     idx = _alloc(b, h_kv, k_max, dtype=torch.int32, device=scores.device)
     kept = _alloc(b, h_kv, dtype=torch.int32, device=scores.device)
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
-    forced = forced if forced.stride(-1) == 1 else forced.contiguous()
-    flags = forced.view(torch.uint8)
-    s_fb, s_fh = (flags.stride(0), 0) if flags.dim() == 2 else (flags.stride(0), flags.stride(1))
+    s_fb, s_fh = (0, 0) if flags is None else (flags.stride(0), 0) if flags.dim() == 2 else (flags.stride(0), flags.stride(1))
     keys = _alloc(b * h_kv, n, dtype=torch.int16, device=scores.device)
     count, s_cb, s_ch = _count_strides(count, b)
+    mode = 1 if count is not None else 2 if ratio > 0 else 0
+    ratio_bits = _ratio_bits(ratio)
     block, tail = tiles
     grid = (triton.cdiv(n, cfg.block_n), h_kv, b)
     own = _own_launch(cfg, n)
     _select_scores_kernel[grid](
-        scores, flags, count, keys, scratch, idx, kept,
+        scores, kept if flags is None else flags, kept if count is None else count,
+        kept if start is None else start, kept if length is None else length, keys, scratch, idx, kept,
         scores.stride(0), scores.stride(1), s_fb, s_fh, s_cb, s_ch,
-        n, k_max, b * h_kv * HIST_BINS,
-        BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
+        n, k_max, page, sinks, window, ratio_bits, fixed, b * h_kv * HIST_BINS,
+        FLAGS=flag_mode, COUNT=mode, BLOCK=cfg.block_n, GROUP=min(cfg.block_n, cfg.group), NB=HIST_BINS, LOW=LOW_BITS,
         ROW_BLOCK=block, ROW_TAIL=tail, STAGES=min(stages, 2) if own else stages, num_warps=cfg.num_warps,
     )
     if own:
-        _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n, k_max, mode=1)
+        _launch_finish(cfg, stages, tiles, keys, scratch, count, s_cb, s_ch, idx, kept, h_kv, n, k_max, mode,
+                       start=start, length=length, page=page, ratio_bits=ratio_bits, fixed=fixed)
     return idx, kept
 
 
-__all__ = ["HIST_BINS", "workspace_entries", "select_pages", "select_scores"]
+__all__ = ["HIST_BINS", "workspace_entries", "select_page_scores", "select_pages", "select_scores"]

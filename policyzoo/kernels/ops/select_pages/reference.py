@@ -63,6 +63,42 @@ def page_count(n_visible: Tensor, ratio: float, pages: int) -> Tensor:
     return torch.full_like(n_visible, pages)
 
 
+def page_flags(ids: Tensor, start: Tensor, length: Tensor, page_size: int, sinks: int, window: int) -> tuple[Tensor, Tensor]:
+    """``(seen, forced) bool``, shaped as the page ids ``ids int[B, ...]`` (``-1``: no page): a page
+    is seen when it holds a visible slot of its row (`visible_pages`), forced when it also holds one
+    of the row's first ``sinks`` or last ``max(window, 1)`` visible slots (the last page always)."""
+    shape = (ids.shape[0],) + (1,) * (ids.dim() - 1)
+    lo = ids.long() * page_size
+    start, length = start.view(shape), length.reshape(-1)[:1].view((1,) * ids.dim())
+    first, last = torch.maximum(lo, start), torch.minimum(lo + page_size, length)
+    seen = (ids >= 0) & (first < last)
+    return seen, seen & ((first < start + sinks) | (last > length - max(window, 1)))
+
+
+def select_page_scores(
+    scores: Tensor, start: Tensor, length: Tensor, k_max: int, count: Tensor | None = None, page_size: int = 16,
+    sinks: int = 0, window: int = 0, ratio: float = 0.0, pages: int = 0, ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A page policy's choice from its given page ``scores [B, H_kv, N]`` → ``(indices
+    int32[B, H_kv, k_max], kept int32[B, H_kv])``, positions in ``scores`` ascending, zeros after
+    ``kept``: `select_scores` with the visibility and the forced pages of `page_flags`.
+
+    The entries are the pages ``0 .. N-1``, or with ``ids int[B, H_kv, N]`` the page ids listed
+    (``-1``: an empty entry; a second stage's candidates). Entries on pages without a visible slot
+    are invalid. ``count`` (``int[B]`` or ``[B, H_kv]``), or without it (and without ``ids``)
+    `page_count` of the visible pages (``ratio`` or ``pages``)."""
+    b, h_kv, n = scores.shape
+    if ids is None:
+        ids = torch.arange(n, device=scores.device).expand(b, n)
+    elif count is None:
+        raise ValueError("select_page_scores over listed page ids needs a count: the keep ratio counts a row's pages")
+    seen, forced = page_flags(ids, start, length, page_size, sinks, window)
+    if count is None:
+        count = page_count(seen.sum(-1), ratio, pages)
+    seen = seen if seen.dim() == 3 else seen[:, None, :]
+    return select_scores(scores.masked_fill(~seen, -torch.inf), forced, count, k_max)
+
+
 def select_pages(
     q: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float, k_max: int,
     count: Tensor | None = None, page_size: int = 16, sinks: int = 0, window: int = 0, ratio: float = 0.0,
@@ -71,16 +107,8 @@ def select_pages(
     """`Quest`'s page choice with the box bound folded by the group's max → ``(indices
     int32[B, H_kv, k_max], kept int32[B, H_kv])``: page ids ascending, zeros after ``kept``.
 
-    The bound `quest_page_bound_grouped` (``agg="max"``), ``-inf`` on pages without a visible token;
-    the forced pages are the visible ones that hold one of a row's first ``sinks`` or last
-    ``max(window, 1)`` visible tokens (the last page always); then `select_scores` with ``count``
+    The bound `quest_page_bound_grouped` (``agg="max"``), then `select_page_scores` with ``count``
     (``int[B]`` or ``[B, H_kv]``), or without it `page_count` of the visible pages (``ratio`` or
     ``pages``)."""
-    n_pages = page_min.shape[2]
-    first, last = visible_pages(start, length, page_size, n_pages)
-    seen = first < last
-    scores = quest_page_bound_grouped(q, page_min, page_max, scale, "max").masked_fill(~seen[:, None, :], -torch.inf)
-    forced = seen & ((first < start[:, None] + sinks) | (last > length - max(window, 1)))
-    if count is None:
-        count = page_count(seen.sum(-1), ratio, pages)
-    return select_scores(scores, forced, count, k_max)
+    scores = quest_page_bound_grouped(q, page_min, page_max, scale, "max")
+    return select_page_scores(scores, start, length, k_max, count, page_size, sinks, window, ratio, pages)
