@@ -535,7 +535,9 @@ def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, blo
 def test_sketch_page_bound_listed(seed, d, h_kv, group, pages, listed, page, agg, method):
     """Scoring a list of pages gives, entry by entry, the full bound of the listed page (the same
     bits as the unlisted kernel), and ``-inf`` for an id outside the cache's pages; the reference
-    agrees on shape and on which entries are ``-inf``."""
+    agrees on shape and on which entries are ``-inf``. In the interpreter, the methods that sum by
+    tl.dot agree to rounding only: numpy's matmul may sum a row in another order when the tile's
+    other rows differ."""
     g_rand = gen(seed)
     b, n = 2, pages * page
     keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32)
@@ -554,7 +556,11 @@ def test_sketch_page_bound_listed(seed, d, h_kv, group, pages, listed, page, agg
     ok = (rows >= 0) & (rows < pages)
     at = torch.gather(full, 2, rows.clamp(0, pages - 1).long()).masked_fill(~ok, -torch.inf)
     assert got.shape == expected.shape == at.shape
-    assert torch.equal(got, at)
+    if MODE == "cuda" or method in ("sum", "rows"):
+        assert torch.equal(got, at)
+    else:
+        assert torch.equal(got.isneginf(), at.isneginf())
+        torch.testing.assert_close(got, at, rtol=1e-6, atol=1e-6)
     assert torch.equal(got.isneginf(), expected.isneginf())
 
 
