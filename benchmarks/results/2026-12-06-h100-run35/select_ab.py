@@ -5,9 +5,10 @@ shape, random bf16 weights, batch 1, compiled with a dynamic capacity, `benchmar
 (EOS id and a streamer, 64 new tokens, prefill excluded). Per context: dense, then each setting new,
 previous, new again. From the repository root on a CUDA machine:
 
-    python benchmarks/results/2026-12-06-h100-run35/select_ab.py out.json [deadline_s]
+    [CONTEXTS=32768] python benchmarks/results/2026-12-06-h100-run35/select_ab.py out.json [deadline_s]
 """
 import json
+import os
 import sys
 import time
 
@@ -38,6 +39,8 @@ def previous(state, scores, k_max, count, sinks, window, ids=None):
 
 
 PLAN = {131072: ["quest0.1-sketch", "quest0.1-nominate4"], 32768: ["quest0.1-sketch"]}
+if os.environ.get("CONTEXTS"):  # a subset, in the order given
+    PLAN = {int(c): PLAN[int(c)] for c in os.environ["CONTEXTS"].split(",")}
 model = common.random_model("llama-3.1-8b")
 rows = []
 for n, names in PLAN.items():
