@@ -6,5 +6,5 @@ python -c "import torch,triton,transformers;print(torch.__version__,triton.__ver
 timeout 60 python -m pytest -q -x tests/test_select_pages.py -p no:cacheprovider > $OUT/tests.txt 2>&1; tail -2 $OUT/tests.txt
 echo "tests $(( $(date +%s) - S0 )) s"
 LEFT=$(( 185 - ($(date +%s) - S0) ))
-CONTEXTS=32768 timeout $LEFT python benchmarks/results/2026-12-06-h100-run35/select_ab.py $OUT/select-ab.json $((LEFT - 25)) > $OUT/select-ab.txt 2>&1; tail -8 $OUT/select-ab.txt
+CONTEXTS=32768 timeout $LEFT python benchmarks/results/2026-12-06-offline-run35/select_ab.py $OUT/select-ab.json $((LEFT - 25)) > $OUT/select-ab.txt 2>&1; tail -8 $OUT/select-ab.txt
 echo "total $(( $(date +%s) - S0 )) s"

@@ -2,7 +2,7 @@
 against the rows method, compiled offline for sm_90 (no GPU), the Llama-3.1-8B layer's shapes.
 Uses run 33's counter. From the repository root:
 
-    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/results/2026-12-06-h100-run35/int_sass.py
+    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/results/2026-12-06-offline-run35/int_sass.py
 """
 import importlib.util
 import sys

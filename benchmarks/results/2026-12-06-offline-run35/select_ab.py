@@ -5,7 +5,7 @@ shape, random bf16 weights, batch 1, compiled with a dynamic capacity, `benchmar
 (EOS id and a streamer, 64 new tokens, prefill excluded). Per context: dense, then each setting new,
 previous, new again. From the repository root on a CUDA machine:
 
-    [CONTEXTS=32768] python benchmarks/results/2026-12-06-h100-run35/select_ab.py out.json [deadline_s]
+    [CONTEXTS=32768] python benchmarks/results/2026-12-06-offline-run35/select_ab.py out.json [deadline_s]
 """
 import json
 import os
