@@ -28,6 +28,7 @@ from .ops.page_fetch.reference import page_fetch
 from .ops.page_gaussians.reference import page_gaussians
 from .ops.quest_page_bound.reference import quest_page_bound, quest_page_bound_grouped
 from .ops.select_pages.reference import (
+    page_choice_inputs,
     page_count,
     page_flags,
     round_for_ranking,
@@ -65,6 +66,7 @@ __all__ = [
     "gaussian_entmax_threshold",
     "gaussian_relu",
     "gaussian_relu_sq",
+    "page_choice_inputs",
     "page_count",
     "page_flags",
     "page_fetch",

@@ -219,14 +219,9 @@ def choose_page_scores(state: KVState, scores: Tensor, k_max: int, count: Tensor
         indices, kept = kernels.select_page_scores(scores, c.start, c.length, k_max, given, page, sinks, window, ratio,
                                                    pages, ids, workspace=state.workspace)
         return Selection(indices, kept, block=page if ids is None else 1)
-    b, _, n = scores.shape
-    listed = torch.arange(n, device=scores.device).expand(b, n) if ids is None else ids
-    seen, forced = kernels.reference.page_flags(listed, c.start, c.length, page, sinks, window)
-    if given is None:
-        given = kernels.reference.page_count(seen.sum(-1), ratio, pages)
-    seen = seen if seen.dim() == 3 else seen[:, None, :]
-    return choose_topk_steps(scores.masked_fill(~seen, -torch.inf), forced, k_max, given,
-                             page if ids is None else 1, workspace=state.workspace)
+    masked, forced, given = kernels.reference.page_choice_inputs(scores, c.start, c.length, given, page, sinks, window,
+                                                                 ratio, pages, ids)
+    return choose_topk_steps(masked, forced, k_max, given, page if ids is None else 1, workspace=state.workspace)
 
 
 def box_pages(state: KVState, q: Tensor, k_max: int, count: Tensor | Budget, sinks: int, window: int) -> Selection:

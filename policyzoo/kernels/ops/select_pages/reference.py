@@ -75,18 +75,14 @@ def page_flags(ids: Tensor, start: Tensor, length: Tensor, page_size: int, sinks
     return seen, seen & ((first < start + sinks) | (last > length - max(window, 1)))
 
 
-def select_page_scores(
-    scores: Tensor, start: Tensor, length: Tensor, k_max: int, count: Tensor | None = None, page_size: int = 16,
-    sinks: int = 0, window: int = 0, ratio: float = 0.0, pages: int = 0, ids: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """A page policy's choice from its given page ``scores [B, H_kv, N]`` → ``(indices
-    int32[B, H_kv, k_max], kept int32[B, H_kv])``, positions in ``scores`` ascending, zeros after
-    ``kept``: `select_scores` with the visibility and the forced pages of `page_flags`.
-
-    The entries are the pages ``0 .. N-1``, or with ``ids int[B, H_kv, N]`` the page ids listed
-    (``-1``: an empty entry; a second stage's candidates). Entries on pages without a visible slot
-    are invalid. ``count`` (``int[B]`` or ``[B, H_kv]``), or without it (and without ``ids``)
-    `page_count` of the visible pages (``ratio`` or ``pages``)."""
+def page_choice_inputs(
+    scores: Tensor, start: Tensor, length: Tensor, count: Tensor | None = None, page_size: int = 16, sinks: int = 0,
+    window: int = 0, ratio: float = 0.0, pages: int = 0, ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(scores, forced, count)`` for `select_scores` from given page ``scores [B, H_kv, N]``: the
+    scores ``-inf`` on entries whose page holds no visible slot, the flags of `page_flags`, and
+    ``count`` or, without it (and without ``ids``), `page_count` of the visible pages. The entries are
+    the pages ``0 .. N-1``, or with ``ids int[B, H_kv, N]`` the page ids listed (``-1``: none)."""
     b, h_kv, n = scores.shape
     if ids is None:
         ids = torch.arange(n, device=scores.device).expand(b, n)
@@ -96,7 +92,24 @@ def select_page_scores(
     if count is None:
         count = page_count(seen.sum(-1), ratio, pages)
     seen = seen if seen.dim() == 3 else seen[:, None, :]
-    return select_scores(scores.masked_fill(~seen, -torch.inf), forced, count, k_max)
+    return scores.masked_fill(~seen, -torch.inf), forced, count
+
+
+def select_page_scores(
+    scores: Tensor, start: Tensor, length: Tensor, k_max: int, count: Tensor | None = None, page_size: int = 16,
+    sinks: int = 0, window: int = 0, ratio: float = 0.0, pages: int = 0, ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A page policy's choice from its given page ``scores [B, H_kv, N]`` → ``(indices
+    int32[B, H_kv, k_max], kept int32[B, H_kv])``, positions in ``scores`` ascending, zeros after
+    ``kept``: `select_scores` of `page_choice_inputs` (the visibility, the forced pages of
+    `page_flags` and the budget).
+
+    The entries are the pages ``0 .. N-1``, or with ``ids int[B, H_kv, N]`` the page ids listed
+    (``-1``: an empty entry; a second stage's candidates). Entries on pages without a visible slot
+    are invalid. ``count`` (``int[B]`` or ``[B, H_kv]``), or without it (and without ``ids``)
+    `page_count` of the visible pages (``ratio`` or ``pages``)."""
+    masked, forced, count = page_choice_inputs(scores, start, length, count, page_size, sinks, window, ratio, pages, ids)
+    return select_scores(masked, forced, count, k_max)
 
 
 def select_pages(
