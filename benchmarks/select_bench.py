@@ -53,8 +53,9 @@ import functools
 import itertools
 import json
 import math
+import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Iterator
 from unittest import mock
@@ -91,10 +92,13 @@ def policies(keep: float = 0.1) -> dict[str, Callable[[], object]]:
 
 def prepared(policy, states: list[KVState], q: torch.Tensor):
     """``policy`` ready to select on each of ``states``: a `CommunityKV` gets its communities there
-    (`probes.prefill_communities`); the page policies need nothing."""
+    (`probes.prefill_communities`); the page policies need nothing. On the CPU (a smoke test) the
+    prefill takes the torch references: it is not what the probe times, and its graph kernel takes
+    seconds per copy in Triton's interpreter."""
     if isinstance(policy, CommunityKV):
-        for state in states:
-            prefill_communities(policy, state, q)
+        with mock.patch.dict(os.environ, {"POLICYZOO_TRITON": "0"}) if common.DEVICE == "cpu" else nullcontext():
+            for state in states:
+                prefill_communities(policy, state, q)
     return policy
 
 
@@ -161,6 +165,19 @@ def layer_copies(n: int, copies: int | None) -> list[KVState]:
     return [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
 
 
+def selected_and_timed(call: Callable[[KVState], Selection], states: list[KVState]) -> tuple[Selection, float]:
+    """The selection ``call`` makes on the first copy of the layer (eager), and the time of ``call``
+    compiled, cycling through ``states``. On the CPU, a smoke test whose timings mean nothing, the
+    eager call's own time: each call there takes seconds in the interpreter."""
+    t0 = time.perf_counter()
+    sel = call(states[0])
+    if common.DEVICE != "cuda":
+        return sel, (time.perf_counter() - t0) * 1e6
+    fn = compiled(call)
+    warm(fn, states)
+    return sel, time_us(rotating(fn, states))
+
+
 def selected_bytes(sel: Selection, cache, dtype_bytes: int = 2) -> float:
     """Bytes of keys and values the selection's visible tokens hold."""
     tokens = float(sel.kept_tokens(cache.token_valid()).sum())
@@ -200,17 +217,10 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
             policy = prepared(made[name](), states, q)
             call = lambda s: policy.select(s, q)  # noqa: E731
             with old_path():
-                old = call(state)
-            new = call(state)
+                old, old_us = selected_and_timed(call, states)
+            new, new_us = selected_and_timed(call, states)
             same, differ = same_choice(old, new)
             row.update({"same": same, "entries_differing": differ})
-            with old_path():
-                old_fn = compiled(call)
-                warm(old_fn, states)
-                old_us = time_us(rotating(old_fn, states))
-            new_fn = compiled(call)
-            warm(new_fn, states)
-            new_us = time_us(rotating(new_fn, states))
             attn_us = time_us(attend(new))
             nbytes = selected_bytes(new, cache)
             row.update({"old_select_us": old_us, "new_select_us": new_us, "speedup": old_us / new_us,
@@ -234,10 +244,8 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
             return kernels.gaussian_entmax_threshold(m, s, counts, cap, 12, workspace=state.workspace)
 
         with override(entmax_threshold=EntmaxThresholdConfig(split=1)):
-            one = threshold()
-            one_us = time_us(threshold)
-        split = threshold()
-        split_us = time_us(threshold) if common.DEVICE == "cuda" else one_us
+            one, one_us = result_and_us(threshold)
+        split, split_us = result_and_us(threshold)
         err = float(((one - split).abs() / (1 + one.abs())).max())
         row.update({"old_select_us": one_us, "new_select_us": split_us, "speedup": one_us / split_us, "rel_diff": err})
         print(f"n={n:>7} gaussian threshold [1, {H}, {cache.num_pages}]: one program a row {one_us:7.1f} us, "
@@ -257,14 +265,20 @@ ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp,
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
 
 
+def result_and_us(call: Callable[[], object]) -> tuple[object, float]:
+    """``call()``'s result, and its time (`time_us`, after that call); on the CPU the call's own time."""
+    t0 = time.perf_counter()
+    out = call()
+    return out, (time_us(call) if common.DEVICE == "cuda" else (time.perf_counter() - t0) * 1e6)
+
+
 def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Callable[[], object],
           same: Callable[[object, object], bool]) -> None:
     """Time ``call`` under the default `kind` config and each override of ``grid`` (fields over the
     defaults), each checked first against the default's result (``same``); a row per config."""
     if common.DEVICE != "cuda":
         grid = grid[:2]  # a smoke test: the code path, not the timings
-    want = call()
-    default_us = time_us(call)
+    want, default_us = result_and_us(call)
     best = ("default", default_us)
     rows.append({"section": "tune", "case": case, "context": n, "config": "default", "us": default_us})
     for fields in grid:
@@ -272,8 +286,8 @@ def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Cal
         row = {"section": "tune", "case": case, "context": n, "config": label}
         try:
             with override(**{kind.keyword: kind(**fields)}):
-                ok = same(call(), want)
-                us = time_us(call)
+                got, us = result_and_us(call)
+                ok = same(got, want)
             row.update({"us": us, "correct": ok})
             if ok and us < best[1]:
                 best = (label, us)

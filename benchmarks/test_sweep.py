@@ -25,7 +25,7 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path),
            "--only", "variants,kernel,select,step,gemvfused", "--variants", "select_top,merge,page_bound,sketch_bound,attention_pages,epilogue,append", "--contexts", "256",
-           "--select-contexts", "256", "--select-policies", "quest0.1,attn-topk0.1,entmax-kv0.1", "--settings", "dense,quest0.1,topk0.5"]
+           "--select-contexts", "256", "--select-policies", "quest0.1,attn-topk0.1,entmax-kv0.1", "--settings", "dense,quest0.1"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
 
@@ -52,7 +52,7 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     assert {r["setting"] for r in by_section["select"]} == {"dense", "quest0.1", "attn-topk0.1", "entmax-kv0.1 (softmax)"}
     assert all(r["select_us"] > 0 and 0 < r["kv_keep"] <= 1 for r in by_section["select"] if r["setting"] != "dense")
     step = {r["setting"]: r for r in by_section["step"]}
-    assert set(step) == {"dense", "quest0.1", "topk0.5"}
+    assert set(step) == {"dense", "quest0.1"}
     assert step["dense"]["speedup"] == 1.0 and all(r["ms"] > 0 and r["bound"] >= 1.0 for r in step.values())
     fused = [r for r in rows if r["section"] == "gemvfused"]
     assert {(r["shape"], r["batch"]) for r in fused} == {(s, b) for s in ("q|k|v", "o", "gate|up", "down") for b in (1, 4, 16)}
@@ -98,7 +98,8 @@ def test_compiled_rows_with_a_dynamic_capacity_compile_once_per_setting(tmp_path
 def test_compile_section_times_each_policy_in_a_cold_process(tmp_path):
     """The compile section: one child process per (policy, mode) on a toy model, rows with the
     compile time, its phases and the graph size; a child past its timeout is a row, not a crash."""
-    env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
+    # the torch references: what is timed is the compile, and the interpreter would only slow the steps
+    env = {k: v for k, v in os.environ.items() if k != "POLICYZOO_TRITON"}
     base = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--only", "compile", "--compile-context", "48",
             "--compile-backend", "aot_eager", "--deadline", "3000"]  # a child gets at most the time left
     cmd = base + ["--out", str(tmp_path / "a"), "--compile-policies", "quest0.1", "--compile-modes", "regional,whole"]
