@@ -5,7 +5,7 @@ Triton's interpreter (`triton_mode`: in a fresh one when triton was loaded compi
 
 from __future__ import annotations
 
-from triton_mode import MODE, poisoned, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, examples, poisoned, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -22,7 +22,7 @@ here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_community_ch
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 WORKSPACE = kernels.Workspace(DEVICE) if MODE != "subprocess" else None
-SETTINGS = settings(max_examples=40, deadline=None, database=None)
+SETTINGS = settings(max_examples=examples(40), deadline=None, database=None)
 
 
 @pytest.mark.skipif(MODE != "subprocess", reason="the kernels run in this process")

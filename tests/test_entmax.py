@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from triton_mode import MODE  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, examples  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
@@ -282,7 +282,7 @@ kernel_here = pytest.mark.skipif(
     not route.HAS_TRITON or MODE == "subprocess", reason="no triton, or run by test_threshold_kernel_in_fresh_interpreter"
 )
 KERNEL_DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
-KERNEL_SETTINGS = settings(max_examples=20, deadline=None, database=None)
+KERNEL_SETTINGS = settings(max_examples=examples(20), deadline=None, database=None)
 
 
 @pytest.mark.skipif(not route.HAS_TRITON or MODE != "subprocess", reason="the kernel runs in this process")

@@ -13,7 +13,7 @@ Every example draws fresh random inputs (seeded by hypothesis), and every buffer
 scratch element it reads without having written it, fails the test.
 """
 
-from triton_mode import MODE, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, examples, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
@@ -78,8 +78,8 @@ def test_kernels_in_fresh_interpreter():
 
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-SETTINGS = settings(max_examples=20, deadline=None, database=None)
-ATTENTION_SETTINGS = settings(max_examples=25, deadline=None, database=None)
+SETTINGS = settings(max_examples=examples(20), deadline=None, database=None)
+ATTENTION_SETTINGS = settings(max_examples=examples(25), deadline=None, database=None)
 
 
 def poisoned():
@@ -1161,7 +1161,7 @@ def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch, kept):
 
 
 @here
-@settings(max_examples=40, deadline=None, database=None)
+@settings(max_examples=examples(40), deadline=None, database=None)
 @given(
     seed=st.integers(0, 2**16),
     rows=st.integers(1, 5),

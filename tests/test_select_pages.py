@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 
-from triton_mode import MODE, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, examples, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
@@ -38,7 +38,7 @@ here = pytest.mark.skipif(MODE == "subprocess", reason="run by test_select_pages
 
 DEVICE = torch.device("cuda" if MODE == "cuda" else "cpu")
 WORKSPACE = kernels.Workspace(DEVICE) if MODE != "subprocess" else None
-SETTINGS = settings(max_examples=25, deadline=None, database=None)
+SETTINGS = settings(max_examples=examples(25), deadline=None, database=None)
 # Rows from this length are chosen by a launch of their own: every row (0), rows longer than most
 # drawn rows, and none of them (the default's 2,048).
 FINISH_MIN_ROWS = st.sampled_from([0, 100, 2048])

@@ -10,6 +10,9 @@ MODE``): it sets the variable when it can (on CPU, triton not yet loaded).
 process, so the module re-runs itself in a fresh interpreter with the variable set:
 `run_in_fresh_interpreter`).
 
+`examples` is a kernel property test's hypothesis budget: the full count on the GPU, half of it in the
+interpreter, where one example takes seconds and the CPU suite has a time budget to keep.
+
 `poisoned` makes the buffers a kernel module allocates (through its ``_alloc``) start as garbage, so
 that a test sees every entry the kernel fails to write.
 """
@@ -41,6 +44,13 @@ def run_in_fresh_interpreter(test_file: str) -> None:
     cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
     res = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+
+
+def examples(on_gpu: int) -> int:
+    """How many hypothesis examples a kernel property test draws: ``on_gpu`` there, half of it (at
+    least 5) in the interpreter. The tests keep no example database, so each CI run draws afresh and
+    the runs add up to the full search."""
+    return on_gpu if MODE == "cuda" else max(5, on_gpu // 2)
 
 
 @contextmanager
