@@ -37,7 +37,7 @@ def test_summary_ratios_are_within_rounds():
 
 
 def test_ab_runs_on_cpu(tmp_path):
-    rows = ab.main(["--tiny", "--backend", "aot_eager", "--generate", "dense@64", "--new-tokens", "8", "--rounds", "2",
+    rows = ab.main(["--tiny", "--backend", "eager", "--generate", "dense@64", "--new-tokens", "8", "--rounds", "2",
                     "--variant", "base=", "--variant", "tiles=attention.block_t=16,env:POLICYZOO_AB_SMOKE=1",
                     "--out", str(tmp_path)])
     assert [r for r in rows if "error" in r] == []
