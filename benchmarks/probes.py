@@ -515,7 +515,7 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
     if "append" in groups:
         n = 4096 if small else 32768
         for page in (PAGE, 64):
-            for kept in ((), ("page_min", "page_max"), SUMMARIES, ("page_min", "page_max", SKETCH)):
+            for kept in ((), ("page_min", "page_max"), SUMMARIES):
                 cache = PagedKVCache(1, 1, H_KV, D, n + 2 * page, page_size=page, dtype=torch.bfloat16, device=dev,
                                      summaries=kept)
                 cache.keys[0].normal_()
@@ -523,8 +523,7 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
                 cache.summarise(0, slice(0, cache.num_pages))
                 k, v = (torch.randn(1, H_KV, 1, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
                 dest = lambda c: tuple(getattr(c, s)[0] if c.keeps(s) else None for s in SUMMARIES)  # noqa: E731
-                args = lambda c: (k, v, c.keys[0], c.values[0], dest(c), c.start, c.length, page,  # noqa: E731
-                                  c.key_sketch[0] if c.keeps(SKETCH) else None)
+                args = lambda c: (k, v, c.keys[0], c.values[0], dest(c), c.start, c.length, page)  # noqa: E731
                 twin = PagedKVCache(1, 1, H_KV, D, n + 2 * page, page_size=page, dtype=torch.bfloat16, device=dev,
                                     summaries=kept)
                 for a, b in zip(cache.tensors(), twin.tensors()):
@@ -533,7 +532,7 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
                 kernels.reference.cache_append(*args(twin))
                 problem = "" if all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5)
                                     for a, b in zip(cache.tensors(), twin.tensors())) else "differs from the reference"
-                label = f"cache append page {page}, {len(kept)} summaries" + (" (sketch)" if SKETCH in kept else "")
+                label = f"cache append page {page}, {len(kept)} summaries"
                 for name, fn in (("kernel", lambda: kernels.cache_append.triton(*args(cache))),
                                  ("torch reference (eager)", lambda: kernels.reference.cache_append(*args(twin)))):
                     us = common.graph_time_ms(fn) * 1e3

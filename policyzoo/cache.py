@@ -243,14 +243,15 @@ class PagedKVCache:
         """Write one token ``k, v [B, H_kv, 1, D]`` at slot ``length - 1``; refresh its page.
 
         Only the touched page is re-summarised (``page_size`` keys per head), so the cost per step
-        is constant and the summaries always equal a recomputation over the visible tokens; the key
-        sketch codes the whole page again, since its min or max may have moved its grid. On the
+        is constant and the summaries always equal a recomputation over the visible tokens. On the
         kernel path it is one launch (`kernels.cache_append`).
         """
         kept = tuple(getattr(self, name)[layer] if self.keeps(name) else None for name in SUMMARIES)
-        codes = self.key_sketch[layer] if self.keeps(SKETCH) else None  # the page's codes, on its new grid
-        kernels.cache_append(k, v, self.keys[layer], self.values[layer], kept, self.start, self.length, self.page_size,
-                             codes)
+        kernels.cache_append(k, v, self.keys[layer], self.values[layer], kept, self.start, self.length, self.page_size)
+        if self.keeps(SKETCH):
+            # The page's min or max may have moved, which moves its grid: recode the whole page.
+            page = torch.div(self.length - 1, self.page_size, rounding_mode="floor").reshape(1)
+            self._encode(layer, page)
 
     # ------------------------------------------------------------------ sliding-window rings
     def write_window(self, layer: int, k: Tensor, v: Tensor, first: int) -> None:

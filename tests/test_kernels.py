@@ -824,12 +824,11 @@ PAIRS = {"none": (), "min/max": (0, 1), "mean/std": (2, 3), "all": (0, 1, 2, 3)}
 @st.composite
 def append_cases(draw):
     """A cache with random keys, a length, per-row starts (some after the new slot: a row whose
-    token is not visible), poisoned summaries, the summaries to keep, and (with min and max, half
-    the time) random key-sketch codes to recode."""
+    token is not visible), poisoned summaries, and the summaries to keep."""
     g = gen(draw(st.integers(0, 2**31 - 1)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     b, h = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    d = draw(st.sampled_from([8, 9, 64, 80, 128]))
+    d = draw(st.sampled_from([8, 64, 80, 128]))
     page = draw(st.sampled_from([1, 3, 4, 16]))
     pages = draw(st.integers(1, 4))
     n = page * pages
@@ -841,22 +840,18 @@ def append_cases(draw):
     summaries = [torch.full((b, h, pages, d), nan, dtype=t, device=DEVICE) for t in (dtype, dtype, torch.float32, torch.float32)]
     kept = draw(st.sampled_from(sorted(PAIRS)))
     summaries = tuple(s if i in PAIRS[kept] else None for i, s in enumerate(summaries))
-    codes = None
-    if 0 in PAIRS[kept] and draw(st.booleans()):
-        codes = torch.randint(0, 256, (b, h, n, (d + 1) // 2), generator=g, dtype=torch.uint8).to(DEVICE)
     return dict(k=k, v=v, keys=keys, values=values, summaries=summaries, start=start.to(DEVICE),
-                length=torch.tensor(length, device=DEVICE), page=page, codes=codes)
+                length=torch.tensor(length, device=DEVICE), page=page)
 
 
 def _clone(case):
     c = dict(case, keys=case["keys"].clone(), values=case["values"].clone())
     c["summaries"] = tuple(s.clone() if s is not None else None for s in case["summaries"])
-    c["codes"] = case["codes"].clone() if case["codes"] is not None else None
     return c
 
 
 def _append_args(c):
-    return c["k"], c["v"], c["keys"], c["values"], c["summaries"], c["start"], c["length"], c["page"], c["codes"]
+    return c["k"], c["v"], c["keys"], c["values"], c["summaries"], c["start"], c["length"], c["page"]
 
 
 @here
@@ -864,18 +859,11 @@ def _append_args(c):
 @given(case=append_cases())
 def test_cache_append(case):
     """Key and value land at slot length - 1; the touched page's kept summaries equal the reference
-    (min and max exactly: they are key values), and so do its key-sketch codes, every slot of the
-    page recoded; every other page and slot is left alone."""
+    (min and max exactly: they are key values), every other page and slot is left alone."""
     got, want = _clone(case), _clone(case)
     kernels.cache_append.triton(*_append_args(got))
     ref.cache_append(*_append_args(want))
     assert torch.equal(got["keys"], want["keys"]) and torch.equal(got["values"], want["values"])
-    if case["codes"] is not None:
-        assert torch.equal(got["codes"], want["codes"])
-        page = (int(case["length"]) - 1) // case["page"]
-        outside = torch.ones(case["codes"].shape[2], dtype=torch.bool)
-        outside[page * case["page"] : (page + 1) * case["page"]] = False
-        assert torch.equal(got["codes"][:, :, outside.to(DEVICE)], case["codes"][:, :, outside.to(DEVICE)])
     for i, (a, e) in enumerate(zip(got["summaries"], want["summaries"])):
         if a is None:
             continue
@@ -885,68 +873,6 @@ def test_cache_append(case):
     for s in got["summaries"]:  # the touched page was written everywhere (it started as NaN)
         if s is not None:
             assert not s[:, :, page].isnan().any()
-
-
-@here
-def test_cache_append_codes_ties_to_even_as_the_reference():
-    """Keys halfway between two grid points (k - min = n + 1/2 steps) take the even code, as
-    torch.round does; keys outside the page's range (slots not visible) clamp to 0 and 15."""
-    d, page = 16, 8
-    keys = torch.zeros(1, 1, 2 * page, d, device=DEVICE)
-    keys[0, 0, :page] = torch.arange(page, dtype=torch.float32, device=DEVICE)[:, None] * 2 + 0.5  # 0.5 .. 14.5
-    keys[0, 0, 0] = 0.0
-    keys[0, 0, 1, : d // 2] = 15.0  # the page's grid: min 0, max 15, step 1 (in the first half of the channels)
-    keys[0, 0, 1, d // 2 :] = 7.5
-    keys[0, 0, page - 1] = torch.linspace(-40.0, 40.0, d, device=DEVICE)  # not visible: outside the grid
-    k = keys[:, :, page - 2 : page - 1].clone()
-    start, length = torch.zeros(1, dtype=torch.long, device=DEVICE), torch.tensor(page - 1, device=DEVICE)
-    cases = []
-    for _ in range(2):
-        codes = torch.zeros(1, 1, 2 * page, d // 2, dtype=torch.uint8, device=DEVICE)
-        summaries = tuple(torch.zeros(1, 1, 2, d, device=DEVICE) for _ in range(2)) + (None, None)
-        cases.append(dict(k=k, v=k, keys=keys.clone(), values=keys.clone(), summaries=summaries, start=start,
-                          length=length, page=page, codes=codes))
-    kernels.cache_append.triton(*_append_args(cases[0]))
-    ref.cache_append(*_append_args(cases[1]))
-    got, want = cases[0]["codes"], cases[1]["codes"]
-    assert torch.equal(got, want)
-    low = (want[0, 0, 2:page - 1] & 15).long()  # keys 4.5, 6.5, ... on step 1: the even neighbour
-    assert torch.equal(low[:, 0], torch.tensor([4, 6, 8, 10, 12], device=DEVICE))
-
-
-_SM90_APPEND = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from policyzoo.kernels.ops.cache_append import kernel as K
-fn = K._cache_append_kernel
-pointers = dict(k_ptr="*bf16", v_ptr="*bf16", keys_ptr="*bf16", values_ptr="*bf16", mn_ptr="*bf16", mx_ptr="*bf16",
-                mean_ptr="*fp32", std_ptr="*fp32", code_ptr="*u8", start_ptr="*i64", length_ptr="*i64")
-for page, d, minmax, moments, sketch in ((16, 128, True, False, True), (3, 9, True, True, True), (16, 128, True, True, False)):
-    const = dict(D=d, D_PAD=triton.next_power_of_2(d), DH=(d + 1) // 2, DH_PAD=triton.next_power_of_2((d + 1) // 2),
-                 PAGE=page, PAGE_PAD=triton.next_power_of_2(page), MINMAX=minmax, MOMENTS=moments, SKETCH=sketch)
-    sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K._warps(page * d, sketch)))
-    assert kernel.asm["cubin"]
-print("compiled")
-"""
-
-
-def test_cache_append_compiles_for_sm90():
-    """The interpreter runs code that the compiler refuses (a module global read in the kernel, for
-    one): the append kernel, with the key sketch and without, compiles for an H100/H200 (sm_90)
-    with the toolchain Triton ships, no GPU needed."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", _SM90_APPEND], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
 def test_cache_append_refuses_unpaired_summaries_and_bad_shapes():
@@ -960,12 +886,6 @@ def test_cache_append_refuses_unpaired_summaries_and_bad_shapes():
         append_kernel.cache_append(k, k, keys, keys.clone(), (pages, pages.clone(), None, None), start, length, 2)
     with pytest.raises(ValueError, match="expected k, v"):
         append_kernel.cache_append(k[:, :1], k, keys, keys.clone(), (None,) * 4, start, length, 4)
-    codes = torch.zeros(1, 2, 8, 2, dtype=torch.uint8, device=DEVICE)
-    with pytest.raises(ValueError, match="min and max"):  # the sketch's grid
-        append_kernel.cache_append(k, k, keys, keys.clone(), (None,) * 4, start, length, 4, codes)
-    with pytest.raises(ValueError, match="codes must be uint8"):
-        append_kernel.cache_append(k, k, keys, keys.clone(), (pages, pages.clone(), None, None), start, length, 4,
-                                   codes[:, :, :4])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1072,7 +992,6 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(
         torch.ops.policyzoo.cache_append.default,
         (keys[:, :, :1].clone(), keys[:, :, :1].clone(), keys, keys.clone(), mn, mn.clone(), mean, mean.clone(),
-         torch.randint(0, 256, (2, 2, 8, 8), dtype=torch.uint8, device=DEVICE),
          torch.zeros(2, dtype=torch.long, device=DEVICE), torch.tensor(5, device=DEVICE), 4),
         test_utils=checks,
     )
@@ -1123,16 +1042,14 @@ def test_torch_compile_traces_a_workspace_through(monkeypatch):
 
 
 @here
-@pytest.mark.parametrize("kept", [("page_min",), ("key_sketch",)])
-def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch, kept):
+def test_compiled_cache_append_writes_the_cache_in_place(monkeypatch):
     """Under Inductor the mutating op runs on the cache's own tensors (re-inplaced, no copy of the
-    cache), so a compiled decode step sees its writes, the key sketch's codes too; as eager, through
-    the reference."""
+    cache), so a compiled decode step sees its writes; as eager, through the reference."""
     from policyzoo.cache import PagedKVCache
 
     monkeypatch.setenv("POLICYZOO_TRITON", "1")
     g = gen(3)
-    caches = [PagedKVCache(1, 2, 2, 16, 32, page_size=4, summaries=kept, device=DEVICE) for _ in range(2)]
+    caches = [PagedKVCache(1, 2, 2, 16, 32, page_size=4, summaries=("page_min",), device=DEVICE) for _ in range(2)]
     for c in caches:
         c.keys[0].copy_(randn(gen(1), 2, 2, 32, 16))
         c.reset(torch.tensor([0, 3]), 9)

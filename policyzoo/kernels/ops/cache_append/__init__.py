@@ -1,7 +1,6 @@
 """The decode step's cache append: the op ``policyzoo::cache_append``, in place.
 
-`cache_append` writes a decode token at slot ``length - 1`` and refreshes its page's kept summaries
-and, where the cache keeps it, the page's key sketch.
+`cache_append` writes a decode token at slot ``length - 1`` and refreshes its page's kept summaries.
 Specification: ``reference.py``; kernel: ``kernel.py`` (one launch; its warps follow the page size
 and head dim, so it has no launch config).
 """
@@ -19,7 +18,7 @@ if HAS_TRITON:
 
 
 @torch.library.custom_op(
-    "policyzoo::cache_append", mutates_args=("keys", "values", "page_min", "page_max", "page_mean", "page_std", "codes")
+    "policyzoo::cache_append", mutates_args=("keys", "values", "page_min", "page_max", "page_mean", "page_std")
 )
 def _cache_append_op(
     k: Tensor,
@@ -30,18 +29,17 @@ def _cache_append_op(
     page_max: Tensor,
     page_mean: Tensor,
     page_std: Tensor,
-    codes: Tensor,
     start: Tensor,
     length: Tensor,
     page_size: int,
 ) -> None:
     need_triton()
     kept = tuple(s if s.numel() else None for s in (page_min, page_max, page_mean, page_std))
-    kernel.cache_append(k, v, keys, values, kept, start, length, page_size, codes if codes.numel() else None)
+    kernel.cache_append(k, v, keys, values, kept, start, length, page_size)
 
 
 @_cache_append_op.register_fake
-def _(k, v, keys, values, page_min, page_max, page_mean, page_std, codes, start, length, page_size):
+def _(k, v, keys, values, page_min, page_max, page_mean, page_std, start, length, page_size):
     return None
 
 
@@ -55,15 +53,12 @@ def cache_append(
     start: Tensor,
     length: Tensor,
     page_size: int,
-    codes: Tensor | None = None,
 ) -> None:
-    """Write a decode token at slot ``length - 1`` and refresh its page's kept summaries and key
-    sketch ``codes`` (if kept), in place; see `reference.cache_append`. On the kernel path a summary
-    the cache does not keep travels as an empty tensor (an op's mutable arguments cannot be optional
-    in every torch this runs on)."""
+    """Write a decode token at slot ``length - 1`` and refresh its page's kept summaries, in place;
+    see `reference.cache_append`. On the kernel path a summary the cache does not keep travels as an
+    empty tensor (an op's mutable arguments cannot be optional in every torch this runs on)."""
     absent = [keys.new_empty(0) if s is None else s for s in summaries]
-    sketch = keys.new_empty(0, dtype=torch.uint8) if codes is None else codes
-    torch.ops.policyzoo.cache_append(k, v, keys, values, *absent, sketch, start, length, int(page_size))
+    torch.ops.policyzoo.cache_append(k, v, keys, values, *absent, start, length, int(page_size))
 
 
 __all__ = ["cache_append"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..sketch_page_bound.reference import sketch_encode
-
 
 def cache_append(
     k: Tensor,
@@ -17,7 +15,6 @@ def cache_append(
     start: Tensor,
     length: Tensor,
     page_size: int,
-    codes: Tensor | None = None,
 ) -> None:
     """Write one decode token and refresh its page's summaries, in place.
 
@@ -29,15 +26,10 @@ def cache_append(
             (``start[b] <= t < length``); min and max are stored in their tensor's dtype (exact:
             they are key values), mean and std in theirs (fp32 in the cache).
         start, length: ``int64[B]`` first visible slot per row, 0-dim ``int64`` slots written.
-        codes: the key sketch ``uint8[B, H_kv, N, ceil(D/2)]``, or ``None`` (not kept; needs min
-            and max). The page's min or max may have moved, which moves its grid: every slot of
-            the page is coded again (`sketch_encode`) on its new min/max as stored.
     """
     slot = (length - 1).reshape(1)
     keys.index_copy_(2, slot, k.to(keys.dtype))
     values.index_copy_(2, slot, v.to(values.dtype))
-    if codes is not None and (summaries[0] is None or summaries[1] is None):
-        raise ValueError("cache_append codes the key sketch on the page's min and max: keep them too")
     if all(s is None for s in summaries):
         return
     b, h, n, d = keys.shape
@@ -49,10 +41,6 @@ def cache_append(
     for dest, value in zip(summaries, stats):
         if dest is not None:
             dest.index_copy_(2, page, value.to(dest.dtype))
-    if codes is not None:
-        lo, hi = (s.index_select(2, page) for s in summaries[:2])  # [B, H_kv, 1, D], as stored
-        coded = sketch_encode(tile, lo, hi)  # [B, H_kv, 1, P, ceil(D/2)]
-        codes.index_copy_(2, pos, coded.flatten(2, 3))
 
 
 def page_summaries(k: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
