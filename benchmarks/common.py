@@ -12,7 +12,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -355,6 +355,20 @@ def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     """One call of each of ``fns`` per call, in turn (so a captured graph cycles through copies)."""
     turn = itertools.cycle(fns)
     return lambda: next(turn)()
+
+
+T = TypeVar("T")
+
+
+def call_and_time_ms(fn: Callable[[], T], timed: Callable[[], object] | None = None) -> tuple[T, float]:
+    """``(fn(), ms)``: the result of one call of ``fn`` and then the per-call time of ``timed`` (default
+    ``fn``) by `graph_time_ms`. On the CPU, a smoke test with the kernels in Triton's interpreter
+    (each call takes seconds, and the figure means nothing), the time of that one call instead."""
+    t0 = time.perf_counter()
+    out = fn()
+    if DEVICE != "cuda":
+        return out, (time.perf_counter() - t0) * 1e3
+    return out, graph_time_ms(timed or fn)
 
 
 def graph_time_ms(fn: Callable[[], object], calls: int = 20) -> float:

@@ -262,10 +262,10 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
                 row = dict(base, setting=f"threshold GEMV {name}", config=c)
                 try:
                     with override(gemv=replace(current(GemvConfig), **c)):
-                        yc = gemv(x, t, ws[0], seg)
+                        yc, ms = common.call_and_time_ms(lambda: gemv(x, t, ws[0], seg),
+                                                         timed=common.rotating([lambda w=w: gemv(x, t, w, seg) for w in ws]))
                         e = ((yc.float() - ref).norm() / ref.norm()).item()
-                        us = common.graph_time_ms(
-                            common.rotating([lambda w=w: gemv(x, t, w, seg) for w in ws])) * 1e3
+                        us = ms * 1e3
                     row.update({"us": us, "TB/s": read / (us * 1e-6) / 1e12, "vs_cublas": dense_us / us, "rel_err": e})
                     print(f"gemvfused {label:<8} B={b:<3} union {union:.3f} {name:<46} {us:7.1f} us {row['TB/s']:5.2f} TB/s "
                           f"(cuBLAS {dense_us:6.1f} us {base['cublas_TB/s']:4.2f} TB/s) x{dense_us/us:4.2f} err {e:.1e}", flush=True)
@@ -298,11 +298,8 @@ def _pick(rows, section, label, fn, check, candidates: dict[str, dict]) -> tuple
         row = {"section": section, "shape": label, "setting": name}
         try:
             with override(**configs):
-                t0 = time.perf_counter()
-                problem = check()
-                # On the CPU (a smoke test in Triton's interpreter, whose timings mean nothing) the
-                # check's own call stands for the timing: each interpreted call takes seconds.
-                us = common.graph_time_ms(fn) * 1e3 if common.DEVICE == "cuda" else (time.perf_counter() - t0) * 1e6
+                problem, ms = common.call_and_time_ms(check, timed=fn)
+                us = ms * 1e3
             row.update({"us": us, "correct": not problem})
             if problem:
                 row["error"] = problem[:200]

@@ -244,8 +244,8 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
             return kernels.gaussian_entmax_threshold(m, s, counts, cap, 12, workspace=state.workspace)
 
         with override(entmax_threshold=EntmaxThresholdConfig(split=1)):
-            one, one_us = result_and_us(threshold)
-        split, split_us = result_and_us(threshold)
+            one, one_us = call_and_time_us(threshold)
+        split, split_us = call_and_time_us(threshold)
         err = float(((one - split).abs() / (1 + one.abs())).max())
         row.update({"old_select_us": one_us, "new_select_us": split_us, "speedup": one_us / split_us, "rel_diff": err})
         print(f"n={n:>7} gaussian threshold [1, {H}, {cache.num_pages}]: one program a row {one_us:7.1f} us, "
@@ -265,11 +265,10 @@ ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp,
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
 
 
-def result_and_us(call: Callable[[], object]) -> tuple[object, float]:
-    """``call()``'s result, and its time (`time_us`, after that call); on the CPU the call's own time."""
-    t0 = time.perf_counter()
-    out = call()
-    return out, (time_us(call) if common.DEVICE == "cuda" else (time.perf_counter() - t0) * 1e6)
+def call_and_time_us(call: Callable[[], object]) -> tuple[object, float]:
+    """`common.call_and_time_ms` in microseconds."""
+    out, ms = common.call_and_time_ms(call)
+    return out, ms * 1e3
 
 
 def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Callable[[], object],
@@ -278,7 +277,7 @@ def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Cal
     defaults), each checked first against the default's result (``same``); a row per config."""
     if common.DEVICE != "cuda":
         grid = grid[:2]  # a smoke test: the code path, not the timings
-    want, default_us = result_and_us(call)
+    want, default_us = call_and_time_us(call)
     best = ("default", default_us)
     rows.append({"section": "tune", "case": case, "context": n, "config": "default", "us": default_us})
     for fields in grid:
@@ -286,7 +285,7 @@ def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Cal
         row = {"section": "tune", "case": case, "context": n, "config": label}
         try:
             with override(**{kind.keyword: kind(**fields)}):
-                got, us = result_and_us(call)
+                got, us = call_and_time_us(call)
                 ok = same(got, want)
             row.update({"us": us, "correct": ok})
             if ok and us < best[1]:

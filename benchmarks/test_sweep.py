@@ -25,7 +25,8 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", POLICYZOO_TRITON="1")
     cmd = [sys.executable, "-m", "benchmarks.sweep", "--tiny", "--out", str(tmp_path),
            "--only", "variants,kernel,select,step,gemvfused", "--variants", "select_top,merge,page_bound,sketch_bound,attention_pages,epilogue,append", "--contexts", "256",
-           "--select-contexts", "256", "--select-policies", "quest0.1,entmax-kv0.1", "--settings", "dense,quest0.1"]
+           "--select-contexts", "256", "--select-policies", "quest0.1,entmax-kv0.1", "--settings", "dense,quest0.1",
+           "--gemv-batches", "1,4"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
 
@@ -55,7 +56,7 @@ def test_sweep_sections_run_on_cpu(tmp_path):
     assert set(step) == {"dense", "quest0.1"}
     assert step["dense"]["speedup"] == 1.0 and all(r["ms"] > 0 and r["bound"] >= 1.0 for r in step.values())
     fused = [r for r in rows if r["section"] == "gemvfused"]
-    assert {(r["shape"], r["batch"]) for r in fused} == {(s, b) for s in ("q|k|v", "o", "gate|up", "down") for b in (1, 4, 16)}
+    assert {(r["shape"], r["batch"]) for r in fused} == {(s, b) for s in ("q|k|v", "o", "gate|up", "down") for b in (1, 4)}
     assert all(r["rel_err"] < 2e-2 and r["TB/s"] > 0 and 0 < r["union"] <= 1 for r in fused)
     assert all(a["union"] <= b["union"] for a in fused for b in fused if a["shape"] == b["shape"] and a["batch"] < b["batch"])
     assert (tmp_path / "sweep.md").read_text().count("## ") == 5
