@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # CUDA where there is one; elsewhere the sections run as CPU smoke tests of their logic (kernels in
 # the Triton interpreter, wall-clock timings that mean nothing).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+T = TypeVar("T")
 PAGE = 16
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024)
 
@@ -355,9 +356,6 @@ def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     """One call of each of ``fns`` per call, in turn (so a captured graph cycles through copies)."""
     turn = itertools.cycle(fns)
     return lambda: next(turn)()
-
-
-T = TypeVar("T")
 
 
 def call_and_time_ms(fn: Callable[[], T], timed: Callable[[], object] | None = None) -> tuple[T, float]:

@@ -165,14 +165,19 @@ def layer_copies(n: int, copies: int | None) -> list[KVState]:
     return [KVState(c, 0, D**-0.5, workspace=workspace) for c in caches]
 
 
+def call_and_time_us(call: Callable[[], object]) -> tuple[object, float]:
+    """`common.call_and_time_ms` in microseconds."""
+    out, ms = common.call_and_time_ms(call)
+    return out, ms * 1e3
+
+
 def selected_and_timed(call: Callable[[KVState], Selection], states: list[KVState]) -> tuple[Selection, float]:
     """The selection ``call`` makes on the first copy of the layer (eager), and the time of ``call``
     compiled, cycling through ``states``. On the CPU, a smoke test whose timings mean nothing, the
-    eager call's own time: each call there takes seconds in the interpreter."""
-    t0 = time.perf_counter()
-    sel = call(states[0])
+    eager call's own time (`call_and_time_us`): each call there takes seconds in the interpreter."""
     if common.DEVICE != "cuda":
-        return sel, (time.perf_counter() - t0) * 1e6
+        return call_and_time_us(lambda: call(states[0]))
+    sel = call(states[0])
     fn = compiled(call)
     warm(fn, states)
     return sel, time_us(rotating(fn, states))
@@ -263,12 +268,6 @@ COMMUNITY_GRID = [dict(chunk=c, num_warps=w) for c in (128, 256, 512, 1024, 2048
 ATTENTION_GRID = [dict(block_t=t, num_warps=w, num_stages=s, target_programs=tp, min_chunk_tokens=mc)
                   for t in (32, 64) for w in (4, 8) for s in (2, 3)
                   for tp, mc in ((256, 128), (512, 128), (512, 64), (1024, 64), (1024, 32), (2048, 32))]
-
-
-def call_and_time_us(call: Callable[[], object]) -> tuple[object, float]:
-    """`common.call_and_time_ms` in microseconds."""
-    out, ms = common.call_and_time_ms(call)
-    return out, ms * 1e3
 
 
 def _tune(rows: list[dict], case: str, n: int, kind, grid: list[dict], call: Callable[[], object],
