@@ -15,8 +15,11 @@ from __future__ import annotations
 import bisect
 import copy
 import importlib.util
+import os
 import random
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -91,7 +94,11 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL, **hf_kwargs: Any) -> Any:
     if name == DEFAULT_MODEL:
         _check_gguf()
         directory, gguf = default_model_path()
-        return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf, **hf_kwargs)
+        cached = embedded_cache_dir()
+        if cached is not None and (cached / "model.safetensors").is_file():
+            return AutoTokenizer.from_pretrained(str(cached), **hf_kwargs)  # the same tokenizer, saved
+        with _gguf_file_read_once():
+            return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf, **hf_kwargs)
     return AutoTokenizer.from_pretrained(name, **hf_kwargs)
 
 
@@ -113,9 +120,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, **hf_kwargs: Any) -> tuple[tor
         model, tokenizer = (copy.deepcopy(x) for x in _embedded())
     elif name == DEFAULT_MODEL:
         _check_gguf()
-        directory, gguf = default_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf, **hf_kwargs)
+        model, tokenizer = _from_gguf(**hf_kwargs)
     else:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, **hf_kwargs)
@@ -128,7 +133,7 @@ def _embedded() -> tuple[torch.nn.Module, Any]:
     """The embedded model and tokenizer, once per process (0.5 GB kept): `load_model` hands out
     copies, so every caller gets a model of its own.
 
-    Dequantising the GGUF file takes 15–20 s on a CPU, so its float32 weights, config and tokenizer
+    Dequantising the GGUF file takes about 9 s on a CPU, so its float32 weights, config and tokenizer
     are kept as a plain checkpoint in `embedded_cache_dir` (0.5 GB) and read from there (under a
     second) while the GGUF file and transformers are unchanged. A cache that cannot be written is
     skipped, not an error: the model is the same either way."""
@@ -136,18 +141,54 @@ def _embedded() -> tuple[torch.nn.Module, Any]:
 
     _check_gguf()
     cached = embedded_cache_dir()
-    if cached is not None and not (cached / "model.safetensors").is_file():
-        directory, gguf = default_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf).eval()
+    if cached is None:
+        return _from_gguf()
+    if not (cached / "model.safetensors").is_file():
+        model, tokenizer = _from_gguf()
         if not _write_checkpoint(model, tokenizer, cached):
             return model, tokenizer
-    if cached is None:
-        directory, gguf = default_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
-        return AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf).eval(), tokenizer
     # Read back from the checkpoint the first time too, so that every process gets the same objects.
     return AutoModelForCausalLM.from_pretrained(str(cached)).eval(), AutoTokenizer.from_pretrained(str(cached))
+
+
+def _from_gguf(**hf_kwargs: Any) -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)`` dequantised from the embedded GGUF file (the model in eval mode)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf = default_model_path()
+    with _gguf_file_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf, **hf_kwargs)
+    return model.eval(), tokenizer
+
+
+@contextmanager
+def _gguf_file_read_once() -> Iterator[None]:
+    """Within this block, ``gguf``'s reader is made once per file and its tensor-name map once per
+    architecture and depth.
+
+    Why: transformers parses a GGUF file's header, the 49K vocabulary strings included, once for
+    the config, once for the tokenizer and once for the weights, and builds gguf's tensor-name map
+    again for every module of the model (397 times for SmolLM2). On a CPU that is 22 s of the
+    first load; with one reader and one map it is 9 s. transformers only reads both objects, and
+    the originals are put back on exit (it imports them from ``gguf`` at each call, which is
+    what makes the swap reach it)."""
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: os.PathLike[str] | str, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, lru_cache(maxsize=None)(real_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 def embedded_cache_dir() -> Path | None:

@@ -205,6 +205,22 @@ def test_the_embedded_checkpoint_is_the_gguf_model_and_is_read_instead_of_it(fre
     assert [g for g, _ in loaded] == [None] and torch.equal(again.lm_head.weight, model.lm_head.weight)
 
 
+def test_a_gguf_load_parses_the_file_once_and_leaves_gguf_as_it_was():
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    directory, name = assets.default_model_path()
+    with pytest.raises(RuntimeError, match="inside"), assets._gguf_file_read_once():
+        first = gguf.GGUFReader(directory / name)
+        assert gguf.GGUFReader(str(directory / name)) is first  # the config, tokenizer and weights share it
+        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == "llama")
+        shared = gguf.get_tensor_name_map(arch, 30)
+        assert gguf.get_tensor_name_map(arch, 30) is shared
+        assert shared.mapping == real_name_map(arch, 30).mapping
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_name_map)
+
+
 def test_the_embedded_checkpoint_can_be_turned_off_and_an_unwritable_one_is_skipped(monkeypatch, tmp_path):
     monkeypatch.setenv("POLICYZOO_CACHE_DIR", "")
     assert assets.embedded_cache_dir() is None
@@ -216,8 +232,9 @@ def test_the_embedded_checkpoint_can_be_turned_off_and_an_unwritable_one_is_skip
 
     from tiny_models import tiny_model
 
+    tokenizer = assets.load_tokenizer()
     (tmp_path / "a-file").write_text("in the way")
-    assert assets._write_checkpoint(tiny_model("llama"), assets.load_tokenizer(), tmp_path / "a-file" / "x") is False
+    assert assets._write_checkpoint(tiny_model("llama"), tokenizer, tmp_path / "a-file" / "x") is False
     target = tmp_path / "ok" / "x"
-    assert assets._write_checkpoint(tiny_model("llama"), assets.load_tokenizer(), target) is True
+    assert assets._write_checkpoint(tiny_model("llama"), tokenizer, target) is True
     assert sorted(p.name for p in target.parent.iterdir()) == ["x"]  # no staging folder left behind
