@@ -281,11 +281,16 @@ def test_the_policy_list_covers_every_registered_policy():
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.integers(3, 40), min_size=2, max_size=3), seed=st.integers(0, 2**16))
 @example(lengths=[19, 14], seed=48)  # CommunityKV's join candidates once followed the batch's table width
+@example(lengths=[5, 25, 18], seed=23678)  # an fp32 near-tie: SSA's sketch choice flipped at batch 3
 def test_a_row_decodes_the_same_in_a_padded_batch_as_alone(name, lengths, seed):
     """A row's tokens do not depend on its batchmates: page policies included, whatever the left
     padding (the prompt ends on a page boundary, `DecodeSession.prompt_slot`; SSA's uniforms are
-    named by head and place in the row)."""
-    model = tiny_model("llama")
+    named by head and place in the row).
+
+    In float64: a matrix product of 3 rows rounds differently from one of 1, and in float32 that
+    noise (about 1e-7) can flip a discrete choice that is a near-tie, which says nothing about
+    the batch."""
+    model = tiny_model("llama").double()
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(1, 128, (n,), generator=g) for n in lengths]
     t = max(lengths)
