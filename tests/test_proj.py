@@ -164,10 +164,10 @@ def test_shared_input_groups_compile_into_one_graph(monkeypatch, make):
     # graph break and leave it as it found it (no recompile from one step to the next).
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("POLICYZOO_TRITON", "1")
     model = tiny_model("llama")
     ids, mask = padded_batch(2, 10)
-    expected = Decoder(copy.deepcopy(model), proj=make()).generate(ids, 6, attention_mask=mask)
+    expected = Decoder(copy.deepcopy(model), proj=make()).generate(ids, 6, attention_mask=mask)  # the references
+    monkeypatch.setenv("POLICYZOO_TRITON", "1")
     torch._dynamo.reset()
     counters.clear()
     dec = Decoder(model, proj=make(), compile=True)
