@@ -28,7 +28,7 @@ class SketchScoreConfig(LaunchConfig):
     """Launch parameters of the key-sketch page bound: a program holds ``block_p`` pages of codes."""
 
     keyword = "sketch_score"
-    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys", "rows", "columns")
+    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys", "rows")
 
     # "rows" with 8 pages a program, one warp and 4 words a step measured 96 µs against the sum's best,
     # 108 µs (4 pages, 4 warps), on a 128K layer of the Llama-3.1-8B shape (H100; every config of
@@ -69,11 +69,9 @@ def sketch_score_config(page: int, code_bytes: int) -> SketchScoreConfig:
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
 def _choose(cfg: SketchScoreConfig, page: int, code_bytes: int) -> SketchScoreConfig:
-    if cfg.method in ("rows", "columns"):
+    if cfg.method == "rows":
         if code_bytes % 4:
             return dataclasses.replace(cfg, method="sum", block_p=SUM_BLOCK_P, num_warps=SUM_WARPS)
-        if cfg.method == "columns":
-            return cfg
         return dataclasses.replace(cfg, block_p=min(cfg.block_p, max(1, ROWS_TOKENS // page)))
     rows = {"sum": 16, "dot": page, "keys": page * cfg.block_p}[cfg.method]
     return cfg if rows >= 16 else dataclasses.replace(cfg, method="sum")
@@ -86,7 +84,7 @@ def _sketch_page_bound_op(
 ) -> Tensor:
     need_triton()
     cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1])
-    if cfg.method in ("rows", "columns") and not kernel.rows_fit(codes):  # a view whose rows do not start on a word
+    if cfg.method == "rows" and not kernel.rows_fit(codes):  # a view whose rows do not start on a word
         cfg = dataclasses.replace(cfg, method="sum", block_p=SUM_BLOCK_P, num_warps=SUM_WARPS)
     return kernel.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages, cfg)
 

@@ -297,106 +297,6 @@ def _sketch_rows_kernel(
     _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
 
 
-@triton.jit
-def _sketch_columns_kernel(
-    q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, list_ptr, out_ptr,
-    s_qb, s_qh,
-    s_wb, s_wh, s_wt,
-    s_mb, s_mh, s_mp,
-    s_xb, s_xh, s_xp,
-    s_lb, s_lh,
-    s_ob, s_oh,
-    n_pages, n_entries, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, DH: tl.constexpr,
-    WORDS: tl.constexpr, WORDS_PAD: tl.constexpr, VW: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-    AGG: tl.constexpr, LISTED: tl.constexpr,
-):
-    """The bound of ``BLOCK_P`` entries, each page's codes cut into columns of ``VW`` words: a thread
-    holds one column of every token of its page, so a page's weights ``q·step`` are computed once
-    per column for all of its tokens, and the tokens' column sums meet in one reduction at the end.
-
-    Tiles ``[PAGE, BLOCK_P·NT, VW, G_PAD]`` with ``NT = WORDS_PAD / VW`` columns a page; nibble ``k``
-    of word ``u`` is channel ``4u + k // 2 + (k % 2)·DH`` and `_unit_float` reads it as ``1 + c/16``,
-    as in `_sketch_rows_kernel`."""
-    NT: tl.constexpr = WORDS_PAD // VW
-    kv = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_e, e_mask, offs_p, p_mask = _entries(list_ptr, b, kv, s_lb, s_lh, n_pages, n_entries, BLOCK_P, LISTED)
-    start = tl.load(start_ptr + b)
-    length = tl.load(length_ptr)
-    offs_g = tl.arange(0, G_PAD)
-
-    # The page's own term, per page and query head: q·min + |q|·radius - 16·q·step over every channel.
-    offs_d = tl.arange(0, D_PAD)
-    grid_mask = p_mask[:, None] & (offs_d[None, :] < D)
-    mn, step, rad = _sketch_grid(mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp + offs_d[None, :],
-                                 mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp + offs_d[None, :], grid_mask)
-    base = tl.zeros([BLOCK_P, G_PAD], tl.float32)
-    for g in tl.static_range(G):
-        qg = tl.load(q_ptr + b * s_qb + (kv * G + g) * s_qh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        own = tl.sum(mn * qg[None, :] + rad * tl.abs(qg)[None, :] - 16.0 * step * qg[None, :], 1)  # [BLOCK_P]
-        base = tl.where(offs_g[None, :] == g, own[:, None], base)
-
-    # Column x of the program: page x // NT of its entries, words (x % NT)·VW .. +VW of each token.
-    offs_x = tl.arange(0, BLOCK_P * NT)
-    x_entry = tl.program_id(0) * BLOCK_P + offs_x // NT
-    x_ok = x_entry < n_entries
-    if LISTED:
-        x_page = tl.load(list_ptr + b * s_lb + kv * s_lh + x_entry, mask=x_ok, other=0).to(tl.int32)
-        x_ok = x_ok & (x_page >= 0) & (x_page < n_pages)
-    else:
-        x_page = x_entry
-    t3 = tl.arange(0, PAGE)[:, None, None]
-    u3 = ((offs_x % NT) * VW)[None, :, None] + tl.arange(0, VW)[None, None, :]  # [1, X, VW]
-    page3 = x_page[None, :, None]
-    slot3 = page3 * PAGE + t3
-    seen3 = x_ok[None, :, None] & (slot3 >= start) & (slot3 < length)
-    words = tl.load(word_ptr + b * s_wb + kv * s_wh + slot3 * s_wt + u3, mask=seen3 & (u3 < WORDS),
-                    other=0).to(tl.uint32, bitcast=True)  # [PAGE, X, VW]
-    mn_row = mn_ptr + b * s_mb + kv * s_mh + page3 * s_mp  # [1, X, 1]
-    mx_row = mx_ptr + b * s_xb + kv * s_xh + page3 * s_xp
-    g4 = offs_g[None, None, :]  # [1, 1, G_PAD] beside [1, X, VW] -> weights [X, VW, G_PAD]
-    acc = tl.zeros([PAGE, BLOCK_P * NT, G_PAD], tl.float32)
-    for k in tl.static_range(8):
-        ch = 4 * u3 + k // 2 + (k % 2) * DH  # [1, X, VW]
-        ok = (ch < D) & (u3 < WORDS) & x_ok[None, :, None]
-        lo = tl.load(mn_row + ch, mask=ok, other=0.0).to(tl.float32)
-        hi = tl.load(mx_row + ch, mask=ok, other=0.0).to(tl.float32)
-        w_step = tl.reshape((hi - lo) * (16.0 / 15.0), (BLOCK_P * NT, VW, 1))
-        ch3 = tl.reshape(ch, (BLOCK_P * NT, VW, 1))
-        ok3 = tl.reshape(ok, (BLOCK_P * NT, VW, 1))
-        qk = tl.load(q_ptr + b * s_qb + (kv * G + g4) * s_qh + ch3, mask=ok3 & (g4 < G), other=0.0).to(tl.float32)
-        acc += tl.sum(_unit_float(words, k)[:, :, :, None] * (qk * w_step)[None, :, :, :], 2)
-    coded = tl.sum(tl.reshape(acc, (PAGE, BLOCK_P, NT, G_PAD)), 2)  # [PAGE, BLOCK_P, G_PAD]
-    slot_t = offs_p[None, :, None] * PAGE + tl.arange(0, PAGE)[:, None, None]
-    seen_t = p_mask[None, :, None] & (slot_t >= start) & (slot_t < length)
-    best = tl.max(tl.where(seen_t, (coded + base[None, :, :]) * scale, -float("inf")), 0)  # [BLOCK_P, G_PAD]
-    _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
-
-
-def _columns(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg) -> None:
-    """Launch `_sketch_columns_kernel` on the codes viewed as 32-bit words (`rows_fit` said they can be)."""
-    b, h, d = q.shape
-    h_kv, dh = page_min.shape[1], codes.shape[-1]
-    words = codes.view(torch.int32)
-    n_words = dh // 4
-    words_pad = triton.next_power_of_2(n_words)
-    _sketch_columns_kernel[(triton.cdiv(n_entries, cfg.block_p), h_kv, b)](
-        q, words, page_min, page_max, start, length, listed, out,
-        q.stride(0), q.stride(1),
-        words.stride(0), words.stride(1), words.stride(2),
-        page_min.stride(0), page_min.stride(1), page_min.stride(2),
-        page_max.stride(0), page_max.stride(1), page_max.stride(2),
-        listed.stride(0), listed.stride(1),
-        out.stride(0), out.stride(1),
-        n_pages, n_entries, float(scale),
-        G=h // h_kv, G_PAD=triton.next_power_of_2(h // h_kv), D=d, D_PAD=triton.next_power_of_2(d), DH=dh,
-        WORDS=n_words, WORDS_PAD=words_pad, VW=min(cfg.words, words_pad), PAGE=codes.shape[2] // n_pages,
-        BLOCK_P=cfg.block_p, AGG=0 if agg == "none" else 1, LISTED=pages is not None,
-        num_warps=cfg.num_warps,
-    )
-
-
 def sketch_page_bound(
     q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
     agg: str, pages: Tensor | None, cfg,
@@ -432,11 +332,6 @@ def sketch_page_bound(
         if not rows_fit(codes):
             raise ValueError("the rows method reads the codes as 32-bit words: rows of whole, aligned words needed")
         _rows(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg)
-        return out
-    if cfg.method == "columns":
-        if not rows_fit(codes):
-            raise ValueError("the columns method reads the codes as 32-bit words: rows of whole, aligned words needed")
-        _columns(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg)
         return out
     _sketch_bound_kernel[(triton.cdiv(n_entries, cfg.block_p), h_kv, b)](
         q, codes, page_min, page_max, start, length, listed, out,
