@@ -204,6 +204,12 @@ def test_the_embedded_checkpoint_is_the_gguf_model_and_is_read_instead_of_it(fre
     again, _ = assets._embedded()
     assert [g for g, _ in loaded] == [None] and torch.equal(again.lm_head.weight, model.lm_head.weight)
 
+    # And the tokenizer alone comes from the checkpoint, without parsing the GGUF file.
+    import gguf
+
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the GGUF file was parsed"))
+    assert assets.load_tokenizer()(text).input_ids == want_tok(text).input_ids
+
 
 def test_a_gguf_load_parses_the_file_once_and_leaves_gguf_as_it_was():
     import gguf
