@@ -1,6 +1,7 @@
-"""Smoke test of `benchmarks.ab` on CPU: two variants over two rounds on a toy model (aot_eager),
-each process a sweep of its own. Its timings mean nothing; what it checks is the alternating order,
-that each variant's settings reach its process, and the table's ratios."""
+"""Smoke test of `benchmarks.ab` on CPU: two variants in one round on a toy model (eager), each
+process a sweep of its own. Its timings mean nothing; what it checks is that each variant's
+settings reach its process and the table; the alternating order and the ratios within rounds are
+checked on `schedule` and `summarise` directly."""
 
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def test_summary_ratios_are_within_rounds():
 
 
 def test_ab_runs_on_cpu(tmp_path):
-    rows = ab.main(["--tiny", "--backend", "eager", "--generate", "dense@64", "--new-tokens", "8", "--rounds", "2",
+    rows = ab.main(["--tiny", "--backend", "eager", "--generate", "dense@64", "--new-tokens", "8", "--rounds", "1",
                     "--variant", "base=", "--variant", "tiles=attention.block_t=16,env:POLICYZOO_AB_SMOKE=1",
                     "--out", str(tmp_path)])
     assert [r for r in rows if "error" in r] == []
-    assert [(r["round"], r["variant"]) for r in rows] == [(0, "base"), (0, "tiles"), (1, "tiles"), (1, "base")]
+    assert [(r["round"], r["variant"]) for r in rows] == [(0, "base"), (0, "tiles")]  # later rounds: test_schedule_...
     assert all(r["generate_ms"] > 0 and r["tokens"] == 8 for r in rows)
     # each process ran under its own settings, and recorded them
     knobs = {r: json.loads((tmp_path / f"{r}/sweep.json").read_text())["meta"]["knobs"]
