@@ -39,6 +39,7 @@ from policyzoo.kernels import (  # noqa: E402
     route,
 )
 from policyzoo.kernels import reference as ref  # noqa: E402
+from policyzoo.kernels.ops.sketch_page_bound import sketch_score_config  # noqa: E402
 from policyzoo.kernels.config import override  # noqa: E402
 from policyzoo.kernels.ops import select_top as select_op  # noqa: E402
 from policyzoo.selection import Selection  # noqa: E402
@@ -56,6 +57,7 @@ if route.HAS_TRITON:
     from policyzoo.kernels.ops.page_gaussians import kernel as gaussians_kernel  # noqa: E402
     from policyzoo.kernels.ops.quest_page_bound import kernel as quest_kernel  # noqa: E402
     from policyzoo.kernels.ops.select_top import kernel as select_kernel  # noqa: E402
+    from policyzoo.kernels.ops.sketch_page_bound import half2 as sketch_half2  # noqa: E402
     from policyzoo.kernels.ops.sketch_page_bound import kernel as sketch_kernel  # noqa: E402
     from policyzoo.kernels.ops.sparse_gemv import kernel as gemv_kernel  # noqa: E402
 
@@ -492,8 +494,18 @@ def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, blo
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert torch.equal(got.isneginf(), expected.isneginf())
     live = expected.isfinite()
-    if method in ("sum", "rows") or (method == "keys" and page * block_p < 16):  # "keys" falls back to the sum
+    half2 = method == "half2" and d % 32 == 0 and group <= sketch_half2.MAX_GROUP  # else it falls back to "rows"
+    if method in ("sum", "rows") or (method == "half2" and not half2) or (method == "keys" and page * block_p < 16):
+        # ("keys" falls back to the sum)
         assert_close(got[live], expected[live], torch.float32, scale=expected[live].abs().max().item() + 1 if live.any() else 1)
+    elif half2:  # fp16 products, their worst case added back: 0 to twice the slack above the reference
+        step = ref.sketch_grid(page_min, page_max)[1]  # [B, H_kv, P, D]
+        weights = torch.einsum("bkgd,bkpd->bkgp", q.float().abs().view(b, h_kv, group, d), step)
+        slack = 2 * 15 * sketch_half2.slack_factor(d) * scale * weights
+        slack = slack.reshape(b, -1, pages) if agg == "none" else slack.amax(2)
+        tol = 1e-4 * (1 + expected[live].abs())
+        assert bool((got[live] >= expected[live] - tol).all())
+        assert bool((got[live] <= expected[live] + slack[live] + tol).all())
     elif method == "keys":  # fp16 keys and queries, each rounding's worst case added: 0 to twice it above
         big = torch.maximum(page_min.float().abs(), page_max.float().abs())  # [B, H_kv, P, D]
         q16 = q.float().clamp(-60000, 60000).half().float()
@@ -584,6 +596,57 @@ def test_sketch_page_bound_rows_on_codes_off_the_word_grid():
     assert_close(got, ref.sketch_page_bound(*args), torch.float32, scale=got.abs().max().item() + 1)
     with pytest.raises(ValueError, match="rows method reads the codes as 32-bit words"):
         sketch_kernel.sketch_page_bound(*args, None, SketchScoreConfig(method="rows"))
+
+
+@here
+@pytest.mark.parametrize("magnitude", [1e-30, 1.0, 1e4])
+def test_sketch_page_bound_half2_scales_its_weights(magnitude):
+    """The half2 method scales each page's weights by a power of two before fp16: keys and queries
+    whose products overflow fp16 (1e4 · 1e4) or sit far below its normal range (1e-30 · 1e-30) still
+    give a finite bound between the reference's and twice the slack above it."""
+    g_rand = gen(5)
+    b, h_kv, group, pages, page, d = 1, 2, 4, 6, 16, 128
+    keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32) * magnitude
+    page_min, page_max = keys.amin(3), keys.amax(3)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3).contiguous()
+    q = randn(g_rand, b, h_kv * group, d, dtype=torch.float32) * magnitude
+    start, length = torch.zeros(b, dtype=torch.long, device=DEVICE), torch.tensor(pages * page, device=DEVICE)
+    args = (q, codes, page_min, page_max, start, length, 1.0, "none")
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="half2")):
+        got = kernels.sketch_page_bound.triton(*args)
+    expected = ref.sketch_page_bound(*args)
+    step = ref.sketch_grid(page_min, page_max)[1]
+    slack = 2 * 15 * sketch_half2.slack_factor(d) * torch.einsum("bkgd,bkpd->bkgp", q.abs().view(b, h_kv, group, d), step)
+    tol = 1e-5 * (expected.abs() + slack.reshape(b, -1, pages)) + 1e-30
+    assert bool(got.isfinite().all())
+    assert bool((got >= expected - tol).all())
+    assert bool((got <= expected + slack.reshape(b, -1, pages) + tol).all())
+
+
+@here
+def test_sketch_page_bound_half2_falls_back_where_it_does_not_fit():
+    """Groups of more than `half2.MAX_GROUP` query heads, or codes that are not whole runs of four
+    words, take ``"rows"`` through the op (the reference's result); the half2 launcher refuses them
+    by name, and a scale that is not positive."""
+    g_rand = gen(4)
+    b, h_kv, pages, page, d = 1, 1, 3, 16, 64
+    keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32)
+    page_min, page_max = keys.amin(3), keys.amax(3)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3).contiguous()
+    start, length = torch.zeros(b, dtype=torch.long, device=DEVICE), torch.tensor(pages * page, device=DEVICE)
+    q = randn(g_rand, b, 5, d, dtype=torch.float32)  # a group of 5
+    args = (q, codes, page_min, page_max, start, length, 0.125, "max")
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="half2")):
+        got = kernels.sketch_page_bound.triton(*args)
+    assert_close(got, ref.sketch_page_bound(*args), torch.float32, scale=got.abs().max().item() + 1)
+    with pytest.raises(ValueError, match="half2 method reads whole runs"):
+        sketch_kernel.sketch_page_bound(*args, None, SketchScoreConfig(method="half2"))
+    with pytest.raises(ValueError, match="needs a scale > 0"):
+        sketch_kernel.sketch_page_bound(q[:, :4], codes, page_min, page_max, start, length, 0.0, "max", None,
+                                        SketchScoreConfig(method="half2"))
+    assert sketch_score_config(16, 24, method="half2").method == "rows"  # 24 bytes: not whole runs of 16
+    assert sketch_score_config(16, 48, method="half2").method == "rows"  # 3 runs: not a power of two
+    assert sketch_score_config(16, 64, method="half2").method == "half2"
 
 
 def test_sketch_page_bound_listed_shape_error():

@@ -20,7 +20,7 @@ from ...route import HAS_TRITON, need_triton, routed
 from . import reference
 
 if HAS_TRITON:
-    from . import kernel
+    from . import half2, kernel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +28,7 @@ class SketchScoreConfig(LaunchConfig):
     """Launch parameters of the key-sketch page bound: a program holds ``block_p`` pages of codes."""
 
     keyword = "sketch_score"
-    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys", "rows")
+    METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys", "rows", "half2")
 
     # "rows" with 8 pages a program, one warp and 4 words a step measured 96 µs against the sum's best,
     # 108 µs (4 pages, 4 warps), on a 128K layer of the Llama-3.1-8B shape (H100; every config of
@@ -40,17 +40,22 @@ class SketchScoreConfig(LaunchConfig):
     of the program's tokens with the group's queries in fp16, the roundings' worst case added back
     (``block_p·page`` of 16 or more; else the sum); ``"rows"``: the codes read as 32-bit words, each
     thread summing whole rows of a few tokens of one page in fp32 (codes of a multiple of 4 bytes a
-    token; else the sum, in its own best tile)."""
+    token; else the sum, in its own best tile); ``"half2"``: each thread holds a page's tokens and a run
+    of four code words, the products in packed fp16 pairs with their rounding added back (an upper
+    bound up to twice `half2.slack_factor` above the reference; codes of whole runs, groups of up
+    to four query heads; else ``"rows"``)."""
     block_p: int = 8
     """Pages per program (``"rows"``: at most `ROWS_TOKENS` tokens' worth)."""
     num_warps: int = 1
     """Warps per program."""
     words: int = 4
     """``"rows"``: 32-bit words of a token's codes per step (fewer where they do not divide a row)."""
+    tokens: int = 8
+    """``"half2"``: tokens of a page a thread takes at a time (at most the page)."""
 
     def __post_init__(self) -> None:
         one_of(self, "method", self.METHODS)
-        powers_of_two(self, "block_p", "num_warps", "words")
+        powers_of_two(self, "block_p", "num_warps", "words", "tokens")
 
 
 # A "rows" program keeps a partial sum per token, word and query head in registers: its pages are
@@ -60,15 +65,21 @@ ROWS_TOKENS = 128
 SUM_BLOCK_P, SUM_WARPS = 4, 4
 
 
-def sketch_score_config(page: int, code_bytes: int) -> SketchScoreConfig:
+def sketch_score_config(page: int, code_bytes: int, method: str | None = None) -> SketchScoreConfig:
     """The launch parameters of a call on pages of ``page`` tokens whose codes take ``code_bytes`` a
-    token: the config in force (`config.current`), its method the sum where tl.dot would get fewer
-    than 16 token rows, or where ``"rows"`` would not get whole 32-bit words."""
-    return _choose(current(SketchScoreConfig), page, code_bytes)
+    token: the config in force (`config.current`; its method replaced by ``method`` if given), its
+    method ``"rows"`` where ``"half2"`` would not get whole runs of four words, the sum where tl.dot
+    would get fewer than 16 token rows, or where ``"rows"`` would not get whole 32-bit words."""
+    cfg = current(SketchScoreConfig)
+    return _choose(cfg if method is None else dataclasses.replace(cfg, method=method), page, code_bytes)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
 def _choose(cfg: SketchScoreConfig, page: int, code_bytes: int) -> SketchScoreConfig:
+    if cfg.method == "half2" and (code_bytes % 16 or (code_bytes // 16) & (code_bytes // 16 - 1)):
+        cfg = dataclasses.replace(cfg, method="rows")
+    if cfg.method == "half2":
+        return cfg
     if cfg.method == "rows":
         if code_bytes % 4:
             return dataclasses.replace(cfg, method="sum", block_p=SUM_BLOCK_P, num_warps=SUM_WARPS)
@@ -84,6 +95,8 @@ def _sketch_page_bound_op(
 ) -> Tensor:
     need_triton()
     cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1])
+    if cfg.method == "half2" and not half2.fits(codes, q.shape[1] // page_min.shape[1]):
+        cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1], method="rows")
     if cfg.method == "rows" and not kernel.rows_fit(codes):  # a view whose rows do not start on a word
         cfg = dataclasses.replace(cfg, method="sum", block_p=SUM_BLOCK_P, num_warps=SUM_WARPS)
     return kernel.sketch_page_bound(q, codes, page_min, page_max, start, length, scale, agg, pages, cfg)

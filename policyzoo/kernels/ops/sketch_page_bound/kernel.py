@@ -26,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import route
+from . import half2
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -328,6 +329,13 @@ def sketch_page_bound(
     g = h // h_kv
     dot, keys = cfg.method == "dot", cfg.method == "keys"
     listed = pages if pages is not None else out  # a placeholder pointer when nothing is listed
+    if cfg.method == "half2":
+        if not half2.fits(codes, h // h_kv):
+            raise ValueError("the half2 method reads whole runs of four aligned 32-bit words a token, for groups of "
+                             f"at most {half2.MAX_GROUP} query heads")
+        half2.launch(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages,
+                     cfg)
+        return out
     if cfg.method == "rows":
         if not rows_fit(codes):
             raise ValueError("the rows method reads the codes as 32-bit words: rows of whole, aligned words needed")

@@ -1,0 +1,341 @@
+"""The key-sketch page bound with the products in packed fp16 pairs (Triton, method ``"half2"``);
+specification `reference.sketch_page_bound`, beside this file.
+
+Why: the fp32 methods spend most of their instructions turning nibbles into floats and on one FMA
+per code and query head, and recompute each page's weights ``q·step`` for the few tokens a thread
+holds. Here:
+
+- a thread holds one page's tokens and a fixed run of four 32-bit code words (32 channels), so it
+  computes its channels' weights once for the page's tokens;
+- a word's eight nibbles become four exact fp16 pairs in one shift, four bit operations and four
+  packed subtractions (``w & 0x000F000F | 0x64006400`` is the pair ``1024 + c``, with the mask
+  ``0x00F000F0`` the pair ``1024 + 16c``, whose weights are then taken over 16);
+- each query head's products are packed fp16 fmas (HFMA2: two products an instruction), chained
+  over two words (eight products a lane) and then added in fp32.
+
+A pair ``s`` of word ``u`` holds nibble ``s`` (low half) and nibble ``s + 4`` (high half): channels
+``4u + s//2 + (s%2)·DH`` and that plus 2 (pairs 1 and 3 hold 16 times their codes).
+
+The bound stays an upper bound: per page and query head the weights are scaled by a power of two
+``σ`` so that the largest is in ``[512, 1024)`` (a chain of eight products then stays below fp16's
+65,504), and what fp16 can take off the exact sum is added back to the page's own term (`slack`).
+A page's bound lies between the reference's and the reference's plus twice that slack, which is
+about 13% of the sketch's own radius term ``Σ|q|·radius`` at head dim 128.
+
+Emulation: Triton's interpreter does not run inline PTX, so with ``EMULATE`` the same fp16
+arithmetic is done on the same bit patterns with casts (each fp16 rounding done as an fp32 operation
+rounded to fp16: within the slack's margin of the hardware's single rounding).
+
+Grid ``(cdiv(entries, block_p), H_kv, B)``, one warp a program (`fits`): columns are (page, run of
+four words), ``block_p·WORDS/4`` of them, one a thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import route
+
+# fp16's unit roundoff, and 2^-24 (fp32's).
+U16 = tl.constexpr(2.0**-11)
+U32 = tl.constexpr(2.0**-24)
+# Words of a token a thread holds, and the largest query group whose weights a thread keeps in registers.
+RUN = 4
+MAX_GROUP = 4
+
+
+def slack_factor(d: int) -> float:
+    """The slack's factor on ``15·Σ_i |q_i|·step_i``: every fp16 rounding of a weight (``u``) and of a
+    chain of eight fmas (``8u(1+u)^9``, under ``8.04u``) and the fp32 sums (``D`` roundings of
+    ``2^-24`` at most), ``u = 2^-11``."""
+    return 9.1 * 2.0**-11 + d * 2.0**-24
+
+
+@triton.jit
+def _fp16_bits(x):
+    """fp16 bits of fp32 ``x`` (to nearest), as uint32."""
+    return x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _fp16_half(bits, HIGH: tl.constexpr):
+    """The fp16 in the low (or ``HIGH``) half of ``bits``, as fp32."""
+    if HIGH:
+        bits = bits >> 16
+    return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _code_pairs(words, EMULATE: tl.constexpr):
+    """Each word's eight nibbles as four fp16 pairs (uint32), exact: pair ``s`` holds nibble ``s`` in
+    its low half and nibble ``s + 4`` in its high half, pairs 1 and 3 times 16 (`_pack_word` divides
+    their weights by 16). ``(x & 0x000F000F) | 0x64006400`` is the pair ``1024 + c``, and with the
+    mask ``0x00F000F0`` it is ``1024 + 16c``: two pairs a shift."""
+    if EMULATE:
+        p0 = _fp16_bits((words & 15).to(tl.float32)) | (_fp16_bits(((words >> 16) & 15).to(tl.float32)) << 16)
+        p1 = _fp16_bits((words & 0xF0).to(tl.float32)) | (_fp16_bits(((words >> 16) & 0xF0).to(tl.float32)) << 16)
+        p2 = _fp16_bits(((words >> 8) & 15).to(tl.float32)) | (_fp16_bits(((words >> 24) & 15).to(tl.float32)) << 16)
+        p3 = _fp16_bits(((words >> 8) & 0xF0).to(tl.float32)) | (_fp16_bits(((words >> 24) & 0xF0).to(tl.float32)) << 16)
+        return p0, p1, p2, p3
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, m, n, k;
+            mov.b32 m, 0x000F000F;
+            mov.b32 n, 0x00F000F0;
+            mov.b32 k, 0x64006400;
+            lop3.b32 $0, $4, m, k, 0xEA;
+            sub.f16x2 $0, $0, k;
+            lop3.b32 $1, $4, n, k, 0xEA;
+            sub.f16x2 $1, $1, k;
+            shr.u32 t, $4, 8;
+            lop3.b32 $2, t, m, k, 0xEA;
+            sub.f16x2 $2, $2, k;
+            lop3.b32 $3, t, n, k, 0xEA;
+            sub.f16x2 $3, $3, k;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True, pack=1)
+
+
+@triton.jit
+def _pack(w_lo, w_hi, EMULATE: tl.constexpr):
+    """Two fp32 weights as one fp16 pair (uint32), ``w_lo`` in the low half, each rounded to nearest."""
+    if EMULATE:
+        return _fp16_bits(w_lo) | (_fp16_bits(w_hi) << 16)
+    else:  # cvt.f16x2.f32 d, a, b puts a in the high half
+        return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,f,f",
+                                         args=[w_lo, w_hi], dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fma_half(c, w, acc, HIGH: tl.constexpr):
+    return (_fp16_half(c, HIGH) * _fp16_half(w, HIGH) + acc).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _chain(c, w, EMULATE: tl.constexpr):
+    """``Σ c_s·w_s`` over the eight fp16 pairs of the tuples ``c`` and ``w`` (two words): each half a
+    chain of eight fp16 fmas, the two halves then added in fp32."""
+    if EMULATE:
+        lo = (_fp16_half(c[0], False) * _fp16_half(w[0], False)).to(tl.float16).to(tl.float32)
+        hi = (_fp16_half(c[0], True) * _fp16_half(w[0], True)).to(tl.float16).to(tl.float32)
+        for s in tl.static_range(1, 8):
+            lo = _fma_half(c[s], w[s], lo, False)
+            hi = _fma_half(c[s], w[s], hi, True)
+        return lo + hi
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 h;
+            .reg .f16 l, u;
+            .reg .f32 a, b;
+            mul.rn.f16x2 h, $1, $9;
+            fma.rn.f16x2 h, $2, $10, h;
+            fma.rn.f16x2 h, $3, $11, h;
+            fma.rn.f16x2 h, $4, $12, h;
+            fma.rn.f16x2 h, $5, $13, h;
+            fma.rn.f16x2 h, $6, $14, h;
+            fma.rn.f16x2 h, $7, $15, h;
+            fma.rn.f16x2 h, $8, $16, h;
+            mov.b32 {l, u}, h;
+            cvt.f32.f16 a, l;
+            cvt.f32.f16 b, u;
+            add.f32 $0, a, b;
+            }""",
+            constraints="=f" + ",r" * 16,
+            args=[c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]],
+            dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _channel(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D: tl.constexpr):
+    """Channel ``ch`` of the columns' pages: the weight ``q·step`` per query head ``[G, 1, NC]`` and
+    the channel's part of the page's own term, ``q·min + |q|·radius`` (`reference.sketch_grid`) plus
+    its share of the slack, ``15·slack_k·|q|·step``."""
+    ok = ch < D
+    lo = tl.load(mn_row + ch, mask=pm & ok, other=0.0).to(tl.float32)
+    hi = tl.load(mx_row + ch, mask=pm & ok, other=0.0).to(tl.float32)
+    step = (hi - lo) / 15.0
+    radius = step * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(lo), tl.abs(hi))
+    q = tl.load(q_row + ch, mask=ok & g_ok, other=0.0).to(tl.float32)
+    return q * step, q * lo + tl.abs(q) * (radius + (15.0 * slack_k) * step)
+
+
+@triton.jit
+def _word(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D: tl.constexpr, DH: tl.constexpr):
+    """The word whose first channel is ``ch``: its eight weights in pair order (pair ``s`` = weights
+    ``2s`` and ``2s + 1``: nibbles ``s`` and ``s + 4``), and their part of the page's own term."""
+    w0, o0 = _channel(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D)
+    w1, o1 = _channel(mn_row, mx_row, q_row, ch + 2, pm, g_ok, slack_k, D)
+    w2, o2 = _channel(mn_row, mx_row, q_row, ch + DH, pm, g_ok, slack_k, D)
+    w3, o3 = _channel(mn_row, mx_row, q_row, ch + 2 + DH, pm, g_ok, slack_k, D)
+    w4, o4 = _channel(mn_row, mx_row, q_row, ch + 1, pm, g_ok, slack_k, D)
+    w5, o5 = _channel(mn_row, mx_row, q_row, ch + 3, pm, g_ok, slack_k, D)
+    w6, o6 = _channel(mn_row, mx_row, q_row, ch + 1 + DH, pm, g_ok, slack_k, D)
+    w7, o7 = _channel(mn_row, mx_row, q_row, ch + 3 + DH, pm, g_ok, slack_k, D)
+    return (w0, w1, w2, w3, w4, w5, w6, w7), ((o0 + o1) + (o2 + o3)) + ((o4 + o5) + (o6 + o7))
+
+
+@triton.jit
+def _abs_max(w):
+    return tl.maximum(tl.maximum(tl.maximum(tl.abs(w[0]), tl.abs(w[1])), tl.maximum(tl.abs(w[2]), tl.abs(w[3]))),
+                      tl.maximum(tl.maximum(tl.abs(w[4]), tl.abs(w[5])), tl.maximum(tl.abs(w[6]), tl.abs(w[7]))))
+
+
+@triton.jit
+def _pack_word(w, sig, EMULATE: tl.constexpr):
+    """A word's eight weights times ``σ`` as four fp16 pairs (pair ``s``: weights ``2s``, ``2s + 1``),
+    those of pairs 1 and 3 over 16 more, for codes held times 16 (`_code_pairs`)."""
+    sig16 = sig * 0.0625
+    return (_pack(w[0] * sig, w[1] * sig, EMULATE), _pack(w[2] * sig16, w[3] * sig16, EMULATE),
+            _pack(w[4] * sig, w[5] * sig, EMULATE), _pack(w[6] * sig16, w[7] * sig16, EMULATE))
+
+
+@triton.jit
+def _per_page(x, op: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CG: tl.constexpr):
+    """``[G, 1, NC]`` → the sum (``op`` 0) or max (1) over each page's ``CG`` columns, back on every
+    column of the page."""
+    x = tl.reshape(x, (G_PAD, BLOCK_P, CG))
+    if op == 0:
+        r = tl.sum(x, 2)
+    else:
+        r = tl.max(x, 2)
+    return tl.reshape(tl.broadcast_to(r[:, :, None], (G_PAD, BLOCK_P, CG)), (G_PAD, 1, BLOCK_P * CG))
+
+
+@triton.jit
+def _sketch_half2_kernel(
+    q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, list_ptr, out_ptr,
+    s_qb, s_qh,
+    s_wb, s_wh, s_wt,
+    s_mb, s_mh, s_mp,
+    s_xb, s_xh, s_xp,
+    s_lb, s_lh,
+    s_ob, s_oh,
+    n_pages, n_entries, scale, slack_k,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, WORDS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, TOKENS: tl.constexpr, AGG: tl.constexpr, LISTED: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    start = tl.load(start_ptr + b)
+    length = tl.load(length_ptr)
+    # Columns: (page, run of RUN words). Tensors are [query heads, tokens, columns]: the columns across
+    # threads, a column's heads and tokens in its thread.
+    CG: tl.constexpr = WORDS // 4
+    NC: tl.constexpr = BLOCK_P * CG
+    col = tl.arange(0, NC)
+    e_col = tl.program_id(0) * BLOCK_P + col // CG
+    if LISTED:
+        p_col = tl.load(list_ptr + b * s_lb + kv * s_lh + e_col, mask=e_col < n_entries, other=-1).to(tl.int32)
+        pm_col = (e_col < n_entries) & (p_col >= 0) & (p_col < n_pages)
+    else:
+        p_col = e_col
+        pm_col = e_col < n_entries
+    first = (col % CG) * 4  # the column's first word
+    p3 = p_col[None, None, :]
+    pm3 = pm_col[None, None, :]
+    offs_g = tl.arange(0, G_PAD)
+    g_ok = offs_g[:, None, None] < G
+    mn_row = mn_ptr + b * s_mb + kv * s_mh + p3 * s_mp
+    mx_row = mx_ptr + b * s_xb + kv * s_xh + p3 * s_xp
+    q_row = q_ptr + b * s_qb + (kv * G + offs_g[:, None, None]) * s_qh
+    ch = (first * 4)[None, None, :]
+    wa, oa = _word(mn_row, mx_row, q_row, ch, pm3, g_ok, slack_k, D, DH)
+    wb, ob = _word(mn_row, mx_row, q_row, ch + 4, pm3, g_ok, slack_k, D, DH)
+    wc, oc = _word(mn_row, mx_row, q_row, ch + 8, pm3, g_ok, slack_k, D, DH)
+    wd, od = _word(mn_row, mx_row, q_row, ch + 12, pm3, g_ok, slack_k, D, DH)
+
+    # σ = 2^(9 - e) per page and head, for the page's largest |weight| in [2^e, 2^(e+1)).
+    top = _per_page(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
+                    1, G_PAD, BLOCK_P, CG)
+    # e is clamped so that both 2^(9 - e) and 2^(e - 9) are normal fp32 numbers (exact inverses).
+    e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
+    sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
+    inv_sig = ((e + 118) << 23).to(tl.float32, bitcast=True)
+    # The column's part of the page's own term, its share of the slack (`slack_factor`) included, and
+    # a bound of the fp16 roundings below fp16's normal range.
+    own = ((oa + ob) + (oc + od)) + (32.0 / 65536) * inv_sig
+    pa = _pack_word(wa, sig, EMULATE)
+    pb = _pack_word(wb, sig, EMULATE)
+    pc = _pack_word(wc, sig, EMULATE)
+    pd = _pack_word(wd, sig, EMULATE)
+
+    best = tl.full([G_PAD, BLOCK_P], -float("inf"), tl.float32)
+    word_col = word_ptr + b * s_wb + kv * s_wh + first[None, :, None] + tl.arange(0, 4)[None, None, :]
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if LISTED:
+        p_row = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_p, mask=offs_p < n_entries, other=-1).to(tl.int32)
+        pm_row = (offs_p < n_entries) & (p_row >= 0) & (p_row < n_pages)
+    else:
+        p_row = offs_p
+        pm_row = offs_p < n_entries
+    for t0 in tl.static_range(0, PAGE, TOKENS):
+        t = t0 + tl.arange(0, TOKENS)
+        slot = p_col[None, :] * PAGE + t[:, None]  # [TOKENS, NC]
+        seen = pm_col[None, :] & (slot >= start) & (slot < length)
+        words = tl.load(word_col + slot[:, :, None] * s_wt, mask=seen[:, :, None], other=0).to(tl.uint32, bitcast=True)
+        w02, w13 = tl.split(tl.reshape(words, (TOKENS, NC, 2, 2)))  # words 0, 2 and 1, 3 of the run
+        k0, k2 = tl.split(w02)
+        k1, k3 = tl.split(w13)
+        ca = _code_pairs(k0[None, :, :], EMULATE)
+        cb = _code_pairs(k1[None, :, :], EMULATE)
+        cc = _code_pairs(k2[None, :, :], EMULATE)
+        cd = _code_pairs(k3[None, :, :], EMULATE)
+        coded = _chain(ca + cb, pa + pb, EMULATE) + _chain(cc + cd, pc + pd, EMULATE)
+        part = coded * inv_sig + own  # [G, TOKENS, NC]
+        total = tl.sum(tl.reshape(part, (G_PAD, TOKENS, BLOCK_P, CG)), 3)  # [G, TOKENS, BLOCK_P]
+        slot_p = p_row[None, :] * PAGE + t[:, None]
+        seen_p = pm_row[None, :] & (slot_p >= start) & (slot_p < length)
+        best = tl.maximum(best, tl.max(tl.where(seen_p[None, :, :], total, -float("inf")), 1))
+    best = best * scale
+
+    e_mask = offs_p < n_entries
+    g_ok2 = offs_g[:, None] < G
+    if AGG == 0:
+        tl.store(out_ptr + b * s_ob + (kv * G + offs_g[:, None]) * s_oh + offs_p[None, :], best,
+                 mask=g_ok2 & e_mask[None, :])
+    else:
+        red = tl.max(tl.where(g_ok2, best, -float("inf")), 0)
+        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=e_mask)
+
+
+def fits(codes: Tensor, group: int) -> bool:
+    """Whether the half2 method takes ``codes`` with query groups of ``group``: whole runs of four
+    aligned 32-bit words a token, a power-of-two number of runs, at most `MAX_GROUP` query heads a
+    group (their weights stay in a thread's registers)."""
+    dh = codes.shape[-1]
+    runs = dh // 16
+    return (dh % 16 == 0 and runs & (runs - 1) == 0 and group <= MAX_GROUP and codes.stride(-1) == 1
+            and codes.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in codes.stride()[:-1]))
+
+
+def launch(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_entries, scale, agg, pages, cfg) -> None:
+    """Launch `_sketch_half2_kernel` on codes that `fits` takes, ``block_p`` pages a program (capped so
+    that a program's columns fit one warp: ``block_p·WORDS/4 <= 32·num_warps``)."""
+    if not scale > 0:
+        raise ValueError(f"the half2 method takes the best token before the scale: it needs a scale > 0, got {scale}")
+    b, h, d = q.shape
+    h_kv = page_min.shape[1]
+    words = codes.view(torch.int32)
+    n_words = codes.shape[-1] // 4
+    page = codes.shape[2] // n_pages
+    block_p = max(1, min(cfg.block_p, 32 * cfg.num_warps // (n_words // 4)))
+    _sketch_half2_kernel[(triton.cdiv(n_entries, block_p), h_kv, b)](
+        q, words, page_min, page_max, start, length, listed, out,
+        q.stride(0), q.stride(1),
+        words.stride(0), words.stride(1), words.stride(2),
+        page_min.stride(0), page_min.stride(1), page_min.stride(2),
+        page_max.stride(0), page_max.stride(1), page_max.stride(2),
+        listed.stride(0), listed.stride(1),
+        out.stride(0), out.stride(1),
+        n_pages, n_entries, float(scale), slack_factor(d),
+        G=h // h_kv, G_PAD=triton.next_power_of_2(h // h_kv), D=d, DH=codes.shape[-1], WORDS=n_words, PAGE=page,
+        BLOCK_P=block_p, TOKENS=min(cfg.tokens, page), AGG=0 if agg == "none" else 1, LISTED=pages is not None,
+        EMULATE=route.INTERPRET, num_warps=cfg.num_warps,
+    )
