@@ -9,6 +9,8 @@ reference to rounding; "half2" between the reference and twice its slack above, 
 equal to its full ones at the listed pages.
 """
 import dataclasses
+import importlib.util
+import pathlib
 import sys
 
 import torch
@@ -17,6 +19,63 @@ import triton
 from benchmarks.probes import D, H, filled_cache
 from policyzoo.kernels.ops.sketch_page_bound import SketchScoreConfig, half2, kernel as K
 from policyzoo.kernels.ops.sketch_page_bound import reference as ref
+
+# A variant (source rewrite of half2.py): the two chains of a column added in fp16, and the pair's
+# halves too, before one conversion (two fp16 roundings more in the bound: slack 11.1u instead of
+# 9.1u, not accounted here: the check's factor of two covers it on these keys).
+SRC = pathlib.Path(half2.__file__).read_text().replace("from ... import route", "from policyzoo.kernels import route")
+CALL = "        coded = _chain(ca + cb, pa + pb, EMULATE) + _chain(cc + cd, pc + pd, EMULATE)\n"
+assert CALL in SRC
+SUM16 = '''
+
+@triton.jit
+def _chain16(c, w, EMULATE: tl.constexpr):
+    if EMULATE:
+        return _chain(c[:8], w[:8], EMULATE) + _chain(c[8:], w[8:], EMULATE)
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 h, g;
+            .reg .f16 l, u, s;
+            mul.rn.f16x2 h, $1, $17;
+            fma.rn.f16x2 h, $2, $18, h;
+            fma.rn.f16x2 h, $3, $19, h;
+            fma.rn.f16x2 h, $4, $20, h;
+            fma.rn.f16x2 h, $5, $21, h;
+            fma.rn.f16x2 h, $6, $22, h;
+            fma.rn.f16x2 h, $7, $23, h;
+            fma.rn.f16x2 h, $8, $24, h;
+            mul.rn.f16x2 g, $9, $25;
+            fma.rn.f16x2 g, $10, $26, g;
+            fma.rn.f16x2 g, $11, $27, g;
+            fma.rn.f16x2 g, $12, $28, g;
+            fma.rn.f16x2 g, $13, $29, g;
+            fma.rn.f16x2 g, $14, $30, g;
+            fma.rn.f16x2 g, $15, $31, g;
+            fma.rn.f16x2 g, $16, $32, g;
+            add.rn.f16x2 h, h, g;
+            mov.b32 {l, u}, h;
+            add.rn.f16 s, l, u;
+            cvt.f32.f16 $0, s;
+            }""",
+            constraints="=f" + ",r" * 32, args=list(c) + list(w), dtype=tl.float32, is_pure=True, pack=1)
+'''
+path = pathlib.Path("/tmp/half2_sum16.py")
+path.write_text(SRC.replace(CALL, "        coded = _chain16(ca + cb + cc + cd, pa + pb + pc + pd, EMULATE)\n") + SUM16)
+spec = importlib.util.spec_from_file_location("half2_sum16", path)
+sum16 = importlib.util.module_from_spec(spec)
+sys.modules["half2_sum16"] = sum16
+spec.loader.exec_module(sum16)
+
+
+def sum16_bound(q, codes, mn, mx, start, length, scale, agg, pages, cfg):
+    b, h, _ = q.shape
+    n_pages = mn.shape[2]
+    n_entries = n_pages if pages is None else pages.shape[-1]
+    out = torch.empty(b, h if agg == "none" else mn.shape[1], n_entries, dtype=torch.float32, device=q.device)
+    sum16.launch(q, codes, mn, mx, start, length, pages if pages is not None else out, out, n_pages, n_entries, scale,
+                 agg, pages, cfg)
+    return out
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run in Triton's interpreter
@@ -35,7 +94,8 @@ print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}  torch {torch
 base = SketchScoreConfig()
 configs = [("rows", dataclasses.replace(base, method="rows"))] + [
     (f"half2 {bp}/{w}/{t}", dataclasses.replace(base, method="half2", block_p=bp, num_warps=w, tokens=t))
-    for bp, w, t in ((8, 1, 8), (8, 1, 4), (8, 1, 16), (16, 2, 8), (4, 1, 8), (32, 4, 8))]
+    for bp, w, t in ((8, 1, 8), (8, 1, 4), (8, 1, 16), (16, 2, 8), (4, 1, 8), (32, 4, 8))] + [
+    ("sum16 8/1/8", dataclasses.replace(base, method="half2", block_p=8, num_warps=1, tokens=8))]
 for n in contexts:
     cache = filled_cache(n)
     codes, mn, mx = cache.key_sketch[0], cache.page_min[0], cache.page_max[0]
@@ -58,8 +118,9 @@ for n in contexts:
     print(f"{'config (pages/warps/tokens)':<28} {'all µs':>8} {'40% µs':>8}  check", flush=True)
     for name, cfg in configs:
         try:
-            got = K.sketch_page_bound(*args, None, cfg)
-            sub = K.sketch_page_bound(*args, listed, cfg)
+            bound = sum16_bound if name.startswith("sum16") else K.sketch_page_bound
+            got = bound(*args, None, cfg)
+            sub = bound(*args, listed, cfg)
             at = torch.gather(got, 2, listed.long())
             live = want.isfinite()
             tol = 1e-4 * (1 + want[live].abs())
@@ -68,8 +129,8 @@ for n in contexts:
             else:
                 ok = bool(((got[live] >= want[live] - tol) & (got[live] <= want[live] + slack[live] + tol)).all())
             ok = ok and torch.equal(got.isneginf(), want.isneginf()) and torch.equal(sub, at)
-            t_all = bench(lambda: K.sketch_page_bound(*args, None, cfg))
-            t_sub = bench(lambda: K.sketch_page_bound(*args, listed, cfg))
+            t_all = bench(lambda: bound(*args, None, cfg))
+            t_sub = bench(lambda: bound(*args, listed, cfg))
             print(f"{name:<28} {t_all:8.1f} {t_sub:8.1f}  {'ok' if ok else 'WRONG'}  "
                   f"(mean above the reference {(got[live] - want[live]).mean().item():.4f})", flush=True)
         except Exception as e:  # a config that cannot compile: say so, go on
