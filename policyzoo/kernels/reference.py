@@ -40,6 +40,7 @@ from .ops.select_pages.reference import (
 from .ops.select_top.reference import select_top
 from .ops.sketch_page_bound.reference import (
     SKETCH_LEVELS,
+    half2_slack,
     sketch_decode_codes,
     sketch_encode,
     sketch_grid,
@@ -66,6 +67,7 @@ __all__ = [
     "gaussian_entmax_threshold",
     "gaussian_relu",
     "gaussian_relu_sq",
+    "half2_slack",
     "page_choice_inputs",
     "page_count",
     "page_flags",

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from benchmarks.probes import D, H, filled_cache
-from policyzoo.kernels.ops.sketch_page_bound import SketchScoreConfig, half2, kernel as K
+from policyzoo.kernels.ops.sketch_page_bound import SketchScoreConfig, half2, kernel as K  # noqa: F401
 from policyzoo.kernels.ops.sketch_page_bound import reference as ref
 
 # A variant (source rewrite of half2.py): the two chains of a column added in fp16, and the pair's
@@ -107,10 +107,8 @@ for n in contexts:
     scale = D**-0.5
     args = (q, codes, mn, mx, cache.start, cache.length, scale, "max")
     want = ref.sketch_page_bound(*args)
-    step = ref.sketch_grid(mn, mx)[1]
     g_ = H // mn.shape[1]
-    w = torch.einsum("bkgd,bkpd->bkgp", q.float().abs().view(1, -1, g_, D), step)
-    slack = (2 * 15 * half2.slack_factor(D) * scale * w).amax(2)
+    slack = 2 * ref.half2_slack(q, mn, mx, scale, "max")
     radius = (scale * torch.einsum("bkgd,bkpd->bkgp", q.float().abs().view(1, -1, g_, D), ref.sketch_grid(mn, mx)[2])).amax(2)
     mb = sum(t.numel() * t.element_size() for t in (codes, mn, mx)) / 1e6
     print(f"\n{n} tokens: codes and grids {mb:.1f} MB; half2's slack is {100 * (slack / 2 / radius)[want.isfinite() & (radius > 0)].mean().item():.1f}% "

@@ -18,9 +18,10 @@ A pair ``s`` of word ``u`` holds nibble ``s`` (low half) and nibble ``s + 4`` (h
 
 The bound stays an upper bound: per page and query head the weights are scaled by a power of two
 ``σ`` so that the largest is in ``[512, 1024)`` (a chain of eight products then stays below fp16's
-65,504), and what fp16 can take off the exact sum is added back to the page's own term (`slack`).
-A page's bound lies between the reference's and the reference's plus twice that slack, which is
-about 13% of the sketch's own radius term ``Σ|q|·radius`` at head dim 128.
+65,504), and what fp16 can take off the exact sum is added back to the page's own term
+(`reference.half2_slack`). A page's bound lies between the reference's and the reference's plus
+twice that slack, which is about 13% of the sketch's own radius term ``Σ|q|·radius`` at head dim
+128.
 
 Emulation: Triton's interpreter does not run inline PTX, so with ``EMULATE`` the same fp16
 arithmetic is done on the same bit patterns with casts (each fp16 rounding done as an fp32 operation
@@ -38,20 +39,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import route
+from . import reference
 
-# fp16's unit roundoff, and 2^-24 (fp32's).
-U16 = tl.constexpr(2.0**-11)
-U32 = tl.constexpr(2.0**-24)
 # Words of a token a thread holds, and the largest query group whose weights a thread keeps in registers.
 RUN = 4
 MAX_GROUP = 4
-
-
-def slack_factor(d: int) -> float:
-    """The slack's factor on ``15·Σ_i |q_i|·step_i``: every fp16 rounding of a weight (``u``) and of a
-    chain of eight fmas (``8u(1+u)^9``, under ``8.04u``) and the fp32 sums (``D`` roundings of
-    ``2^-24`` at most), ``u = 2^-11``."""
-    return 9.1 * 2.0**-11 + d * 2.0**-24
 
 
 @triton.jit
@@ -258,7 +250,7 @@ def _sketch_half2_kernel(
     e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
     sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
     inv_sig = ((e + 118) << 23).to(tl.float32, bitcast=True)
-    # The column's part of the page's own term, its share of the slack (`slack_factor`) included, and
+    # The column's part of the page's own term, its share of the slack (`reference.half2_slack_factor`) included, and
     # a bound of the fp16 roundings below fp16's normal range.
     own = ((oa + ob) + (oc + od)) + (32.0 / 65536) * inv_sig
     pa = _pack_word(wa, sig, EMULATE)
@@ -334,7 +326,7 @@ def launch(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_
         page_max.stride(0), page_max.stride(1), page_max.stride(2),
         listed.stride(0), listed.stride(1),
         out.stride(0), out.stride(1),
-        n_pages, n_entries, float(scale), slack_factor(d),
+        n_pages, n_entries, float(scale), reference.half2_slack_factor(d),
         G=h // h_kv, G_PAD=triton.next_power_of_2(h // h_kv), D=d, DH=codes.shape[-1], WORDS=n_words, PAGE=page,
         BLOCK_P=block_p, TOKENS=min(cfg.tokens, page), AGG=0 if agg == "none" else 1, LISTED=pages is not None,
         EMULATE=route.INTERPRET, num_warps=cfg.num_warps,

@@ -69,6 +69,26 @@ def sketch_token_bound(q: Tensor, codes: Tensor, page_min: Tensor, page_max: Ten
     return ((base.unsqueeze(-1) + coded) * scale).reshape(b, h, -1)
 
 
+def half2_slack_factor(d: int) -> float:
+    """The factor on ``15·Σ_i |q_i|·step_i`` of the ``"half2"`` kernel's slack (`half2_slack`): every
+    fp16 rounding of a weight (``u``) and of a chain of eight fmas (``8u(1+u)^9``, under ``8.04u``),
+    and the fp32 sums (``D`` roundings of ``2^-24`` at most), ``u = 2^-11``."""
+    return 9.1 * 2.0**-11 + d * 2.0**-24
+
+
+def half2_slack(q: Tensor, page_min: Tensor, page_max: Tensor, scale: float, agg: str = "none") -> Tensor:
+    """What the ``"half2"`` kernel adds to its sums of fp16 products so that its bound stays above
+    `sketch_page_bound`: ``scale·15·half2_slack_factor(D)·Σ_i |q_i|·step_i`` per page and query head,
+    ``float32[B, H, P]`` (the group's max ``[B, H_kv, P]`` with ``agg="max"``). The kernel's bound lies
+    between the reference's and the reference's plus twice this (and a few fp32 roundings)."""
+    b, h, d = q.shape
+    h_kv = page_min.shape[1]
+    step = sketch_grid(page_min, page_max)[1]  # [B, H_kv, P, D]
+    weights = torch.einsum("bkgd,bkpd->bkgp", q.float().abs().view(b, h_kv, h // h_kv, d), step)
+    slack = (15 * half2_slack_factor(d) * scale) * weights
+    return slack.reshape(b, h, -1) if agg == "none" else slack.amax(2)
+
+
 def sketch_page_bound(
     q: Tensor, codes: Tensor, page_min: Tensor, page_max: Tensor, start: Tensor, length: Tensor, scale: float,
     agg: str = "none", pages: Tensor | None = None,
