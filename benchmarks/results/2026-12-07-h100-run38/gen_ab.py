@@ -1,7 +1,7 @@
 """Run 38: `generate` with the key sketch's "half2" method against "rows", in one process: a Decoder
 built under each `SketchScoreConfig`, Llama-3.1-8B shape, random bf16 weights, batch 1, compiled with
 a dynamic capacity, `benchmarks.e2e.measure` (EOS id and a streamer, 64 new tokens, prefill
-excluded). Order: dense, rows, half2, rows again, half2 again (as many as the time allows). From the
+excluded). Order: rows, half2, dense, rows again, half2 again (as many as the time allows). From the
 repository root on a CUDA machine:
 
     python benchmarks/results/2026-12-07-h100-run38/gen_ab.py 131072 quest0.1-sketch out.json
@@ -18,7 +18,7 @@ from policyzoo.kernels.config import override
 n, setting, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 model = common.random_model("llama-3.1-8b", None)
 rows = []
-for label, name, method in (("dense", "dense", "rows"), ("rows", setting, "rows"), ("half2", setting, "half2"),
+for label, name, method in (("rows", setting, "rows"), ("half2", setting, "half2"), ("dense", "dense", "rows"),
                             ("rows again", setting, "rows"), ("half2 again", setting, "half2")):
     torch._dynamo.reset()
     with override(sketch_score=SketchScoreConfig(method=method)):
