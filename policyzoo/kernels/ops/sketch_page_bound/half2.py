@@ -41,8 +41,7 @@ from torch import Tensor
 from ... import route
 from . import reference
 
-# Words of a token a thread holds, and the largest query group whose weights a thread keeps in registers.
-RUN = 4
+# The largest query group whose weights a thread keeps in registers (four words' worth a head).
 MAX_GROUP = 4
 
 
@@ -217,7 +216,7 @@ def _sketch_half2_kernel(
     b = tl.program_id(2)
     start = tl.load(start_ptr + b)
     length = tl.load(length_ptr)
-    # Columns: (page, run of RUN words). Tensors are [query heads, tokens, columns]: the columns across
+    # Columns: (page, run of four words). Tensors are [query heads, tokens, columns]: the columns across
     # threads, a column's heads and tokens in its thread.
     CG: tl.constexpr = WORDS // 4
     NC: tl.constexpr = BLOCK_P * CG
@@ -250,8 +249,8 @@ def _sketch_half2_kernel(
     e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
     sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
     inv_sig = ((e + 118) << 23).to(tl.float32, bitcast=True)
-    # The column's part of the page's own term, its share of the slack (`reference.half2_slack_factor`) included, and
-    # a bound of the fp16 roundings below fp16's normal range.
+    # The column's part of the page's own term, its share of the slack included
+    # (`reference.half2_slack_factor`), and a bound of the fp16 roundings below fp16's normal range.
     own = ((oa + ob) + (oc + od)) + (32.0 / 65536) * inv_sig
     pa = _pack_word(wa, sig, EMULATE)
     pb = _pack_word(wb, sig, EMULATE)
