@@ -12,7 +12,7 @@ timeout 90 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "
 echo "tests $(( $(date +%s) - S0 )) s"
 timeout 150 python $R/half2-experiment.py 2>&1 | grep -v Warning | tee $OUT/call1-kernel.txt
 echo "kernel $(( $(date +%s) - S0 )) s"
-LEFT=$(( 570 - ($(date +%s) - S0) ))
+LEFT=$(( 460 - ($(date +%s) - S0) ))
 timeout $LEFT python $R/gen_ab.py 131072 quest0.1-sketch $OUT/call1-gen-131072.json > $OUT/call1-gen.txt 2>&1; grep -v Warning $OUT/call1-gen.txt | tail -8
 echo "total $(( $(date +%s) - S0 )) s"
 tar czf $OUT/cache.tgz .cache 2>/dev/null; ls -la $OUT/cache.tgz
