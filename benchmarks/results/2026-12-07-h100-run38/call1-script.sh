@@ -8,11 +8,11 @@ R=benchmarks/results/2026-12-07-h100-run38
 S0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee $OUT/call1-gpu.txt
 python -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" | tee -a $OUT/call1-gpu.txt
-timeout 90 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "half2 or sketch_page_bound_listed" > $OUT/call1-tests.txt 2>&1; tail -3 $OUT/call1-tests.txt
-echo "tests $(( $(date +%s) - S0 )) s"
 timeout 150 python $R/half2-experiment.py 2>&1 | grep -v Warning | tee $OUT/call1-kernel.txt
 echo "kernel $(( $(date +%s) - S0 )) s"
-LEFT=$(( 460 - ($(date +%s) - S0) ))
+timeout 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "half2 or sketch_page_bound_listed" > $OUT/call1-tests.txt 2>&1; tail -3 $OUT/call1-tests.txt
+echo "tests $(( $(date +%s) - S0 )) s"
+LEFT=$(( 400 - ($(date +%s) - S0) ))
 timeout $LEFT python $R/gen_ab.py 131072 quest0.1-sketch $OUT/call1-gen-131072.json > $OUT/call1-gen.txt 2>&1; grep -v Warning $OUT/call1-gen.txt | tail -8
 echo "total $(( $(date +%s) - S0 )) s"
 tar czf $OUT/cache.tgz .cache 2>/dev/null; ls -la $OUT/cache.tgz
