@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run 38, call 1: the half2 sketch kernel's tests on the GPU, its timing against "rows" on one layer,
-# then `generate` with each at 128K (gen_ab.py), as far as the call's time allows.
+# then one layer's selection with each at 128K (select_ab.py), as far as the call's time allows (330 s).
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor PYTHONPATH=$PWD
 [ -f .old2-cache.tgz ] && tar xzf .old2-cache.tgz
@@ -12,7 +12,7 @@ timeout 150 python $R/half2-experiment.py 2>&1 | grep -v Warning | tee $OUT/call
 echo "kernel $(( $(date +%s) - S0 )) s"
 timeout 60 python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py -k "half2 or sketch_page_bound_listed" > $OUT/call1-tests.txt 2>&1; tail -3 $OUT/call1-tests.txt
 echo "tests $(( $(date +%s) - S0 )) s"
-LEFT=$(( 400 - ($(date +%s) - S0) ))
-timeout $LEFT python $R/gen_ab.py 131072 quest0.1-sketch $OUT/call1-gen-131072.json > $OUT/call1-gen.txt 2>&1; grep -v Warning $OUT/call1-gen.txt | tail -8
+LEFT=$(( 330 - ($(date +%s) - S0) ))
+timeout $LEFT python $R/select_ab.py 131072 $OUT/call1-select.json > $OUT/call1-select.txt 2>&1; grep -v Warning $OUT/call1-select.txt | tail -30
 echo "total $(( $(date +%s) - S0 )) s"
 tar czf $OUT/cache.tgz .cache 2>/dev/null; ls -la $OUT/cache.tgz
