@@ -199,6 +199,17 @@ def _per_page(x, op: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, C
 
 
 @triton.jit
+def _pages(list_row, entries, n_pages, n_entries, LISTED: tl.constexpr):
+    """``(page, live)`` of each entry: with LISTED the page its row's list names (live inside
+    ``[0, n_pages)``), else the entry itself (live below ``n_entries``)."""
+    if LISTED:
+        page = tl.load(list_row + entries, mask=entries < n_entries, other=-1).to(tl.int32)
+        return page, (entries < n_entries) & (page >= 0) & (page < n_pages)
+    else:
+        return entries, entries < n_entries
+
+
+@triton.jit
 def _sketch_half2_kernel(
     q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, list_ptr, out_ptr,
     s_qb, s_qh,
@@ -221,13 +232,8 @@ def _sketch_half2_kernel(
     CG: tl.constexpr = WORDS // 4
     NC: tl.constexpr = BLOCK_P * CG
     col = tl.arange(0, NC)
-    e_col = tl.program_id(0) * BLOCK_P + col // CG
-    if LISTED:
-        p_col = tl.load(list_ptr + b * s_lb + kv * s_lh + e_col, mask=e_col < n_entries, other=-1).to(tl.int32)
-        pm_col = (e_col < n_entries) & (p_col >= 0) & (p_col < n_pages)
-    else:
-        p_col = e_col
-        pm_col = e_col < n_entries
+    p_col, pm_col = _pages(list_ptr + b * s_lb + kv * s_lh, tl.program_id(0) * BLOCK_P + col // CG, n_pages,
+                           n_entries, LISTED)
     first = (col % CG) * 4  # the column's first word
     p3 = p_col[None, None, :]
     pm3 = pm_col[None, None, :]
@@ -260,12 +266,7 @@ def _sketch_half2_kernel(
     best = tl.full([G_PAD, BLOCK_P], -float("inf"), tl.float32)
     word_col = word_ptr + b * s_wb + kv * s_wh + first[None, :, None] + tl.arange(0, 4)[None, None, :]
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    if LISTED:
-        p_row = tl.load(list_ptr + b * s_lb + kv * s_lh + offs_p, mask=offs_p < n_entries, other=-1).to(tl.int32)
-        pm_row = (offs_p < n_entries) & (p_row >= 0) & (p_row < n_pages)
-    else:
-        p_row = offs_p
-        pm_row = offs_p < n_entries
+    p_row, pm_row = _pages(list_ptr + b * s_lb + kv * s_lh, offs_p, n_pages, n_entries, LISTED)
     for t0 in tl.static_range(0, PAGE, TOKENS):
         t = t0 + tl.arange(0, TOKENS)
         slot = p_col[None, :] * PAGE + t[:, None]  # [TOKENS, NC]
