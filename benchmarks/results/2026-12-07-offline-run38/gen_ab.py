@@ -4,7 +4,7 @@ a dynamic capacity, `benchmarks.e2e.measure` (EOS id and a streamer, 64 new toke
 excluded). Order: rows, half2, dense, rows again, half2 again (as many as the time allows). From the
 repository root on a CUDA machine:
 
-    python benchmarks/results/2026-12-07-h100-run38/gen_ab.py 131072 quest0.1-sketch out.json
+    python benchmarks/results/2026-12-07-offline-run38/gen_ab.py 131072 quest0.1-sketch out.json
 """
 import json
 import sys

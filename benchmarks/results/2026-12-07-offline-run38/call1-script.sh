@@ -4,7 +4,7 @@
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor PYTHONPATH=$PWD
 [ -f .old2-cache.tgz ] && tar xzf .old2-cache.tgz
-R=benchmarks/results/2026-12-07-h100-run38
+R=benchmarks/results/2026-12-07-offline-run38
 S0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee $OUT/call1-gpu.txt
 python -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)" | tee -a $OUT/call1-gpu.txt

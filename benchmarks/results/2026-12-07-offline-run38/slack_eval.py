@@ -4,7 +4,7 @@ and query head; the kernel's bound sits between the reference's and twice that a
 that on random keys), so that `Quest(0.1, bound="sketch")` ranks as the half2 kernel would. From the
 repository root:
 
-    python benchmarks/results/2026-12-07-h100-run38/slack_eval.py eval --kv quest:0.1,bound=sketch ... --out DIR
+    python benchmarks/results/2026-12-07-offline-run38/slack_eval.py eval --kv quest:0.1,bound=sketch ... --out DIR
 """
 import sys
 

@@ -3,4 +3,4 @@
 set -uo pipefail
 export TRITON_CACHE_DIR=$PWD/.cache/triton PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/call2-gpu.txt
-timeout 110 python benchmarks/results/2026-12-07-h100-run38/half2-experiment.py 131072 2>&1 | grep -v Warning | tee $OUT/call2-kernel.txt
+timeout 110 python benchmarks/results/2026-12-07-offline-run38/half2-experiment.py 131072 2>&1 | grep -v Warning | tee $OUT/call2-kernel.txt

@@ -1,7 +1,7 @@
 """Run 38: the key-sketch bound's "half2" method against "rows" on one layer (32 q / 8 KV heads, head
 dim 128, pages of 16, bf16; `benchmarks.probes.filled_cache`), from the repository root on a CUDA machine:
 
-    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-h100-run38/half2-experiment.py [contexts]
+    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-offline-run38/half2-experiment.py [contexts]
 
 For each context: the bound of every page and of a list of 40% of the pages (a two-level selection's
 candidates), each config's µs (`triton.testing.do_bench`, median), checked first: "rows" against the

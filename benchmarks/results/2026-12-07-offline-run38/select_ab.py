@@ -2,7 +2,7 @@
 graph-replayed, and the attention over it) with the key sketch's "rows" method, then "half2", then
 "rows" again, in one process. From the repository root on a CUDA machine:
 
-    python benchmarks/results/2026-12-07-h100-run38/select_ab.py 131072 out.json
+    python benchmarks/results/2026-12-07-offline-run38/select_ab.py 131072 out.json
 """
 import json
 import sys

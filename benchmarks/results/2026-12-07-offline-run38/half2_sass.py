@@ -5,7 +5,7 @@ pages of 16), 8 pages a program. "rows" loops over a token's words: its count is
 static code with the loop body counted once per trip (4 trips of 4 words). "half2" has no loop
 (its tokens are a static loop): its static code is what it issues. From the repository root:
 
-    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/results/2026-12-07-h100-run38/half2_sass.py
+    TRITON_DEFAULT_FP_FUSION=1 python benchmarks/results/2026-12-07-offline-run38/half2_sass.py
 """
 import collections
 import pathlib
