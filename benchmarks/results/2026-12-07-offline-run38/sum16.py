@@ -11,7 +11,8 @@ import torch
 from policyzoo.kernels.ops.sketch_page_bound import half2
 
 SRC = (pathlib.Path(half2.__file__).read_text().replace("from ... import route", "from policyzoo.kernels import route")
-       .replace("from . import reference", "from policyzoo.kernels.ops.sketch_page_bound import reference"))
+       .replace("from . import reference", "from policyzoo.kernels.ops.sketch_page_bound import reference")
+       .replace("from .shared import", "from policyzoo.kernels.ops.sketch_page_bound.shared import"))
 CALL = "        coded = _chain(ca + cb, pa + pb, EMULATE) + _chain(cc + cd, pc + pd, EMULATE)\n"
 assert CALL in SRC
 SUM16 = '''

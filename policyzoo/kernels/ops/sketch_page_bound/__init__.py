@@ -42,7 +42,7 @@ class SketchScoreConfig(LaunchConfig):
     thread summing whole rows of a few tokens of one page in fp32 (codes of a multiple of 4 bytes a
     token; else the sum, in its own best tile); ``"half2"``: each thread holds a page's tokens and a run
     of four code words, the products in packed fp16 pairs with their rounding added back (an upper
-    bound up to twice `half2.slack_factor` above the reference; codes of whole runs, groups of up
+    bound up to twice `reference.half2_slack` above the reference; codes of whole runs, groups of up
     to four query heads; else ``"rows"``)."""
     block_p: int = 8
     """Pages per program (``"rows"``: at most `ROWS_TOKENS` tokens' worth)."""

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ... import route
 from . import reference
+from .shared import page_grid, store_best
 
 # The largest query group whose weights a thread keeps in registers (four words' worth a head).
 MAX_GROUP = 4
@@ -145,13 +146,10 @@ def _chain(c, w, EMULATE: tl.constexpr):
 @triton.jit
 def _channel(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D: tl.constexpr):
     """Channel ``ch`` of the columns' pages: the weight ``q·step`` per query head ``[G, 1, NC]`` and
-    the channel's part of the page's own term, ``q·min + |q|·radius`` (`reference.sketch_grid`) plus
-    its share of the slack, ``15·slack_k·|q|·step``."""
+    the channel's part of the page's own term, ``q·min + |q|·radius`` plus its share of the slack,
+    ``15·slack_k·|q|·step``."""
     ok = ch < D
-    lo = tl.load(mn_row + ch, mask=pm & ok, other=0.0).to(tl.float32)
-    hi = tl.load(mx_row + ch, mask=pm & ok, other=0.0).to(tl.float32)
-    step = (hi - lo) / 15.0
-    radius = step * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(lo), tl.abs(hi))
+    lo, step, radius = page_grid(mn_row + ch, mx_row + ch, pm & ok)
     q = tl.load(q_row + ch, mask=ok & g_ok, other=0.0).to(tl.float32)
     return q * step, q * lo + tl.abs(q) * (radius + (15.0 * slack_k) * step)
 
@@ -187,14 +185,9 @@ def _pack_word(w, sig, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _per_page(x, op: tl.constexpr, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CG: tl.constexpr):
-    """``[G, 1, NC]`` → the sum (``op`` 0) or max (1) over each page's ``CG`` columns, back on every
-    column of the page."""
-    x = tl.reshape(x, (G_PAD, BLOCK_P, CG))
-    if op == 0:
-        r = tl.sum(x, 2)
-    else:
-        r = tl.max(x, 2)
+def _page_max(x, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CG: tl.constexpr):
+    """``[G, 1, NC]`` → the max over each page's ``CG`` columns, back on every column of the page."""
+    r = tl.max(tl.reshape(x, (G_PAD, BLOCK_P, CG)), 2)
     return tl.reshape(tl.broadcast_to(r[:, :, None], (G_PAD, BLOCK_P, CG)), (G_PAD, 1, BLOCK_P * CG))
 
 
@@ -249,8 +242,8 @@ def _sketch_half2_kernel(
     wd, od = _word(mn_row, mx_row, q_row, ch + 12, pm3, g_ok, slack_k, D, DH)
 
     # σ = 2^(9 - e) per page and head, for the page's largest |weight| in [2^e, 2^(e+1)).
-    top = _per_page(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
-                    1, G_PAD, BLOCK_P, CG)
+    top = _page_max(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
+                    G_PAD, BLOCK_P, CG)
     # e is clamped so that both 2^(9 - e) and 2^(e - 9) are normal fp32 numbers (exact inverses).
     e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
     sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
@@ -287,14 +280,7 @@ def _sketch_half2_kernel(
         best = tl.maximum(best, tl.max(tl.where(seen_p[None, :, :], total, -float("inf")), 1))
     best = best * scale
 
-    e_mask = offs_p < n_entries
-    g_ok2 = offs_g[:, None] < G
-    if AGG == 0:
-        tl.store(out_ptr + b * s_ob + (kv * G + offs_g[:, None]) * s_oh + offs_p[None, :], best,
-                 mask=g_ok2 & e_mask[None, :])
-    else:
-        red = tl.max(tl.where(g_ok2, best, -float("inf")), 0)
-        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_p, red, mask=e_mask)
+    store_best(out_ptr, tl.trans(best), b, kv, s_ob, s_oh, offs_p, offs_p < n_entries, G, G_PAD, AGG)
 
 
 def fits(codes: Tensor, group: int) -> bool:

@@ -27,21 +27,12 @@ from torch import Tensor
 
 from ... import route
 from . import half2
+from .shared import page_grid, store_best
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Every output comes from here (uninitialised; the tests poison it with NaN)."""
     return torch.empty(*shape, dtype=dtype, device=device)
-
-
-@triton.jit
-def _sketch_grid(mn_ptrs, mx_ptrs, mask):
-    """``(low, step, radius)`` fp32 tiles of the pages' grids, as `reference.sketch_grid` computes them."""
-    mn = tl.load(mn_ptrs, mask=mask, other=0.0).to(tl.float32)
-    mx = tl.load(mx_ptrs, mask=mask, other=0.0).to(tl.float32)
-    step = (mx - mn) / 15.0
-    radius = step * (0.5 + 1.0 / 4096) + (1.0 / 1048576) * tl.maximum(tl.abs(mn), tl.abs(mx))
-    return mn, step, radius
 
 
 @triton.jit
@@ -75,19 +66,6 @@ def _entries(list_ptr, b, kv, s_lb, s_lh, n_pages, n_entries, BLOCK_P: tl.conste
         offs_p = offs_e
         p_mask = e_mask
     return offs_e, e_mask, offs_p, p_mask
-
-
-@triton.jit
-def _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G: tl.constexpr, G_PAD: tl.constexpr,
-                AGG: tl.constexpr):
-    """Store ``best [BLOCK_P, G_PAD]``: each query head's row, or (AGG) the group's max."""
-    offs_g = tl.arange(0, G_PAD)
-    g_ok = offs_g[None, :] < G
-    if AGG == 0:
-        tl.store(out_ptr + b * s_ob + (kv * G + offs_g[None, :]) * s_oh + offs_e[:, None], best, mask=e_mask[:, None] & g_ok)
-    else:
-        red = tl.max(tl.where(g_ok, best, -float("inf")), 1)
-        tl.store(out_ptr + b * s_ob + kv * s_oh + offs_e, red, mask=e_mask)
 
 
 @triton.jit
@@ -198,8 +176,8 @@ def _sketch_bound_kernel(
     pm = p_mask[:, None]
     row_mn = mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp
     row_mx = mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp
-    mn_lo, step_lo, rad_lo = _sketch_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
-    mn_hi, step_hi, rad_hi = _sketch_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
+    mn_lo, step_lo, rad_lo = page_grid(row_mn + offs_j[None, :], row_mx + offs_j[None, :], pm & lo_ch[None, :])
+    mn_hi, step_hi, rad_hi = page_grid(row_mn + DH + offs_j[None, :], row_mx + DH + offs_j[None, :], pm & hi_ch[None, :])
 
     if KEYS or DOT:
         q_lo, q_hi = _group_queries(q_ptr, b, kv, s_qb, s_qh, offs_j, lo_ch, hi_ch, DH, G, G_PAD)
@@ -208,7 +186,7 @@ def _sketch_bound_kernel(
                                BLOCK_P, PAGE, DH_PAD, G_PAD)
         else:
             best = _code_dot_bound(c, q_lo, q_hi, mn_lo, step_lo, rad_lo, mn_hi, step_hi, rad_hi, seen, scale)
-        _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
+        store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
     else:
         if AGG == 0:  # the group's first head's row; each head's follows at s_oh
             out_row = out_ptr + b * s_ob + kv * G * s_oh
@@ -260,7 +238,7 @@ def _sketch_rows_kernel(
     # The page's own term, per page and query head: q·min + |q|·radius - 16·q·step over every channel.
     offs_d = tl.arange(0, D_PAD)
     grid_mask = p_mask[:, None] & (offs_d[None, :] < D)
-    mn, step, rad = _sketch_grid(mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp + offs_d[None, :],
+    mn, step, rad = page_grid(mn_ptr + b * s_mb + kv * s_mh + offs_p[:, None] * s_mp + offs_d[None, :],
                                  mx_ptr + b * s_xb + kv * s_xh + offs_p[:, None] * s_xp + offs_d[None, :], grid_mask)
     base = tl.zeros([BLOCK_P, G_PAD], tl.float32)
     for g in tl.static_range(G):
@@ -295,7 +273,7 @@ def _sketch_rows_kernel(
     slot3 = offs_p[None, :, None] * PAGE + tl.arange(0, PAGE)[:, None, None]
     seen3 = p_mask[None, :, None] & (slot3 >= start) & (slot3 < length)
     best = tl.max(tl.where(seen3, (coded + base[None, :, :]) * scale, -float("inf")), 0)  # [BLOCK_P, G_PAD]
-    _store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
+    store_best(out_ptr, best, b, kv, s_ob, s_oh, offs_e, e_mask, G, G_PAD, AGG)
 
 
 def sketch_page_bound(
