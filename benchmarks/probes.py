@@ -461,16 +461,15 @@ def section_variants(rows, run: ExitStack, groups=VARIANT_GROUPS):
         tiles = {f"{m} BLOCK_P={bp} warps={w}": {"sketch_score": replace(base, method=m, block_p=bp, num_warps=w)}
                  for m in SketchScoreConfig.METHODS if m not in ("rows", "half2") for bp in (2, 4, 8) for w in (2, 4, 8)}
         # "half2" gives each thread a run of 4 code words of one page: 8 pages a warp at head dim 128.
-        tiles |= {f"half2 BLOCK_P={8 * w} warps={w} tokens={t}":
-                  {"sketch_score": replace(base, method="half2", block_p=8 * w, num_warps=w, tokens=t)}
-                  for w in (1, 2, 4) for t in (4, 8, 16)}
+        tiles |= {f"half2 BLOCK_P={bp} warps={w}": {"sketch_score": replace(base, method="half2", block_p=bp, num_warps=w)}
+                  for w in (1, 2, 4) for bp in (4 * w, 8 * w)}
         # "rows" spreads a program's pages over its threads, a few tokens of one page each: wider tiles.
         tiles |= {f"rows BLOCK_P={bp} warps={w} words={vw}":
                   {"sketch_score": replace(base, method="rows", block_p=bp, num_warps=w, words=vw)}
                   for bp in (8, 16, 32) for w in (1, 2, 4) for vw in (1, 2, 4)}
         if small:  # one tile a method: the interpreter runs each config several times
             tiles = {k: v for k, v in tiles.items()
-                     if k.endswith(("BLOCK_P=4 warps=4", "BLOCK_P=8 warps=1 words=4", "BLOCK_P=8 warps=1 tokens=8"))}
+                     if k.endswith(("BLOCK_P=4 warps=4", "BLOCK_P=8 warps=1 words=4", "half2 BLOCK_P=8 warps=1"))}
         _, chosen = _pick(rows, "variants", "sketch bound 128K bfloat16", fn, check, tiles)
         keep_for_run(**chosen)
 

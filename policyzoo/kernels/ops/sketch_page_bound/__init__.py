@@ -50,12 +50,10 @@ class SketchScoreConfig(LaunchConfig):
     """Warps per program."""
     words: int = 4
     """``"rows"``: 32-bit words of a token's codes per step (fewer where they do not divide a row)."""
-    tokens: int = 8
-    """``"half2"``: tokens of a page a thread takes at a time (at most the page)."""
 
     def __post_init__(self) -> None:
         one_of(self, "method", self.METHODS)
-        powers_of_two(self, "block_p", "num_warps", "words", "tokens")
+        powers_of_two(self, "block_p", "num_warps", "words")
 
 
 # A "rows" program keeps a partial sum per token, word and query head in registers: its pages are

@@ -28,7 +28,11 @@ arithmetic is done on the same bit patterns with casts (each fp16 rounding done 
 rounded to fp16: within the slack's margin of the hardware's single rounding).
 
 Grid ``(cdiv(entries, block_p), H_kv, B)``, one warp a program (`fits`): columns are (page, run of
-four words), ``block_p·WORDS/4`` of them, one a thread.
+four words), ``block_p·WORDS/4`` of them, one a thread, which reads its page's tokens one at a time.
+Every tensor is one-dimensional over the columns (``[NC, 4]`` for a token's words, ``[BLOCK_P]`` once
+a page's columns are summed), and each query head has tensors of its own: with a head or token axis,
+the layout would be Triton's choice, and Triton 3.6 spreads heads and tokens across the threads,
+which doubles the instructions and spills.
 """
 
 from __future__ import annotations
@@ -144,28 +148,47 @@ def _chain(c, w, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _channel(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D: tl.constexpr):
-    """Channel ``ch`` of the columns' pages: the weight ``q·step`` per query head ``[G, 1, NC]`` and
-    the channel's part of the page's own term, ``q·min + |q|·radius`` plus its share of the slack,
-    ``15·slack_k·|q|·step``."""
-    ok = ch < D
-    lo, step, radius = page_grid(mn_row + ch, mx_row + ch, pm & ok)
-    q = tl.load(q_row + ch, mask=ok & g_ok, other=0.0).to(tl.float32)
-    return q * step, q * lo + tl.abs(q) * (radius + (15.0 * slack_k) * step)
+def _channel(word_ch, s: tl.constexpr, DH: tl.constexpr):
+    """Channel of weight ``s`` (pair ``s // 2``, low or high half) of the word whose first byte is
+    ``word_ch``: nibble ``n`` of a word is byte ``n // 2``'s low (channel = byte) or high (byte + DH)
+    half, and pair ``p`` holds nibbles ``p`` and ``p + 4`` (`_code_pairs`)."""
+    return word_ch + (s // 4) + 2 * (s % 2) + DH * ((s // 2) % 2)
 
 
 @triton.jit
-def _word(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D: tl.constexpr, DH: tl.constexpr):
-    """The word whose first channel is ``ch``: its eight weights in pair order (pair ``s`` = weights
-    ``2s`` and ``2s + 1``: nibbles ``s`` and ``s + 4``), and their part of the page's own term."""
-    w0, o0 = _channel(mn_row, mx_row, q_row, ch, pm, g_ok, slack_k, D)
-    w1, o1 = _channel(mn_row, mx_row, q_row, ch + 2, pm, g_ok, slack_k, D)
-    w2, o2 = _channel(mn_row, mx_row, q_row, ch + DH, pm, g_ok, slack_k, D)
-    w3, o3 = _channel(mn_row, mx_row, q_row, ch + 2 + DH, pm, g_ok, slack_k, D)
-    w4, o4 = _channel(mn_row, mx_row, q_row, ch + 1, pm, g_ok, slack_k, D)
-    w5, o5 = _channel(mn_row, mx_row, q_row, ch + 3, pm, g_ok, slack_k, D)
-    w6, o6 = _channel(mn_row, mx_row, q_row, ch + 1 + DH, pm, g_ok, slack_k, D)
-    w7, o7 = _channel(mn_row, mx_row, q_row, ch + 3 + DH, pm, g_ok, slack_k, D)
+def _word_grid(mn_row, mx_row, word_ch, pm, D: tl.constexpr, DH: tl.constexpr):
+    """The grids ``(low, step, radius)`` of a word's eight channels, in pair order: ``[NC]`` each."""
+    g0 = page_grid(mn_row + _channel(word_ch, 0, DH), mx_row + _channel(word_ch, 0, DH), pm & (_channel(word_ch, 0, DH) < D))
+    g1 = page_grid(mn_row + _channel(word_ch, 1, DH), mx_row + _channel(word_ch, 1, DH), pm & (_channel(word_ch, 1, DH) < D))
+    g2 = page_grid(mn_row + _channel(word_ch, 2, DH), mx_row + _channel(word_ch, 2, DH), pm & (_channel(word_ch, 2, DH) < D))
+    g3 = page_grid(mn_row + _channel(word_ch, 3, DH), mx_row + _channel(word_ch, 3, DH), pm & (_channel(word_ch, 3, DH) < D))
+    g4 = page_grid(mn_row + _channel(word_ch, 4, DH), mx_row + _channel(word_ch, 4, DH), pm & (_channel(word_ch, 4, DH) < D))
+    g5 = page_grid(mn_row + _channel(word_ch, 5, DH), mx_row + _channel(word_ch, 5, DH), pm & (_channel(word_ch, 5, DH) < D))
+    g6 = page_grid(mn_row + _channel(word_ch, 6, DH), mx_row + _channel(word_ch, 6, DH), pm & (_channel(word_ch, 6, DH) < D))
+    g7 = page_grid(mn_row + _channel(word_ch, 7, DH), mx_row + _channel(word_ch, 7, DH), pm & (_channel(word_ch, 7, DH) < D))
+    return g0, g1, g2, g3, g4, g5, g6, g7
+
+
+@triton.jit
+def _weight(q_row, c, grid, slack_k, D: tl.constexpr):
+    """Channel ``c``'s weight ``q·step`` for one query head, and its part of the page's own term,
+    ``q·low + |q|·radius`` plus its share of the slack, ``15·slack_k·|q|·step``."""
+    q = tl.load(q_row + c, mask=c < D, other=0.0).to(tl.float32)
+    return q * grid[1], q * grid[0] + tl.abs(q) * (grid[2] + (15.0 * slack_k) * grid[1])
+
+
+@triton.jit
+def _word_weights(q_row, word_ch, grid, slack_k, D: tl.constexpr, DH: tl.constexpr):
+    """A word's eight weights in pair order (pair ``s`` = weights ``2s``, ``2s + 1``) for one query
+    head, and their part of the page's own term."""
+    w0, o0 = _weight(q_row, _channel(word_ch, 0, DH), grid[0], slack_k, D)
+    w1, o1 = _weight(q_row, _channel(word_ch, 1, DH), grid[1], slack_k, D)
+    w2, o2 = _weight(q_row, _channel(word_ch, 2, DH), grid[2], slack_k, D)
+    w3, o3 = _weight(q_row, _channel(word_ch, 3, DH), grid[3], slack_k, D)
+    w4, o4 = _weight(q_row, _channel(word_ch, 4, DH), grid[4], slack_k, D)
+    w5, o5 = _weight(q_row, _channel(word_ch, 5, DH), grid[5], slack_k, D)
+    w6, o6 = _weight(q_row, _channel(word_ch, 6, DH), grid[6], slack_k, D)
+    w7, o7 = _weight(q_row, _channel(word_ch, 7, DH), grid[7], slack_k, D)
     return (w0, w1, w2, w3, w4, w5, w6, w7), ((o0 + o1) + (o2 + o3)) + ((o4 + o5) + (o6 + o7))
 
 
@@ -185,10 +208,44 @@ def _pack_word(w, sig, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _page_max(x, G_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CG: tl.constexpr):
-    """``[G, 1, NC]`` → the max over each page's ``CG`` columns, back on every column of the page."""
-    r = tl.max(tl.reshape(x, (G_PAD, BLOCK_P, CG)), 2)
-    return tl.reshape(tl.broadcast_to(r[:, :, None], (G_PAD, BLOCK_P, CG)), (G_PAD, 1, BLOCK_P * CG))
+def _page_max(x, BLOCK_P: tl.constexpr, CG: tl.constexpr):
+    """``[NC]`` → the max over each page's ``CG`` columns, back on every column of the page."""
+    r = tl.max(tl.reshape(x, (BLOCK_P, CG)), 1)
+    return tl.reshape(tl.broadcast_to(r[:, None], (BLOCK_P, CG)), (BLOCK_P * CG,))
+
+
+@triton.jit
+def _head(q_row, word_ch, grids, slack_k, BLOCK_P: tl.constexpr, CG: tl.constexpr, D: tl.constexpr,
+          DH: tl.constexpr, EMULATE: tl.constexpr):
+    """One query head's packed weights of the column's four words (``((4 pairs) × 4)``), ``1/σ`` and
+    the column's part of the page's own term (its share of the slack and the bound of the fp16
+    roundings below fp16's normal range included), ``[NC]`` each."""
+    wa, oa = _word_weights(q_row, word_ch, grids[0], slack_k, D, DH)
+    wb, ob = _word_weights(q_row, word_ch + 4, grids[1], slack_k, D, DH)
+    wc, oc = _word_weights(q_row, word_ch + 8, grids[2], slack_k, D, DH)
+    wd, od = _word_weights(q_row, word_ch + 12, grids[3], slack_k, D, DH)
+    # σ = 2^(9 - e) per page for the page's largest |weight| in [2^e, 2^(e+1)); e is clamped so that
+    # both 2^(9 - e) and 2^(e - 9) are normal fp32 numbers (exact inverses).
+    top = _page_max(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
+                    BLOCK_P, CG)
+    e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
+    sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
+    inv_sig = ((e + 118) << 23).to(tl.float32, bitcast=True)
+    own = ((oa + ob) + (oc + od)) + (32.0 / 65536) * inv_sig
+    packed = (_pack_word(wa, sig, EMULATE), _pack_word(wb, sig, EMULATE), _pack_word(wc, sig, EMULATE),
+              _pack_word(wd, sig, EMULATE))
+    return packed, inv_sig, own
+
+
+@triton.jit
+def _head_best(codes, head, best, seen, BLOCK_P: tl.constexpr, CG: tl.constexpr, EMULATE: tl.constexpr):
+    """``best [BLOCK_P]`` raised by one token's bound for one query head: the column's products of
+    its four words' ``codes`` (pairs) with the head's weights, the page's columns summed."""
+    packed, inv_sig, own = head
+    coded = (_chain(codes[0] + codes[1], packed[0] + packed[1], EMULATE)
+             + _chain(codes[2] + codes[3], packed[2] + packed[3], EMULATE))
+    total = tl.sum(tl.reshape(coded * inv_sig + own, (BLOCK_P, CG)), 1)
+    return tl.maximum(best, tl.where(seen, total, -float("inf")))
 
 
 @triton.jit
@@ -213,74 +270,63 @@ def _sketch_half2_kernel(
     s_ob, s_oh,
     n_pages, n_entries, scale, slack_k,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DH: tl.constexpr, WORDS: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, TOKENS: tl.constexpr, AGG: tl.constexpr, LISTED: tl.constexpr,
-    EMULATE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, AGG: tl.constexpr, LISTED: tl.constexpr, EMULATE: tl.constexpr,
 ):
     kv = tl.program_id(1)
     b = tl.program_id(2)
     start = tl.load(start_ptr + b)
     length = tl.load(length_ptr)
-    # Columns: (page, run of four words). Tensors are [query heads, tokens, columns]: the columns across
-    # threads, a column's heads and tokens in its thread.
+    # Columns (page, run of four words), one a thread. Every tensor is [NC] (or [NC, 4] words, and
+    # [BLOCK_P] pages after a page's columns are summed), and each query head has its own: no tensor
+    # has a head axis, so no Triton version can lay heads or tokens across the threads.
     CG: tl.constexpr = WORDS // 4
     NC: tl.constexpr = BLOCK_P * CG
     col = tl.arange(0, NC)
-    p_col, pm_col = _pages(list_ptr + b * s_lb + kv * s_lh, tl.program_id(0) * BLOCK_P + col // CG, n_pages,
-                           n_entries, LISTED)
+    list_row = list_ptr + b * s_lb + kv * s_lh
+    p_col, pm_col = _pages(list_row, tl.program_id(0) * BLOCK_P + col // CG, n_pages, n_entries, LISTED)
     first = (col % CG) * 4  # the column's first word
-    p3 = p_col[None, None, :]
-    pm3 = pm_col[None, None, :]
-    offs_g = tl.arange(0, G_PAD)
-    g_ok = offs_g[:, None, None] < G
-    mn_row = mn_ptr + b * s_mb + kv * s_mh + p3 * s_mp
-    mx_row = mx_ptr + b * s_xb + kv * s_xh + p3 * s_xp
-    q_row = q_ptr + b * s_qb + (kv * G + offs_g[:, None, None]) * s_qh
-    ch = (first * 4)[None, None, :]
-    wa, oa = _word(mn_row, mx_row, q_row, ch, pm3, g_ok, slack_k, D, DH)
-    wb, ob = _word(mn_row, mx_row, q_row, ch + 4, pm3, g_ok, slack_k, D, DH)
-    wc, oc = _word(mn_row, mx_row, q_row, ch + 8, pm3, g_ok, slack_k, D, DH)
-    wd, od = _word(mn_row, mx_row, q_row, ch + 12, pm3, g_ok, slack_k, D, DH)
+    word_ch = first * 4  # its first byte: the channel of its first low nibble
+    mn_row = mn_ptr + b * s_mb + kv * s_mh + p_col * s_mp
+    mx_row = mx_ptr + b * s_xb + kv * s_xh + p_col * s_xp
+    grids = (_word_grid(mn_row, mx_row, word_ch, pm_col, D, DH), _word_grid(mn_row, mx_row, word_ch + 4, pm_col, D, DH),
+             _word_grid(mn_row, mx_row, word_ch + 8, pm_col, D, DH), _word_grid(mn_row, mx_row, word_ch + 12, pm_col, D, DH))
+    q_row = q_ptr + b * s_qb + kv * G * s_qh
+    h0 = _head(q_row, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+    if G > 1:
+        h1 = _head(q_row + s_qh, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+    if G > 2:
+        h2 = _head(q_row + 2 * s_qh, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+    if G > 3:
+        h3 = _head(q_row + 3 * s_qh, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
 
-    # σ = 2^(9 - e) per page and head, for the page's largest |weight| in [2^e, 2^(e+1)).
-    top = _page_max(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
-                    G_PAD, BLOCK_P, CG)
-    # e is clamped so that both 2^(9 - e) and 2^(e - 9) are normal fp32 numbers (exact inverses).
-    e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
-    sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
-    inv_sig = ((e + 118) << 23).to(tl.float32, bitcast=True)
-    # The column's part of the page's own term, its share of the slack included
-    # (`reference.half2_slack_factor`), and a bound of the fp16 roundings below fp16's normal range.
-    own = ((oa + ob) + (oc + od)) + (32.0 / 65536) * inv_sig
-    pa = _pack_word(wa, sig, EMULATE)
-    pb = _pack_word(wb, sig, EMULATE)
-    pc = _pack_word(wc, sig, EMULATE)
-    pd = _pack_word(wd, sig, EMULATE)
-
-    best = tl.full([G_PAD, BLOCK_P], -float("inf"), tl.float32)
-    word_col = word_ptr + b * s_wb + kv * s_wh + first[None, :, None] + tl.arange(0, 4)[None, None, :]
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_row, pm_row = _pages(list_ptr + b * s_lb + kv * s_lh, offs_p, n_pages, n_entries, LISTED)
-    for t0 in tl.static_range(0, PAGE, TOKENS):
-        t = t0 + tl.arange(0, TOKENS)
-        slot = p_col[None, :] * PAGE + t[:, None]  # [TOKENS, NC]
-        seen = pm_col[None, :] & (slot >= start) & (slot < length)
-        words = tl.load(word_col + slot[:, :, None] * s_wt, mask=seen[:, :, None], other=0).to(tl.uint32, bitcast=True)
-        w02, w13 = tl.split(tl.reshape(words, (TOKENS, NC, 2, 2)))  # words 0, 2 and 1, 3 of the run
+    p_row, pm_row = _pages(list_row, offs_p, n_pages, n_entries, LISTED)
+    word_col = word_ptr + b * s_wb + kv * s_wh + first[:, None] + tl.arange(0, 4)[None, :]
+    b0 = tl.full([BLOCK_P], -float("inf"), tl.float32)
+    b1 = b0
+    b2 = b0
+    b3 = b0
+    for t in tl.static_range(PAGE):
+        slot = p_col * PAGE + t
+        words = tl.load(word_col + slot[:, None] * s_wt, mask=(pm_col & (slot >= start) & (slot < length))[:, None],
+                        other=0).to(tl.uint32, bitcast=True)
+        w02, w13 = tl.split(tl.reshape(words, (NC, 2, 2)))  # words 0, 2 and 1, 3 of the run
         k0, k2 = tl.split(w02)
         k1, k3 = tl.split(w13)
-        ca = _code_pairs(k0[None, :, :], EMULATE)
-        cb = _code_pairs(k1[None, :, :], EMULATE)
-        cc = _code_pairs(k2[None, :, :], EMULATE)
-        cd = _code_pairs(k3[None, :, :], EMULATE)
-        coded = _chain(ca + cb, pa + pb, EMULATE) + _chain(cc + cd, pc + pd, EMULATE)
-        part = coded * inv_sig + own  # [G, TOKENS, NC]
-        total = tl.sum(tl.reshape(part, (G_PAD, TOKENS, BLOCK_P, CG)), 3)  # [G, TOKENS, BLOCK_P]
-        slot_p = p_row[None, :] * PAGE + t[:, None]
-        seen_p = pm_row[None, :] & (slot_p >= start) & (slot_p < length)
-        best = tl.maximum(best, tl.max(tl.where(seen_p[None, :, :], total, -float("inf")), 1))
-    best = best * scale
+        codes = (_code_pairs(k0, EMULATE), _code_pairs(k1, EMULATE), _code_pairs(k2, EMULATE), _code_pairs(k3, EMULATE))
+        slot_p = p_row * PAGE + t
+        seen = pm_row & (slot_p >= start) & (slot_p < length)
+        b0 = _head_best(codes, h0, b0, seen, BLOCK_P, CG, EMULATE)
+        if G > 1:
+            b1 = _head_best(codes, h1, b1, seen, BLOCK_P, CG, EMULATE)
+        if G > 2:
+            b2 = _head_best(codes, h2, b2, seen, BLOCK_P, CG, EMULATE)
+        if G > 3:
+            b3 = _head_best(codes, h3, b3, seen, BLOCK_P, CG, EMULATE)
 
-    store_best(out_ptr, tl.trans(best), b, kv, s_ob, s_oh, offs_p, offs_p < n_entries, G, G_PAD, AGG)
+    g = tl.arange(0, G_PAD)[None, :]
+    best = tl.where(g == 0, b0[:, None], tl.where(g == 1, b1[:, None], tl.where(g == 2, b2[:, None], b3[:, None])))
+    store_best(out_ptr, best * scale, b, kv, s_ob, s_oh, offs_p, offs_p < n_entries, G, G_PAD, AGG)
 
 
 def fits(codes: Tensor, group: int) -> bool:
@@ -314,6 +360,6 @@ def launch(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_
         out.stride(0), out.stride(1),
         n_pages, n_entries, float(scale), reference.half2_slack_factor(d),
         G=h // h_kv, G_PAD=triton.next_power_of_2(h // h_kv), D=d, DH=codes.shape[-1], WORDS=n_words, PAGE=page,
-        BLOCK_P=block_p, TOKENS=min(cfg.tokens, page), AGG=0 if agg == "none" else 1, LISTED=pages is not None,
+        BLOCK_P=block_p, AGG=0 if agg == "none" else 1, LISTED=pages is not None,
         EMULATE=route.INTERPRET, num_warps=cfg.num_warps,
     )
