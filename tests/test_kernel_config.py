@@ -222,8 +222,10 @@ def test_page_score_and_entmax_threshold_configs_by_shape():
 
 def test_sketch_score_config_by_shape():
     rule = sketch_op.sketch_score_config
-    assert rule(16, 64) == SketchScoreConfig()  # the Llama shape: rows, 8 pages of 16 a program
-    assert rule(64, 64).block_p == 2 and rule(4, 64).block_p == 8  # rows: at most ROWS_TOKENS tokens a program
+    assert rule(16, 64) == SketchScoreConfig()  # the Llama shape: half2, 8 pages of 16 a program, one warp
+    assert rule(16, 64).method == "half2" and rule(4, 64).method == "half2"
+    # Pages above HALF2_PAGE take rows, with at most ROWS_TOKENS tokens a program
+    assert (rule(64, 64).method, rule(64, 64).block_p) == ("rows", 2)
     fallback = rule(16, 7)  # 7 code bytes a token are not whole words: the sum, in its own tile
     assert (fallback.method, fallback.block_p, fallback.num_warps) == ("sum", sketch_op.SUM_BLOCK_P, sketch_op.SUM_WARPS)
     with override(sketch_score=SketchScoreConfig(method="dot", block_p=2)):

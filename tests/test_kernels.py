@@ -621,9 +621,9 @@ def test_sketch_page_bound_half2_scales_its_weights(magnitude):
 
 @here
 def test_sketch_page_bound_half2_falls_back_where_it_does_not_fit():
-    """Groups of more than `half2.MAX_GROUP` query heads, or codes that are not whole runs of four
-    words, take ``"rows"`` through the op (the reference's result); the half2 launcher refuses them
-    by name, and a scale that is not positive."""
+    """Groups of more than `half2.MAX_GROUP` query heads, codes that are not whole runs of four words,
+    pages of more than `HALF2_PAGE` tokens and a scale that is not positive take ``"rows"`` through the
+    op (the reference's result); the half2 launcher refuses them by name."""
     g_rand = gen(4)
     b, h_kv, pages, page, d = 1, 1, 3, 16, 64
     keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32)
@@ -637,12 +637,15 @@ def test_sketch_page_bound_half2_falls_back_where_it_does_not_fit():
     assert_close(got, ref.sketch_page_bound(*args), torch.float32, scale=got.abs().max().item() + 1)
     with pytest.raises(ValueError, match="half2 method reads whole runs"):
         sketch_kernel.sketch_page_bound(*args, None, SketchScoreConfig(method="half2"))
+    unscaled = (q[:, :4], codes, page_min, page_max, start, length, 0.0, "max")
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="half2")):
+        assert torch.equal(kernels.sketch_page_bound.triton(*unscaled), ref.sketch_page_bound(*unscaled))  # all zero
     with pytest.raises(ValueError, match="needs a scale > 0"):
-        sketch_kernel.sketch_page_bound(q[:, :4], codes, page_min, page_max, start, length, 0.0, "max", None,
-                                        SketchScoreConfig(method="half2"))
+        sketch_kernel.sketch_page_bound(*unscaled, None, SketchScoreConfig(method="half2"))
     assert sketch_score_config(16, 24, method="half2").method == "rows"  # 24 bytes: not whole runs of 16
     assert sketch_score_config(16, 48, method="half2").method == "rows"  # 3 runs: not a power of two
     assert sketch_score_config(16, 64, method="half2").method == "half2"
+    assert sketch_score_config(32, 64, method="half2").method == "rows"  # the kernel unrolls a page's tokens
 
 
 def test_sketch_page_bound_listed_shape_error():

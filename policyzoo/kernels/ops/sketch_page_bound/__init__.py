@@ -30,10 +30,10 @@ class SketchScoreConfig(LaunchConfig):
     keyword = "sketch_score"
     METHODS: ClassVar[tuple[str, ...]] = ("sum", "dot", "keys", "rows", "half2")
 
-    # "rows" with 8 pages a program, one warp and 4 words a step measured 96 µs against the sum's best,
-    # 108 µs (4 pages, 4 warps), on a 128K layer of the Llama-3.1-8B shape (H100; every config of
-    # each method timed in the same process).
-    method: str = "rows"
+    # "half2" with 8 pages a program and one warp: on an H100 (Triton 3.6) it made one 128K layer's
+    # sketch selection 21% faster than "rows" (88 against 111 µs) and `Quest(0.1, bound="sketch")`
+    # 7% faster in `generate` (benchmarks/results/2026-12-07-h100-run39).
+    method: str = "half2"
     """``"sum"``: the products summed on CUDA cores; ``"dot"``: a batched tl.dot per page of the codes
     (fp16, exact) with the page's weights ``q·step`` in fp16, their rounding added back (pages of 16
     or more; smaller ones take the sum); ``"keys"``: the sketch's keys decoded in fp16 and one tl.dot
@@ -43,7 +43,7 @@ class SketchScoreConfig(LaunchConfig):
     token; else the sum, in its own best tile); ``"half2"``: each thread holds a page's tokens and a run
     of four code words, the products in packed fp16 pairs with their rounding added back (an upper
     bound up to twice `reference.half2_slack` above the reference; codes of whole runs, groups of up
-    to four query heads; else ``"rows"``)."""
+    to four query heads, pages of at most `HALF2_PAGE` tokens, a positive scale; else ``"rows"``)."""
     block_p: int = 8
     """Pages per program (``"rows"``: at most `ROWS_TOKENS` tokens' worth)."""
     num_warps: int = 1
@@ -59,14 +59,18 @@ class SketchScoreConfig(LaunchConfig):
 # A "rows" program keeps a partial sum per token, word and query head in registers: its pages are
 # capped at this many tokens (8 pages of 16), so larger pages do not spill.
 ROWS_TOKENS = 128
-# The sum's fastest tile (same measurement), which a "rows" call that cannot read words falls back to.
+# The half2 kernel unrolls a page's tokens: larger pages take "rows" (a page of 16 compiles in about
+# 40 s, once per shape; the compile time grows with the page).
+HALF2_PAGE = 16
+# The sum's fastest tile on an H100's 128K layer, which a "rows" call that cannot read words falls back to.
 SUM_BLOCK_P, SUM_WARPS = 4, 4
 
 
 def sketch_score_config(page: int, code_bytes: int, method: str | None = None) -> SketchScoreConfig:
     """The launch parameters of a call on pages of ``page`` tokens whose codes take ``code_bytes`` a
     token: the config in force (`config.current`; its method replaced by ``method`` if given), its
-    method ``"rows"`` where ``"half2"`` would not get whole runs of four words, the sum where tl.dot
+    method ``"rows"`` where ``"half2"`` would not get whole runs of four words or pages of at most
+    `HALF2_PAGE` tokens, the sum where tl.dot
     would get fewer than 16 token rows, or where ``"rows"`` would not get whole 32-bit words."""
     cfg = current(SketchScoreConfig)
     return _choose(cfg if method is None else dataclasses.replace(cfg, method=method), page, code_bytes)
@@ -74,7 +78,7 @@ def sketch_score_config(page: int, code_bytes: int, method: str | None = None) -
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
 def _choose(cfg: SketchScoreConfig, page: int, code_bytes: int) -> SketchScoreConfig:
-    if cfg.method == "half2" and (code_bytes % 16 or (code_bytes // 16) & (code_bytes // 16 - 1)):
+    if cfg.method == "half2" and (code_bytes % 16 or (code_bytes // 16) & (code_bytes // 16 - 1) or page > HALF2_PAGE):
         cfg = dataclasses.replace(cfg, method="rows")
     if cfg.method == "half2":
         return cfg
@@ -93,7 +97,7 @@ def _sketch_page_bound_op(
 ) -> Tensor:
     need_triton()
     cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1])
-    if cfg.method == "half2" and not half2.fits(codes, q.shape[1] // page_min.shape[1]):
+    if cfg.method == "half2" and not (half2.fits(codes, q.shape[1] // page_min.shape[1]) and scale > 0):
         cfg = sketch_score_config(codes.shape[2] // page_min.shape[2], codes.shape[-1], method="rows")
     if cfg.method == "rows" and not kernel.rows_fit(codes):  # a view whose rows do not start on a word
         cfg = dataclasses.replace(cfg, method="sum", block_p=SUM_BLOCK_P, num_warps=SUM_WARPS)
