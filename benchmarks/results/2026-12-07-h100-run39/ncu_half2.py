@@ -21,8 +21,9 @@ listed = listed.sort(-1).values[None].int()
 args = (q, codes, mn, mx, cache.start, cache.length, D**-0.5, "max")
 base = SketchScoreConfig()
 want = ref.sketch_page_bound(*args)
-got = K.sketch_page_bound(*args, None, base)
-sub = K.sketch_page_bound(*args, listed, base)
+rows = dataclasses.replace(base, method="rows")
+got = K.sketch_page_bound(*args, None, rows)
+sub = K.sketch_page_bound(*args, listed, rows)
 at = torch.gather(got, 2, listed.long())
 live = want.isfinite()
 print("rows: allclose", bool(torch.allclose(got[live], want[live], rtol=1e-4, atol=1e-3)),
@@ -30,6 +31,6 @@ print("rows: allclose", bool(torch.allclose(got[live], want[live], rtol=1e-4, at
       "neginf equal", torch.equal(got.isneginf(), want.isneginf()),
       "listed equal", torch.equal(sub, at), "listed max |diff|", (sub - at).abs().max().item(), flush=True)
 torch.cuda.synchronize()
-for cfg in (base, dataclasses.replace(base, method="half2"), dataclasses.replace(base, method="half2", block_p=4)):
+for cfg in (dataclasses.replace(base, method="rows"), base, dataclasses.replace(base, block_p=4)):
     K.sketch_page_bound(*args, None, cfg)
 torch.cuda.synchronize()
