@@ -23,9 +23,9 @@ The bound stays an upper bound: per page and query head the weights are scaled b
 twice that slack, which is about 13% of the sketch's own radius term ``Σ|q|·radius`` at head dim
 128.
 
-Emulation: Triton's interpreter does not run inline PTX, so with ``EMULATE`` the same fp16
-arithmetic is done on the same bit patterns with casts (each fp16 rounding done as an fp32 operation
-rounded to fp16: within the slack's margin of the hardware's single rounding).
+Emulation: Triton's interpreter does not run inline PTX, so with ``EMULATE`` a pair is its two
+halves' values in fp32, joined along a last axis of 2, and each fp16 rounding is an fp32 operation
+rounded to fp16 (within the slack's margin of the hardware's single rounding).
 
 Grid ``(cdiv(entries, block_p), H_kv, B)``, one warp a program (`fits`): columns are (page, run of
 four words), ``block_p·WORDS/4`` of them, one a thread, which reads its page's tokens one at a time.
@@ -51,31 +51,17 @@ MAX_GROUP = 4
 
 
 @triton.jit
-def _fp16_bits(x):
-    """fp16 bits of fp32 ``x`` (to nearest), as uint32."""
-    return x.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-
-
-@triton.jit
-def _fp16_half(bits, HIGH: tl.constexpr):
-    """The fp16 in the low (or ``HIGH``) half of ``bits``, as fp32."""
-    if HIGH:
-        bits = bits >> 16
-    return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _code_pairs(words, EMULATE: tl.constexpr):
     """Each word's eight nibbles as four fp16 pairs (uint32), exact: pair ``s`` holds nibble ``s`` in
     its low half and nibble ``s + 4`` in its high half, pairs 1 and 3 times 16 (`_pack_word` divides
     their weights by 16). ``(x & 0x000F000F) | 0x64006400`` is the pair ``1024 + c``, and with the
-    mask ``0x00F000F0`` it is ``1024 + 16c``: two pairs a shift."""
+    mask ``0x00F000F0`` it is ``1024 + 16c``: two pairs a shift. Emulated, a pair is its two halves'
+    values in fp32, joined (``[NC, 2]``; exact)."""
     if EMULATE:
-        p0 = _fp16_bits((words & 15).to(tl.float32)) | (_fp16_bits(((words >> 16) & 15).to(tl.float32)) << 16)
-        p1 = _fp16_bits((words & 0xF0).to(tl.float32)) | (_fp16_bits(((words >> 16) & 0xF0).to(tl.float32)) << 16)
-        p2 = _fp16_bits(((words >> 8) & 15).to(tl.float32)) | (_fp16_bits(((words >> 24) & 15).to(tl.float32)) << 16)
-        p3 = _fp16_bits(((words >> 8) & 0xF0).to(tl.float32)) | (_fp16_bits(((words >> 24) & 0xF0).to(tl.float32)) << 16)
-        return p0, p1, p2, p3
+        return (tl.join((words & 15).to(tl.float32), ((words >> 16) & 15).to(tl.float32)),
+                tl.join((words & 0xF0).to(tl.float32), ((words >> 16) & 0xF0).to(tl.float32)),
+                tl.join(((words >> 8) & 15).to(tl.float32), ((words >> 24) & 15).to(tl.float32)),
+                tl.join(((words >> 8) & 0xF0).to(tl.float32), ((words >> 24) & 0xF0).to(tl.float32)))
     else:
         return tl.inline_asm_elementwise(
             asm="""{
@@ -99,29 +85,24 @@ def _code_pairs(words, EMULATE: tl.constexpr):
 
 @triton.jit
 def _pack(w_lo, w_hi, EMULATE: tl.constexpr):
-    """Two fp32 weights as one fp16 pair (uint32), ``w_lo`` in the low half, each rounded to nearest."""
+    """Two fp32 weights as one fp16 pair (uint32), ``w_lo`` in the low half, each rounded to nearest
+    (emulated: the two rounded values in fp32, joined)."""
     if EMULATE:
-        return _fp16_bits(w_lo) | (_fp16_bits(w_hi) << 16)
+        return tl.join(w_lo, w_hi).to(tl.float16).to(tl.float32)
     else:  # cvt.f16x2.f32 d, a, b puts a in the high half
         return tl.inline_asm_elementwise(asm="cvt.rn.f16x2.f32 $0, $2, $1;", constraints="=r,f,f",
                                          args=[w_lo, w_hi], dtype=tl.uint32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _fma_half(c, w, acc, HIGH: tl.constexpr):
-    return (_fp16_half(c, HIGH) * _fp16_half(w, HIGH) + acc).to(tl.float16).to(tl.float32)
-
-
-@triton.jit
 def _chain(c, w, EMULATE: tl.constexpr):
     """``Σ c_s·w_s`` over the eight fp16 pairs of the tuples ``c`` and ``w`` (two words): each half a
     chain of eight fp16 fmas, the two halves then added in fp32."""
-    if EMULATE:
-        lo = (_fp16_half(c[0], False) * _fp16_half(w[0], False)).to(tl.float16).to(tl.float32)
-        hi = (_fp16_half(c[0], True) * _fp16_half(w[0], True)).to(tl.float16).to(tl.float32)
+    if EMULATE:  # each fp16 fma as an fp32 one rounded to fp16, both halves at once
+        h = (c[0] * w[0]).to(tl.float16).to(tl.float32)
         for s in tl.static_range(1, 8):
-            lo = _fma_half(c[s], w[s], lo, False)
-            hi = _fma_half(c[s], w[s], hi, True)
+            h = (c[s] * w[s] + h).to(tl.float16).to(tl.float32)
+        lo, hi = tl.split(h)
         return lo + hi
     else:
         return tl.inline_asm_elementwise(
@@ -148,25 +129,25 @@ def _chain(c, w, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _channel(word_ch, s: tl.constexpr, DH: tl.constexpr):
-    """Channel of weight ``s`` (pair ``s // 2``, low or high half) of the word whose first byte is
-    ``word_ch``: nibble ``n`` of a word is byte ``n // 2``'s low (channel = byte) or high (byte + DH)
-    half, and pair ``p`` holds nibbles ``p`` and ``p + 4`` (`_code_pairs`)."""
-    return word_ch + (s // 4) + 2 * (s % 2) + DH * ((s // 2) % 2)
+def _word_channels(word_ch, DH: tl.constexpr):
+    """The channels of the eight weights, in pair order, of the word whose first byte is ``word_ch``:
+    nibble ``n`` of a word is byte ``n // 2``'s low half (channel = byte) or high half (byte + DH),
+    and pair ``p`` holds nibbles ``p`` and ``p + 4`` (`_code_pairs`)."""
+    return (word_ch, word_ch + 2, word_ch + DH, word_ch + 2 + DH,
+            word_ch + 1, word_ch + 3, word_ch + 1 + DH, word_ch + 3 + DH)
 
 
 @triton.jit
-def _word_grid(mn_row, mx_row, word_ch, pm, D: tl.constexpr, DH: tl.constexpr):
-    """The grids ``(low, step, radius)`` of a word's eight channels, in pair order: ``[NC]`` each."""
-    g0 = page_grid(mn_row + _channel(word_ch, 0, DH), mx_row + _channel(word_ch, 0, DH), pm & (_channel(word_ch, 0, DH) < D))
-    g1 = page_grid(mn_row + _channel(word_ch, 1, DH), mx_row + _channel(word_ch, 1, DH), pm & (_channel(word_ch, 1, DH) < D))
-    g2 = page_grid(mn_row + _channel(word_ch, 2, DH), mx_row + _channel(word_ch, 2, DH), pm & (_channel(word_ch, 2, DH) < D))
-    g3 = page_grid(mn_row + _channel(word_ch, 3, DH), mx_row + _channel(word_ch, 3, DH), pm & (_channel(word_ch, 3, DH) < D))
-    g4 = page_grid(mn_row + _channel(word_ch, 4, DH), mx_row + _channel(word_ch, 4, DH), pm & (_channel(word_ch, 4, DH) < D))
-    g5 = page_grid(mn_row + _channel(word_ch, 5, DH), mx_row + _channel(word_ch, 5, DH), pm & (_channel(word_ch, 5, DH) < D))
-    g6 = page_grid(mn_row + _channel(word_ch, 6, DH), mx_row + _channel(word_ch, 6, DH), pm & (_channel(word_ch, 6, DH) < D))
-    g7 = page_grid(mn_row + _channel(word_ch, 7, DH), mx_row + _channel(word_ch, 7, DH), pm & (_channel(word_ch, 7, DH) < D))
-    return g0, g1, g2, g3, g4, g5, g6, g7
+def _word_grid(mn_row, mx_row, ch, pm, D: tl.constexpr):
+    """The grids ``(low, step, radius)`` of a word's eight channels ``ch``: ``[NC]`` each."""
+    return (page_grid(mn_row + ch[0], mx_row + ch[0], pm & (ch[0] < D)),
+            page_grid(mn_row + ch[1], mx_row + ch[1], pm & (ch[1] < D)),
+            page_grid(mn_row + ch[2], mx_row + ch[2], pm & (ch[2] < D)),
+            page_grid(mn_row + ch[3], mx_row + ch[3], pm & (ch[3] < D)),
+            page_grid(mn_row + ch[4], mx_row + ch[4], pm & (ch[4] < D)),
+            page_grid(mn_row + ch[5], mx_row + ch[5], pm & (ch[5] < D)),
+            page_grid(mn_row + ch[6], mx_row + ch[6], pm & (ch[6] < D)),
+            page_grid(mn_row + ch[7], mx_row + ch[7], pm & (ch[7] < D)))
 
 
 @triton.jit
@@ -178,17 +159,17 @@ def _weight(q_row, c, grid, slack_k, D: tl.constexpr):
 
 
 @triton.jit
-def _word_weights(q_row, word_ch, grid, slack_k, D: tl.constexpr, DH: tl.constexpr):
-    """A word's eight weights in pair order (pair ``s`` = weights ``2s``, ``2s + 1``) for one query
-    head, and their part of the page's own term."""
-    w0, o0 = _weight(q_row, _channel(word_ch, 0, DH), grid[0], slack_k, D)
-    w1, o1 = _weight(q_row, _channel(word_ch, 1, DH), grid[1], slack_k, D)
-    w2, o2 = _weight(q_row, _channel(word_ch, 2, DH), grid[2], slack_k, D)
-    w3, o3 = _weight(q_row, _channel(word_ch, 3, DH), grid[3], slack_k, D)
-    w4, o4 = _weight(q_row, _channel(word_ch, 4, DH), grid[4], slack_k, D)
-    w5, o5 = _weight(q_row, _channel(word_ch, 5, DH), grid[5], slack_k, D)
-    w6, o6 = _weight(q_row, _channel(word_ch, 6, DH), grid[6], slack_k, D)
-    w7, o7 = _weight(q_row, _channel(word_ch, 7, DH), grid[7], slack_k, D)
+def _word_weights(q_row, ch, grid, slack_k, D: tl.constexpr):
+    """A word's eight weights in pair order (pair ``s`` = weights ``2s``, ``2s + 1``; channels ``ch``)
+    for one query head, and their part of the page's own term."""
+    w0, o0 = _weight(q_row, ch[0], grid[0], slack_k, D)
+    w1, o1 = _weight(q_row, ch[1], grid[1], slack_k, D)
+    w2, o2 = _weight(q_row, ch[2], grid[2], slack_k, D)
+    w3, o3 = _weight(q_row, ch[3], grid[3], slack_k, D)
+    w4, o4 = _weight(q_row, ch[4], grid[4], slack_k, D)
+    w5, o5 = _weight(q_row, ch[5], grid[5], slack_k, D)
+    w6, o6 = _weight(q_row, ch[6], grid[6], slack_k, D)
+    w7, o7 = _weight(q_row, ch[7], grid[7], slack_k, D)
     return (w0, w1, w2, w3, w4, w5, w6, w7), ((o0 + o1) + (o2 + o3)) + ((o4 + o5) + (o6 + o7))
 
 
@@ -215,15 +196,15 @@ def _page_max(x, BLOCK_P: tl.constexpr, CG: tl.constexpr):
 
 
 @triton.jit
-def _head(q_row, word_ch, grids, slack_k, BLOCK_P: tl.constexpr, CG: tl.constexpr, D: tl.constexpr,
-          DH: tl.constexpr, EMULATE: tl.constexpr):
+def _head(q_row, chans, grids, slack_k, BLOCK_P: tl.constexpr, CG: tl.constexpr, D: tl.constexpr,
+          EMULATE: tl.constexpr):
     """One query head's packed weights of the column's four words (``((4 pairs) × 4)``), ``1/σ`` and
     the column's part of the page's own term (its share of the slack and the bound of the fp16
     roundings below fp16's normal range included), ``[NC]`` each."""
-    wa, oa = _word_weights(q_row, word_ch, grids[0], slack_k, D, DH)
-    wb, ob = _word_weights(q_row, word_ch + 4, grids[1], slack_k, D, DH)
-    wc, oc = _word_weights(q_row, word_ch + 8, grids[2], slack_k, D, DH)
-    wd, od = _word_weights(q_row, word_ch + 12, grids[3], slack_k, D, DH)
+    wa, oa = _word_weights(q_row, chans[0], grids[0], slack_k, D)
+    wb, ob = _word_weights(q_row, chans[1], grids[1], slack_k, D)
+    wc, oc = _word_weights(q_row, chans[2], grids[2], slack_k, D)
+    wd, od = _word_weights(q_row, chans[3], grids[3], slack_k, D)
     # σ = 2^(9 - e) per page for the page's largest |weight| in [2^e, 2^(e+1)); e is clamped so that
     # both 2^(9 - e) and 2^(e - 9) are normal fp32 numbers (exact inverses).
     top = _page_max(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
@@ -288,16 +269,18 @@ def _sketch_half2_kernel(
     word_ch = first * 4  # its first byte: the channel of its first low nibble
     mn_row = mn_ptr + b * s_mb + kv * s_mh + p_col * s_mp
     mx_row = mx_ptr + b * s_xb + kv * s_xh + p_col * s_xp
-    grids = (_word_grid(mn_row, mx_row, word_ch, pm_col, D, DH), _word_grid(mn_row, mx_row, word_ch + 4, pm_col, D, DH),
-             _word_grid(mn_row, mx_row, word_ch + 8, pm_col, D, DH), _word_grid(mn_row, mx_row, word_ch + 12, pm_col, D, DH))
+    chans = (_word_channels(word_ch, DH), _word_channels(word_ch + 4, DH), _word_channels(word_ch + 8, DH),
+             _word_channels(word_ch + 12, DH))
+    grids = (_word_grid(mn_row, mx_row, chans[0], pm_col, D), _word_grid(mn_row, mx_row, chans[1], pm_col, D),
+             _word_grid(mn_row, mx_row, chans[2], pm_col, D), _word_grid(mn_row, mx_row, chans[3], pm_col, D))
     q_row = q_ptr + b * s_qb + kv * G * s_qh
-    h0 = _head(q_row, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+    h0 = _head(q_row, chans, grids, slack_k, BLOCK_P, CG, D, EMULATE)
     if G > 1:
-        h1 = _head(q_row + s_qh, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+        h1 = _head(q_row + s_qh, chans, grids, slack_k, BLOCK_P, CG, D, EMULATE)
     if G > 2:
-        h2 = _head(q_row + 2 * s_qh, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+        h2 = _head(q_row + 2 * s_qh, chans, grids, slack_k, BLOCK_P, CG, D, EMULATE)
     if G > 3:
-        h3 = _head(q_row + 3 * s_qh, word_ch, grids, slack_k, BLOCK_P, CG, D, DH, EMULATE)
+        h3 = _head(q_row + 3 * s_qh, chans, grids, slack_k, BLOCK_P, CG, D, EMULATE)
 
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_row, pm_row = _pages(list_row, offs_p, n_pages, n_entries, LISTED)
