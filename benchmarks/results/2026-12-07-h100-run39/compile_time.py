@@ -11,23 +11,13 @@ import sys
 import time
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "2026-12-06-h100-run33"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "2026-12-07-offline-run38"))
 import sass_count as S  # noqa: E402
+from half2_sass import compiled  # noqa: E402
 
 from policyzoo.kernels.ops.sketch_page_bound import half2, kernel as K  # noqa: E402
-
-
-def compiled(fn, const: dict, warps: int = 1):
-    names = fn.arg_names
-    sig = {n: S.POINTERS.get(n, "constexpr" if n in const else ("fp32" if n in ("scale", "slack_k") else "i32"))
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] not in ("constexpr", "fp32")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-
 
 print(f"triton {triton.__version__}")
 for name, fn, const in (
@@ -37,7 +27,7 @@ for name, fn, const in (
                                                LISTED=False, EMULATE=False)),
 ):
     t = time.time()
-    k = compiled(fn, const)
+    k = compiled(fn, const, 1)
     took = time.time() - t
     code, labels = S.sass(k)
     spills = sum(1 for _, i in code if S.opcode(i) in ("STL", "LDL"))

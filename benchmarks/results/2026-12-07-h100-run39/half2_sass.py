@@ -15,28 +15,11 @@ import sys
 import triton
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "2026-12-06-h100-run33"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "2026-12-07-offline-run38"))
 import sass_count as S  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from half2_sass import compiled, line  # noqa: E402
 
 from policyzoo.kernels.ops.sketch_page_bound import half2, kernel as K  # noqa: E402
-
-CODE_BYTES_PER_THREAD = 8 * 16 * 64 / 32  # 8 pages of 16 tokens, 64 code bytes a token, one warp
-
-
-def compiled(fn, const: dict, warps: int):
-    names = fn.arg_names
-    sig = {n: S.POINTERS.get(n, "constexpr" if n in const else ("fp32" if n in ("scale", "slack_k") else "i32"))
-           for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] not in ("constexpr", "fp32")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-
-
-def line(label, counts, total):
-    top = ", ".join(f"{k} {v}" for k, v in counts.most_common(8))
-    print(f"{label:<34} {total:6.0f} a thread, {total / CODE_BYTES_PER_THREAD:5.1f} a code byte; {top}")
-
 
 print(f"triton {triton.__version__}")
 rows = compiled(K._sketch_rows_kernel, dict(G=4, G_PAD=4, D=128, D_PAD=128, DH=64, WORDS=16, VW=4, PAGE=16, BLOCK_P=8,
