@@ -620,6 +620,30 @@ def test_sketch_page_bound_half2_scales_its_weights(magnitude):
 
 
 @here
+@pytest.mark.parametrize("top", [1.95, 2.6, 3.66])
+def test_sketch_page_bound_half2_stays_finite_at_the_top_of_the_grid(top):
+    """A token at the top of its page's grid in every channel (every code 15) under a query whose
+    weights ``q·step`` are all equal: each chain of eight fp16 products is then as large as the
+    scaling allows. The bound stays finite, between the reference's and twice the slack above it
+    (with the weights scaled into ``[512, 1024)``, ``top`` 2.6 and 3.66 overflowed to ``inf``)."""
+    b, h_kv, group, pages, page, d = 1, 1, 4, 2, 16, 128
+    keys = torch.zeros(b, h_kv, pages, page, d, device=DEVICE)
+    keys[:, :, :, 0, :] = top
+    page_min, page_max = keys.amin(3), keys.amax(3)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3).contiguous()
+    q = torch.ones(b, h_kv * group, d, device=DEVICE)
+    start, length = torch.zeros(b, dtype=torch.long, device=DEVICE), torch.tensor(pages * page, device=DEVICE)
+    args = (q, codes, page_min, page_max, start, length, 1.0, "none")
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="half2")):
+        got = kernels.sketch_page_bound.triton(*args)
+    expected = ref.sketch_page_bound(*args)
+    slack = 2 * ref.half2_slack(q, page_min, page_max, 1.0)
+    assert bool(got.isfinite().all())
+    assert bool((got >= expected - 1e-5 * expected.abs()).all())
+    assert bool((got <= expected + slack + 1e-5 * expected.abs()).all())
+
+
+@here
 def test_sketch_page_bound_half2_falls_back_where_it_does_not_fit():
     """Groups of more than `half2.MAX_GROUP` query heads, codes that are not whole runs of four words,
     pages of more than `HALF2_PAGE` tokens and a scale that is not positive take ``"rows"`` through the

@@ -17,11 +17,12 @@ A pair ``s`` of word ``u`` holds nibble ``s`` (low half) and nibble ``s + 4`` (h
 ``4u + s//2 + (s%2)·DH`` and that plus 2 (pairs 1 and 3 hold 16 times their codes).
 
 The bound stays an upper bound: per page and query head the weights are scaled by a power of two
-``σ`` so that the largest is in ``[512, 1024)`` (a chain of eight products then stays below fp16's
-65,504), and what fp16 can take off the exact sum is added back to the page's own term
-(`reference.half2_slack`). A page's bound lies between the reference's and the reference's plus
-twice that slack, which is about 13% of the sketch's own radius term ``Σ|q|·radius`` at head dim
-128.
+``σ`` so that the largest is in ``[256, 512)``: a chain of eight products of codes up to 15 then
+stays within ``8·15·512 = 61,440``, below fp16's largest finite 65,504 (with ``[512, 1024)``, a
+token at the top of its page's grid in every channel overflowed to ``inf``). What fp16 can take off
+the exact sum is added back to the page's own term (`reference.half2_slack`). A page's bound lies
+between the reference's and the reference's plus twice that slack, which is about 13% of the
+sketch's own radius term ``Σ|q|·radius`` at head dim 128.
 
 Emulation: Triton's interpreter does not run inline PTX, so with ``EMULATE`` a pair is its two
 halves' values in fp32, joined along a last axis of 2, and each fp16 rounding is an fp32 operation
@@ -205,13 +206,13 @@ def _head(q_row, chans, grids, slack_k, BLOCK_P: tl.constexpr, CG: tl.constexpr,
     wb, ob = _word_weights(q_row, chans[1], grids[1], slack_k, D)
     wc, oc = _word_weights(q_row, chans[2], grids[2], slack_k, D)
     wd, od = _word_weights(q_row, chans[3], grids[3], slack_k, D)
-    # σ = 2^(9 - e) per page for the page's largest |weight| in [2^e, 2^(e+1)); e is clamped so that
-    # both 2^(9 - e) and 2^(e - 9) are normal fp32 numbers (exact inverses).
+    # σ = 2^(8 - e) per page for the page's largest |weight| in [2^e, 2^(e+1)); e is clamped so that
+    # both 2^(8 - e) and 2^(e - 8) are normal fp32 numbers (exact inverses).
     top = _page_max(tl.maximum(tl.maximum(_abs_max(wa), _abs_max(wb)), tl.maximum(_abs_max(wc), _abs_max(wd))),
                     BLOCK_P, CG)
     e = tl.minimum(tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -117), 127)
-    sig = ((136 - e) << 23).to(tl.float32, bitcast=True)
-    inv_sig = ((e + 118) << 23).to(tl.float32, bitcast=True)
+    sig = ((135 - e) << 23).to(tl.float32, bitcast=True)
+    inv_sig = ((e + 119) << 23).to(tl.float32, bitcast=True)
     own = ((oa + ob) + (oc + od)) + (32.0 / 65536) * inv_sig
     packed = (_pack_word(wa, sig, EMULATE), _pack_word(wb, sig, EMULATE), _pack_word(wc, sig, EMULATE),
               _pack_word(wd, sig, EMULATE))
