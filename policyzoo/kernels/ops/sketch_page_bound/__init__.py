@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ...config import LaunchConfig, current, one_of, powers_of_two
+from ...config import LaunchConfig, current, non_negative, one_of, powers_of_two
 from ...route import HAS_TRITON, need_triton, routed
 from . import reference
 
@@ -50,10 +50,14 @@ class SketchScoreConfig(LaunchConfig):
     """Warps per program."""
     words: int = 4
     """``"rows"``: 32-bit words of a token's codes per step (fewer where they do not divide a row)."""
+    max_registers: int = 0
+    """``"half2"``: the registers a thread may use (ptxas' ``maxnreg``), so that more programs share
+    an SM; 0: as many as the compiler takes (255 at the Llama shape, eight warps an SM)."""
 
     def __post_init__(self) -> None:
         one_of(self, "method", self.METHODS)
         powers_of_two(self, "block_p", "num_warps", "words")
+        non_negative(self, "max_registers")
 
 
 # A "rows" program keeps a partial sum per token, word and query head in registers: its pages are

@@ -345,5 +345,5 @@ def launch(q, codes, page_min, page_max, start, length, listed, out, n_pages, n_
         n_pages, n_entries, float(scale), reference.half2_slack_factor(d),
         G=h // h_kv, G_PAD=triton.next_power_of_2(h // h_kv), D=d, DH=codes.shape[-1], WORDS=n_words, PAGE=page,
         BLOCK_P=block_p, AGG=0 if agg == "none" else 1, LISTED=pages is not None,
-        EMULATE=route.INTERPRET, num_warps=cfg.num_warps,
+        EMULATE=route.INTERPRET, num_warps=cfg.num_warps, **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
