@@ -3,7 +3,7 @@ ptxas' maxnreg) against the compiler's 255 registers, and "rows", on one layer (
 head dim 128, pages of 16, bf16; `benchmarks.probes.filled_cache`). From the repository root on a
 CUDA machine:
 
-    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-h100-run40/registers.py [caps] [contexts]
+    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-h100-run40/registers.py [caps] [contexts] [out.json]
 
 Offline (Triton 3.6, sm_90) the caps give: 255 (none) 4,416 instructions, no spills; 200: 4,472, no
 spills; 184: 4,520, 22 spills; 168: 4,624, 73 spills. Each config is checked first: between the
@@ -12,6 +12,7 @@ whose first token is at the top of its grid in every channel (the overflow the [
 fixed) must stay finite.
 """
 import dataclasses
+import json
 import sys
 
 import torch
@@ -35,6 +36,8 @@ def bench(fn) -> float:
 
 caps = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "0,200,184,168").split(",")]
 contexts = [int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "131072,32768").split(",")]
+out = sys.argv[3] if len(sys.argv) > 3 else None
+results = []
 print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
 base = SketchScoreConfig()
 configs = [("rows", dataclasses.replace(base, method="rows"))] + [
@@ -84,6 +87,10 @@ for n in contexts:
             verdict = check(args, got, cfg)
             us = bench(lambda: K.sketch_page_bound(*args, None, cfg))
             print(f"{name:<28} {us:8.1f} µs  {mb / us:5.2f} TB/s  {verdict}", flush=True)
+            results.append(dict(config=name, method=cfg.method, max_registers=cfg.max_registers, context=n, us=us,
+                                check=verdict))
+            if out:
+                json.dump(results, open(out, "w"), indent=1)
         except Exception as e:  # a config that cannot compile: say so, go on
             print(f"{name:<28} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     del cache
