@@ -1,7 +1,7 @@
 """Run 40: why attention over a tenth of the pages reads ~1.9 TB/s where dense attention through the
 same kernel reads ~2.9 (issue 38, item 4). One 128K layer (32 q / 8 KV heads, head dim 128, pages of
-16, bf16), the same number of pages a KV head (a tenth), placed differently; timed calls rotate over
-three copies of the layer, so every call reads its keys and values from memory. From the repository
+16, bf16), the same number of pages a KV head (a tenth), placed differently; timed calls go over
+three copies of the layer in a CUDA graph, so every call reads its keys and values from memory. From the repository
 root on a CUDA machine:
 
     PYTHONPATH=$PWD python benchmarks/results/2026-12-07-h100-run40/locality.py [context]
@@ -11,7 +11,6 @@ If contiguous pages read as fast as dense and random ones do not, the gap is whe
 (a tenth of the pages gives each program a few tiles).
 """
 import dataclasses
-import itertools
 import math
 import sys
 
@@ -56,19 +55,29 @@ dense_mb = 2 * H_KV * n * D * 2 / 1e6
 
 
 def timed(sel) -> float:
-    rot = itertools.cycle(layers)
+    """µs a call: one CUDA graph of a call on each copy of the layer (no host time between the
+    launches), replayed; its median over three."""
 
-    def call():
-        q, keys, values, start, length, _ = next(rot)
-        return kernels.decode_attention(q, keys, values, sel, start, length, D**-0.5)
+    def calls():
+        for q, keys, values, start, length, _ in layers:
+            out, _ = kernels.decode_attention(q, keys, values, sel, start, length, D**-0.5)
+        return out
 
-    for _ in range(3):
-        out, _ = call()
+    out = calls()
     assert bool(out.isfinite().all())
     if dev == "cpu":
         return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(call, warmup=25, rep=300, return_mode="median") * 1e3
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=300, return_mode="median") * 1e3 / len(layers)
 
 
 base = AttentionConfig()
