@@ -104,6 +104,7 @@ def test_configs_are_frozen_values(kind):
         (GatheredLogitsConfig, dict(method="gather"), "method must be one of"),
         (GatheredLogitsConfig, dict(block_t=48), "block_t must be a power of two"),
         (EntmaxThresholdConfig, dict(block_p=1000), "block_p must be a power of two"),
+        (SketchScoreConfig, dict(max_registers=-1), "max_registers must be an int >= 0"),
         (SelectPagesConfig, dict(finish_warps=6), "finish_warps must be a power of two"),
         (SelectPagesConfig, dict(finish_min_row=-1), "finish_min_row must be an int >= 0"),
         (CommunityChoiceConfig, dict(chunk=48), "chunk must be a power of two"),
