@@ -105,6 +105,7 @@ def test_configs_are_frozen_values(kind):
         (GatheredLogitsConfig, dict(block_t=48), "block_t must be a power of two"),
         (EntmaxThresholdConfig, dict(block_p=1000), "block_p must be a power of two"),
         (SketchScoreConfig, dict(max_registers=-1), "max_registers must be an int >= 0"),
+        (SketchScoreConfig, dict(token_step=6), "token_step must be a power of two"),
         (SelectPagesConfig, dict(finish_warps=6), "finish_warps must be a power of two"),
         (SelectPagesConfig, dict(finish_min_row=-1), "finish_min_row must be an int >= 0"),
         (CommunityChoiceConfig, dict(chunk=48), "chunk must be a power of two"),

@@ -647,6 +647,34 @@ def test_sketch_page_bound_half2_stays_finite_at_the_top_of_the_grid(top):
 
 
 @here
+@pytest.mark.parametrize("token_step", [1, 4])
+def test_sketch_page_bound_half2_token_steps_give_the_same_bits(token_step):
+    """The half2 kernel's token loop in runtime steps of ``token_step`` tokens (unrolled within a
+    step) computes what the whole page unrolled computes, bit for bit: the same products and sums
+    for every token, and a max over the same tokens."""
+    g_rand = gen(7)
+    b, h_kv, group, pages, page, d = 1, 2, 4, 5, 16, 64
+    keys = randn(g_rand, b, h_kv, pages, page, d, dtype=torch.float32)
+    page_min, page_max = keys.amin(3), keys.amax(3)
+    codes = ref.sketch_encode(keys, page_min, page_max).flatten(2, 3).contiguous()
+    q = randn(g_rand, b, h_kv * group, d, dtype=torch.float32)
+    start = torch.tensor([3], device=DEVICE)  # a page cut by the row's start, and one by its length
+    length = torch.tensor(pages * page - 5, device=DEVICE)
+    args = (q, codes, page_min, page_max, start, length, d**-0.5, "max")
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="half2")):
+        whole = kernels.sketch_page_bound.triton(*args)
+    with poisoned(), override(sketch_score=SketchScoreConfig(method="half2", token_step=token_step)):
+        stepped = kernels.sketch_page_bound.triton(*args)
+    assert torch.equal(stepped, whole)
+    slack = 2 * ref.half2_slack(q, page_min, page_max, d**-0.5, "max")
+    expected = ref.sketch_page_bound(*args)
+    live = expected.isfinite()
+    assert torch.equal(whole.isneginf(), expected.isneginf())
+    assert bool((whole[live] >= expected[live] - 1e-5 * expected[live].abs()).all())
+    assert bool((whole[live] <= expected[live] + slack[live] + 1e-5 * expected[live].abs()).all())
+
+
+@here
 def test_sketch_page_bound_half2_falls_back_where_it_does_not_fit():
     """Groups of more than `half2.MAX_GROUP` query heads, codes that are not whole runs of four words,
     pages of more than `HALF2_PAGE` tokens and a scale that is not positive take ``"rows"`` through the

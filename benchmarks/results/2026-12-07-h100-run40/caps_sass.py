@@ -7,6 +7,7 @@ repository root (each compile takes about 45 s):
     TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=/tmp/t36:$PWD python benchmarks/results/2026-12-07-h100-run40/caps_sass.py 0,200,184,176,168,128
 """
 import collections
+import os
 import pathlib
 import re
 import subprocess
@@ -24,7 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "2026-12-06-h100-run3
 import sass_count as S  # noqa: E402
 
 BIN = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin"
-CONST = dict(G=4, G_PAD=4, D=128, DH=64, WORDS=16, PAGE=16, BLOCK_P=8, AGG=1, LISTED=False, EMULATE=False)
+CONST = dict(G=4, G_PAD=4, D=128, DH=64, WORDS=16, PAGE=16, TOKEN_STEP=int(os.environ.get("TOKEN_STEP", 16)), BLOCK_P=8, AGG=1,
+             LISTED=False, EMULATE=False)
 
 
 def compiled(fn, const: dict, warps: int, maxnreg: int | None):

@@ -50,13 +50,17 @@ class SketchScoreConfig(LaunchConfig):
     """Warps per program."""
     words: int = 4
     """``"rows"``: 32-bit words of a token's codes per step (fewer where they do not divide a row)."""
+    token_step: int = 16
+    """``"half2"``: a page's tokens a step of the kernel's token loop, unrolled within the step; a
+    whole page of 16 is one unrolled step. Triton's compile time grows with the unrolled body (on
+    the Llama shape, offline: 43 s for steps of 16, 26 s for 8, 18 s for 4)."""
     max_registers: int = 0
     """``"half2"``: the registers a thread may use (ptxas' ``maxnreg``), so that more programs share
     an SM; 0: as many as the compiler takes (255 at the Llama shape, eight warps an SM)."""
 
     def __post_init__(self) -> None:
         one_of(self, "method", self.METHODS)
-        powers_of_two(self, "block_p", "num_warps", "words")
+        powers_of_two(self, "block_p", "num_warps", "words", "token_step")
         non_negative(self, "max_registers")
 
 
