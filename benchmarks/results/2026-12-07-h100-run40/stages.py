@@ -9,40 +9,22 @@ a CUDA machine:
 """
 import dataclasses
 import math
+import pathlib
 import sys
 
 import torch
 import triton
 
-sys.argv = sys.argv[:1]  # locality.py reads its context from the command line
-from benchmarks.probes import D, H_KV, PAGE, _dense_layer  # noqa: E402
-from policyzoo import kernels  # noqa: E402
-from policyzoo.kernels import AttentionConfig  # noqa: E402
-from policyzoo.kernels.config import override  # noqa: E402
-from policyzoo.selection import Selection  # noqa: E402
+from benchmarks.probes import D, H_KV, PAGE, _dense_layer
+from policyzoo.kernels import AttentionConfig
+from policyzoo.kernels.config import override
+from policyzoo.selection import Selection
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from locality import graph_us  # noqa: E402
 
 dev = "cuda"
 print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-
-
-def timed(layers, sel) -> float:
-    def calls():
-        for q, keys, values, start, length, _ in layers:
-            out, _ = kernels.decode_attention(q, keys, values, sel, start, length, D**-0.5)
-        return out
-
-    out = calls()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ref = calls()
-    graph.replay()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=300, return_mode="median") * 1e3 / len(layers), ref.clone()
 
 
 base = AttentionConfig()
@@ -65,9 +47,9 @@ for n in (131072, 32768):
             with override(attention=cfg):
                 row = []
                 for label, sel, size in (("tenth", sparse, mb), ("dense", layers[0][5], dense_mb)):
-                    us, out = timed(layers, sel)
+                    us, out = graph_us(layers, sel)
                     same = label not in want or torch.allclose(out.float(), want[label].float(), rtol=2e-2, atol=2e-2)
-                    want.setdefault(label, out)
+                    want.setdefault(label, out.clone())
                     row.append(f"{label} {us:7.1f} µs {size / us:5.2f} TB/s{'' if same else ' DIFFERS'}")
             print(f"{name:<38} " + "   ".join(row), flush=True)
         except Exception as e:
