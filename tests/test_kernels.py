@@ -476,6 +476,8 @@ def test_quest_page_bound_grouped_negative(group, method):
 def test_sketch_page_bound(seed, dtype, d, b, h_kv, group, pages, page, agg, block_p, method):
     """The kernel's page bound is the reference's (masked slots, padding rows and all), and above
     every visible key's exact logit."""
+    if method == "half2" and MODE != "cuda":
+        block_p = 4  # the interpreter runs each half2 program for about half a second: 4 pages each, not 1
     g_rand = gen(seed)
     n = pages * page
     keys = randn(g_rand, b, h_kv, pages, page, d, dtype=dtype) * 2 + randn(g_rand, b, h_kv, pages, 1, d, dtype=dtype)
