@@ -6,9 +6,10 @@ groups of 4, every page listed only). Changes from `mma_sketch.py`:
 - q is loaded once a program, as raw bf16 pairs, and kept in registers (fp32, over 15);
 - the summaries are loaded as raw bf16 pairs (32-bit words, 16-byte loads);
 - one σ a page from ``max|q| · max step``, a bound of the largest weight;
-- the page's own term ``q·min + κ·|q|·(max − min) + 2^-20·|q|·max(|min|, |max|)`` comes from
-  bf16 MMAs: A's rows are ``min``, ``max`` and ``max(|min|, |max|)`` of pages ``a`` and ``b`` (the
-  raw words), B's columns ``q_h`` and ``|q_h|``: the products are exact, the sums fp32.
+- the page's own term ``q·min + κ·|q|·(max − min) + 2^-20·|q|·(|min| + |max|)`` comes from bf16
+  MMAs: A's rows are ``min``, ``max``, ``|min|`` and ``|max|`` of pages ``a`` and ``b`` (the raw
+  words, chosen by bit masks), B's columns ``q_h`` and ``|q_h|``: the products are exact, the sums
+  fp32.
 
     TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=/tmp/t36:$PWD python benchmarks/results/2026-12-07-h100-run40/mma_sketch2.py
 """
@@ -108,6 +109,9 @@ def _mma2_kernel(q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr
     qmax = tl.max(qmax, 0) / 15.0
     kappa = (0.5 + 1.0 / 4096) / 15.0 + slack_k
     s = g % 4
+    pick_mn = tl.where(s % 2 == 0, -1, 0)
+    pick_mx = ~pick_mn
+    keep_sign = tl.where(s >= 2, 0x7FFF7FFF, -1)
     word_row = word_ptr + kv * s_wh
     for i in range(PAIRS):
         a = (tl.program_id(0) * PAIRS + i) * 2
@@ -119,18 +123,14 @@ def _mma2_kernel(q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr
         o0 = tl.zeros([32], tl.float32)
         o1 = tl.zeros([32], tl.float32)
         for kb in tl.static_range(8):
-            a0 = tl.where(s == 0, mnw[2 * kb], tl.where(s == 1, mxw[2 * kb],
-                          tl.where(s == 2, tl.inline_asm_elementwise(
-                              "{ .reg .b32 x, y; and.b32 x, $1, 0x7FFF7FFF; and.b32 y, $2, 0x7FFF7FFF; max.bf16x2 $0, x, y; }",
-                              "=r,r,r", [mnw[2 * kb], mxw[2 * kb]], dtype=tl.int32, is_pure=True, pack=1), 0)))
-            a2 = tl.where(s == 0, mnw[2 * kb + 1], tl.where(s == 1, mxw[2 * kb + 1],
-                          tl.where(s == 2, tl.inline_asm_elementwise(
-                              "{ .reg .b32 x, y; and.b32 x, $1, 0x7FFF7FFF; and.b32 y, $2, 0x7FFF7FFF; max.bf16x2 $0, x, y; }",
-                              "=r,r,r", [mnw[2 * kb + 1], mxw[2 * kb + 1]], dtype=tl.int32, is_pure=True, pack=1), 0)))
+            # Row g of A: min (s 0), max (1), |min| (2) or |max| (3) of the lane's page, by bit masks.
+            a0 = ((mnw[2 * kb] & pick_mn) | (mxw[2 * kb] & pick_mx)) & keep_sign
+            a2 = ((mnw[2 * kb + 1] & pick_mn) | (mxw[2 * kb + 1] & pick_mx)) & keep_sign
             d0, d1 = _mma_bf16(a0, a2, qo[2 * kb], qo[2 * kb + 1])
             o0 += d0
             o1 += d1
-        part = tl.where(s == 0, o0 - kappa * o1, tl.where(s == 1, kappa * o1, tl.where(s == 2, (1.0 / 1048576) * o1, 0.0)))
+        # own = q·min + κ·(|q|·max − |q|·min) + 2^-20·(|q|·|min| + |q|·|max|), a bound of the radius's last term.
+        part = tl.where(s == 0, o0 - kappa * o1, tl.where(s == 1, kappa * o1, (1.0 / 1048576) * o1))
         own = tl.reshape(tl.sum(tl.reshape(part, (2, 4, 4)), 1), (8,))  # [page a's heads, page b's]
         # Steps (max - min, over 15 in q) and one σ a page.
         dstep = ((_lo(mxw[0]) - _lo(mnw[0]), _hi(mxw[0]) - _hi(mnw[0]), _lo(mxw[1]) - _lo(mnw[1]), _hi(mxw[1]) - _hi(mnw[1]),
