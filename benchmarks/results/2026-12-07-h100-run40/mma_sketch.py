@@ -64,6 +64,28 @@ def _half_pages(word_ptr, s_wt, first, slot_a, slot_b, wb, acc):
 
 
 @triton.jit
+def _pair_bound(word_row, s_wt, first, a, g, t, start, length, wb, e, own, PAGE: tl.constexpr):
+    """Pages ``a`` and ``a + 1``'s bounds, the group's max (``[2]``, before the scale): each token
+    half through `_half_pages`, each head's best visible token, ``best / σ + own`` (``e``: the
+    exponent σ was made from, ``own [8]``: page a's heads, then page b's)."""
+    best0 = tl.full([32], -float("inf"), tl.float32)
+    best1 = best0
+    for hh in tl.static_range(2):
+        tok = 8 * hh + g
+        zero = tl.zeros([32], tl.float32)
+        d = _half_pages(word_row, s_wt, first, a * PAGE + tok, (a + 1) * PAGE + tok, wb, (zero, zero, zero, zero))
+        # Useful blocks: rows of page a with its heads (lanes t < 2: d0, d1), rows of page b with its (t >= 2: d2, d3).
+        slot = tl.where(t < 2, a, a + 1) * PAGE + tok
+        seen = (slot >= start) & (slot < length)
+        best0 = tl.maximum(best0, tl.where(seen, tl.where(t < 2, d[0], d[2]), -float("inf")))
+        best1 = tl.maximum(best1, tl.where(seen, tl.where(t < 2, d[1], d[3]), -float("inf")))
+    best = tl.reshape(tl.join(tl.max(tl.reshape(best0, (8, 4)), 0), tl.max(tl.reshape(best1, (8, 4)), 0)), (8,))
+    inv_sig = tl.max(tl.reshape(((e + 113) << 23).to(tl.float32, bitcast=True), (2, 16)), 1)  # 1/σ of pages a, b
+    inv = tl.reshape(tl.broadcast_to(inv_sig[:, None], (2, 4)), (8,))
+    return tl.max(tl.reshape(best * inv + own, (2, 4)), 1)
+
+
+@triton.jit
 def _mma_sketch_kernel(q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr, s_qh, s_wh, s_wt, s_mh, s_mp,
                        s_oh, n_pages, scale, slack_k, G: tl.constexpr, D: tl.constexpr, DH: tl.constexpr,
                        PAGE: tl.constexpr, PAIRS: tl.constexpr):
@@ -108,42 +130,33 @@ def _mma_sketch_kernel(q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, o
               (_pack(w3[0] * sig, w3[1] * sig, False), _pack(w3[2] * sig16, w3[3] * sig16, False),
                _pack(w3[4] * sig, w3[5] * sig, False), _pack(w3[6] * sig16, w3[7] * sig16, False)))
         own = tl.sum(tl.reshape((o0 + o1) + (o2 + o3), (8, 4)), 1)  # [8]: page a's heads, then page b's
-        best0 = tl.full([32], -float("inf"), tl.float32)
-        best1 = best0
-        for hh in tl.static_range(2):
-            tok = 8 * hh + g
-            zero = tl.zeros([32], tl.float32)
-            d = _half_pages(word_row, s_wt, first, a * PAGE + tok, (a + 1) * PAGE + tok, wb, (zero, zero, zero, zero))
-            # Useful blocks: rows of page a with its heads (lanes t < 2: d0, d1), rows of page b with its (t >= 2: d2, d3).
-            slot = tl.where(t < 2, a, a + 1) * PAGE + tok
-            seen = (slot >= start) & (slot < length)
-            best0 = tl.maximum(best0, tl.where(seen, tl.where(t < 2, d[0], d[2]), -float("inf")))
-            best1 = tl.maximum(best1, tl.where(seen, tl.where(t < 2, d[1], d[3]), -float("inf")))
-        m = tl.reshape(tl.join(tl.max(tl.reshape(best0, (8, 4)), 0), tl.max(tl.reshape(best1, (8, 4)), 0)), (8,))
-        inv_sig = tl.max(tl.reshape(((e + 113) << 23).to(tl.float32, bitcast=True), (2, 16)), 1)  # 1/σ of pages a, b
-        inv = tl.reshape(tl.broadcast_to(inv_sig[:, None], (2, 4)), (8,))
-        bound = tl.max(tl.reshape(m * inv + own, (2, 4)), 1) * scale
+        bound = _pair_bound(word_row, s_wt, first, a, g, t, start, length, wb, e, own, PAGE) * scale
         offs = a + tl.arange(0, 2)
         tl.store(out_ptr + kv * s_oh + offs, bound, mask=offs < n_pages)
 
 
 POINTERS = dict(q_ptr="*bf16", word_ptr="*i32", mn_ptr="*bf16", mx_ptr="*bf16", start_ptr="*i64", length_ptr="*i64",
                 out_ptr="*fp32")
-CONST = dict(G=4, D=128, DH=64, PAGE=16, PAIRS=4)
 
-if __name__ == "__main__":
-    fn = _mma_sketch_kernel
+def count(fn, pairs: int) -> str:
+    """Compile ``fn`` (one warp, `POINTERS`, the Llama shape, ``pairs`` pairs of pages a program) for
+    sm_90 and describe its SASS: instructions a page, spills, the loop body's opcodes."""
     names = fn.arg_names
-    sig = {n: POINTERS.get(n, "constexpr" if n in CONST else ("fp32" if n in ("scale", "slack_k") else "i32")) for n in names}
+    const = dict(G=4, D=128, DH=64, PAGE=16, PAIRS=pairs)
+    sig = {n: POINTERS.get(n, "constexpr" if n in const else ("fp32" if n in ("scale", "slack_k") else "i32")) for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] not in ("constexpr", "fp32")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in CONST.items()}, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     t0 = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
     code, labels = S.sass(k)
     body = S.loop_body(code, labels)
     ops = collections.Counter(S.opcode(i) for i in body)
-    pages = 2 * CONST["PAIRS"]
-    total = len(code) + (CONST["PAIRS"] - 1) * len(body)
-    print(f"triton {triton.__version__}: {len(code)} static instructions, loop body (a pair of pages) {len(body)}, "
-          f"{total} a program of {pages} pages: {total / pages:.0f} a page (half2: 4,416 / 8 = 552); compile {time.time() - t0:.0f} s")
-    print("loop body:", ", ".join(f"{o} {n}" for o, n in ops.most_common(16)))
+    total = len(code) + (pairs - 1) * len(body)
+    spills = sum(1 for _, i in code if S.opcode(i) in ("STL", "LDL"))
+    return (f"triton {triton.__version__}: {len(code)} static instructions ({spills} spills), loop body (a pair of pages) "
+            f"{len(body)}, {total} a program of {2 * pairs} pages: {total / (2 * pairs):.0f} a page (half2: 4,416 / 8 = 552); "
+            f"compile {time.time() - t0:.0f} s\nloop body: " + ", ".join(f"{o} {n}" for o, n in ops.most_common(18)))
+
+
+if __name__ == "__main__":
+    print(count(_mma_sketch_kernel, 4))

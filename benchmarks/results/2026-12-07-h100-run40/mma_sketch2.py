@@ -13,22 +13,16 @@ groups of 4, every page listed only). Changes from `mma_sketch.py`:
 
     TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH=/tmp/t36:$PWD python benchmarks/results/2026-12-07-h100-run40/mma_sketch2.py
 """
-import collections
 import pathlib
 import sys
-import time
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from policyzoo.kernels.ops.sketch_page_bound.half2 import _pack
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "2026-12-06-h100-run33"))
-import sass_count as S  # noqa: E402
-from mma_sketch import _half_pages  # noqa: E402
+from mma_sketch import _pair_bound, count  # noqa: E402
 
 
 @triton.jit
@@ -166,43 +160,10 @@ def _mma2_kernel(q_ptr, word_ptr, mn_ptr, mx_ptr, start_ptr, length_ptr, out_ptr
                _pack(qf[1][12] * sig16 * dstep[1][12], qf[1][14] * sig16 * dstep[1][14], False),
                _pack(qf[0][13] * sig * dstep[0][13], qf[0][15] * sig * dstep[0][15], False),
                _pack(qf[1][13] * sig16 * dstep[1][13], qf[1][15] * sig16 * dstep[1][15], False)))
-        best0 = tl.full([32], -float("inf"), tl.float32)
-        best1 = best0
-        for hh in tl.static_range(2):
-            tok = 8 * hh + g
-            zero = tl.zeros([32], tl.float32)
-            d = _half_pages(word_row, s_wt, first, a * PAGE + tok, (a + 1) * PAGE + tok, wb, (zero, zero, zero, zero))
-            slot = tl.where(t < 2, a, a + 1) * PAGE + tok
-            seen = (slot >= start) & (slot < length)
-            best0 = tl.maximum(best0, tl.where(seen, tl.where(t < 2, d[0], d[2]), -float("inf")))
-            best1 = tl.maximum(best1, tl.where(seen, tl.where(t < 2, d[1], d[3]), -float("inf")))
-        best = tl.reshape(tl.join(tl.max(tl.reshape(best0, (8, 4)), 0), tl.max(tl.reshape(best1, (8, 4)), 0)), (8,))
-        inv_sig = tl.max(tl.reshape(((e + 113) << 23).to(tl.float32, bitcast=True), (2, 16)), 1)  # 1/σ of pages a, b
-        inv = tl.reshape(tl.broadcast_to(inv_sig[:, None], (2, 4)), (8,))
-        bound = tl.max(tl.reshape(best * inv + own, (2, 4)), 1) * scale
+        bound = _pair_bound(word_row, s_wt, first, a, g, t, start, length, wb, e, own, PAGE) * scale
         offs = a + tl.arange(0, 2)
         tl.store(out_ptr + kv * s_oh + offs, bound, mask=offs < n_pages)
 
 
-POINTERS = dict(q_ptr="*bf16", word_ptr="*i32", mn_ptr="*bf16", mx_ptr="*bf16", start_ptr="*i64", length_ptr="*i64",
-                out_ptr="*fp32")
-CONST = dict(G=4, D=128, DH=64, PAGE=16, PAIRS=4)
-
 if __name__ == "__main__":
-    fn = _mma2_kernel
-    names = fn.arg_names
-    sig = {n: POINTERS.get(n, "constexpr" if n in CONST else ("fp32" if n in ("scale", "slack_k") else "i32")) for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] not in ("constexpr", "fp32")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in CONST.items()}, attrs=attrs)
-    t0 = time.time()
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
-    code, labels = S.sass(k)
-    body = S.loop_body(code, labels)
-    ops = collections.Counter(S.opcode(i) for i in body)
-    pages = 2 * CONST["PAIRS"]
-    total = len(code) + (CONST["PAIRS"] - 1) * len(body)
-    spills = sum(1 for _, i in code if S.opcode(i) in ("STL", "LDL"))
-    print(f"triton {triton.__version__}: {len(code)} static instructions ({spills} spills), loop body (a pair of pages) "
-          f"{len(body)}, {total} a program of {pages} pages: {total / pages:.0f} a page (half2: 4,416 / 8 = 552); "
-          f"compile {time.time() - t0:.0f} s")
-    print("loop body:", ", ".join(f"{o} {n}" for o, n in ops.most_common(18)))
+    print(count(_mma2_kernel, 4))

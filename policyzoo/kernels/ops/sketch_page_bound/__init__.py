@@ -78,8 +78,8 @@ def sketch_score_config(page: int, code_bytes: int, method: str | None = None) -
     """The launch parameters of a call on pages of ``page`` tokens whose codes take ``code_bytes`` a
     token: the config in force (`config.current`; its method replaced by ``method`` if given), its
     method ``"rows"`` where ``"half2"`` would not get whole runs of four words or pages of at most
-    `HALF2_PAGE` tokens, the sum where tl.dot
-    would get fewer than 16 token rows, or where ``"rows"`` would not get whole 32-bit words."""
+    `HALF2_PAGE` tokens, the sum where tl.dot would get fewer than 16 token rows, or where ``"rows"``
+    would not get whole 32-bit words."""
     cfg = current(SketchScoreConfig)
     return _choose(cfg if method is None else dataclasses.replace(cfg, method=method), page, code_bytes)
 
