@@ -139,6 +139,8 @@ def settings() -> dict[str, tuple]:
         "topk0.5+quest0.2": (lambda: Quest(0.2, page=PAGE, window=64), lambda: TopK(0.5), 0.5, 0.2),
         "ssa0.05+0.05": (lambda: SSA(0.05, 0.05, page=PAGE, window=64), None, 1.0, 0.1),
         "entmax-kv0.1": (lambda: EntmaxKV(0.1, page=PAGE, window=64), None, 1.0, 0.1),
+        # The threshold's last Newton steps in float64 (the default before 2026-12-07).
+        "entmax-kv0.1-f64": (lambda: EntmaxKV(0.1, page=PAGE, window=64, float64_steps=3), None, 1.0, 0.1),
         # Calibrated by `decoder` on the model it wraps (random text: about half the inputs kept).
         "threshold0.5": (None, lambda: Threshold(0.5), 0.5, 1.0),
         "topk-fast0.5": (None, lambda: TopK(0.5, mode="fast"), 0.5, 1.0),

@@ -55,6 +55,8 @@ TITLES = {
 REDEFINED = {
     # `CommunityKV.split` (default 4) came on 2026-12-06; the earlier rows scored whole communities.
     "community-kv0.1-runs10": ("2026-12-06", "community-kv0.1-runs10-whole"),
+    # `EntmaxKV.float64_steps` (default 0) came on 2026-12-07; the earlier rows took float64 steps.
+    "entmax-kv0.1": ("2026-12-07", "entmax-kv0.1-f64"),
 }
 
 

@@ -90,6 +90,10 @@ class EntmaxKV(KVSelector):
             quantile that must clear the threshold.
         iters: the most Newton steps of the threshold estimate (`gaussian_entmax_threshold`, which
             stops once τ settles).
+        float64_steps: how many of those steps may be float64, after the float32 ones. 0 (the
+            default): all float32, τ̂ within about 1e-5 of the pool's scale (its largest
+            ``|μ/2| + σ/2``) of the float64 root, far below what the Gaussian page model itself is off
+            by; 3 gives the root to ~1e-11, with float64 passes over the pages on a GPU.
         rescore: 0, or a candidate factor >= 1: that many times the chosen pages are candidates and
             the best tokens by exact score are kept (`kv.choose.rescore_pages`; as `Quest`'s).
         aggregate: how the second stage folds a GQA group's exact logits: ``"max"`` (the group's
@@ -108,6 +112,7 @@ class EntmaxKV(KVSelector):
     window: int = 16
     z: float = 3.0
     iters: int = 12
+    float64_steps: int = 0
     rescore: float = 0.0
     aggregate: Aggregate = "max"
     bound: PageBound = "box"
@@ -130,6 +135,7 @@ class EntmaxKV(KVSelector):
         if isinstance(self.z, bool) or not isinstance(self.z, (int, float)) or not (math.isfinite(self.z) and self.z >= 0):
             raise ValueError(f"z must be a finite number >= 0 (standard deviations above a page's mean score), got {self.z!r}")
         check_count(self.iters, "iters", minimum=1)
+        check_count(self.float64_steps, "float64_steps")
         check_rescore(self.rescore)
 
     @property
@@ -160,7 +166,7 @@ class EntmaxKV(KVSelector):
         mu, sigma = page_gaussians(state, q)
         counts = state.cache.page_counts()[:, None, :].expand_as(mu)
         m = torch.where(valid[:, None, :], mu * 0.5, -torch.inf)
-        tau = kernels.gaussian_entmax_threshold(m, sigma * 0.5, counts, 0.5 * bound, self.iters,
+        tau = kernels.gaussian_entmax_threshold(m, sigma * 0.5, counts, 0.5 * bound, self.iters, self.float64_steps,
                                                 workspace=state.workspace).float()
         upper = torch.minimum(0.5 * (mu + self.z * sigma), 0.5 * bound)
         margin = torch.where(torch.isfinite(tau), upper - tau, torch.inf)

@@ -106,27 +106,29 @@ def _plan_for(p: int, rows: int, device: torch.device) -> tuple[EntmaxThresholdC
 
 @torch.library.custom_op("policyzoo::gaussian_entmax_threshold", mutates_args=())
 def _gaussian_entmax_threshold_op(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int = 12,
-                                  counters: Tensor | None = None) -> Tensor:
+                                  float64_steps: int = reference.FINE_STEPS, counters: Tensor | None = None) -> Tensor:
     # ``counters`` is written and left zero: to torch the op does not mutate it.
     need_triton()
     rows = math.prod(torch.broadcast_shapes(*(t.shape for t in (m, s, n, cap) if t is not None))[:-1])
     counters = zeroed(counters, kernel.COUNTERS * rows, m.device)
-    return kernel.gaussian_entmax_threshold(m, s, n, cap, iters, counters, _plan_for)
+    return kernel.gaussian_entmax_threshold(m, s, n, cap, iters, float64_steps, counters, _plan_for)
 
 
 @_gaussian_entmax_threshold_op.register_fake
-def _(m, s, n, cap, iters=12, counters=None):
+def _(m, s, n, cap, iters=12, float64_steps=reference.FINE_STEPS, counters=None):
     shapes = [t.shape for t in (m, s, n, cap) if t is not None]
     return m.new_empty(*torch.broadcast_shapes(*shapes)[:-1], 1, dtype=torch.float64)
 
 
 @routed(reference.gaussian_entmax_threshold)
-def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12, *,
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12,
+                              float64_steps: int = reference.FINE_STEPS, *,
                               workspace: Workspace | None = None) -> Tensor:
     """Entmax threshold of a pool of censored Gaussians along the last dim → ``float64[..., 1]``
-    (`EntmaxKV`'s τ̂); see `reference.gaussian_entmax_threshold`. ``workspace``: the zeroed barrier
-    counters (`Workspace`)."""
-    return torch.ops.policyzoo.gaussian_entmax_threshold(m, s, n, cap, int(iters),
+    (`EntmaxKV`'s τ̂); see `reference.gaussian_entmax_threshold` (``float64_steps=0``: every Newton
+    step in float32, the kernel's float32 throughout). ``workspace``: the zeroed barrier counters
+    (`Workspace`)."""
+    return torch.ops.policyzoo.gaussian_entmax_threshold(m, s, n, cap, int(iters), int(float64_steps),
                                                          buffer(workspace, "barrier_counters"))
 
 

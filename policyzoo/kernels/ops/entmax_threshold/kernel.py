@@ -45,7 +45,6 @@ from torch import Tensor
 
 from ... import route
 from . import reference
-from .reference import FINE_STEPS
 
 # The early stops of the Newton steps (`reference.STOP_FLOAT32`, `STOP_FLOAT64`), as constants the
 # kernel may read.
@@ -79,11 +78,31 @@ def _relu_moments(c, s):
 
 
 @triton.jit
+def _normal_cdf32(a):
+    """``Φ(a)`` in float32 to 1.2e-7 relative everywhere, the lower tail included: ``erfc(−a/√2)/2``
+    by the Chebyshev-fitted ``erfc`` of Press et al., *Numerical Recipes* (2nd ed., §6.2). The plain
+    ``(1 + erf)/2`` keeps only absolute precision, and the moments multiply ``Φ`` by ``c² + s²``
+    (see `reference.normal_cdf`)."""
+    z = tl.abs(a) * 0.7071067811865476  # |a|/√2
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -0.82215223 + t * 0.17087277
+    poly = 1.48851587 + t * poly
+    poly = -1.13520398 + t * poly
+    poly = 0.27886807 + t * poly
+    poly = -0.18628806 + t * poly
+    poly = 0.09678418 + t * poly
+    poly = 0.37409196 + t * poly
+    poly = 1.00002368 + t * poly
+    tail = 0.5 * t * tl.exp(-z * z - 1.26551223 + t * poly)  # Φ(−|a|)
+    return tl.where(a < 0, tail, 1.0 - tail)
+
+
+@triton.jit
 def _relu_moments32(c, s):
     """`_relu_moments` in float32."""
     a = c / tl.maximum(s, 1e-30)
     phi = tl.exp(-0.5 * a * a) * 0.3989422804014327  # 1/√(2π)
-    cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
+    cdf = _normal_cdf32(a)
     return (c * c + s * s) * cdf + c * s * phi, c * cdf + s * phi
 
 
@@ -117,21 +136,21 @@ def _step_sums(m, s, cap, w, b, sq_b, lin_b, tau, F32: tl.constexpr):
 
 
 @triton.jit
-def _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP: tl.constexpr):
-    """One block of pages as float64 ``(m, s, cap, w, live)``, masked like the reference: pages not
+def _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP: tl.constexpr, DTYPE: tl.constexpr):
+    """One block of pages as ``DTYPE`` ``(m, s, cap, w, live)``, masked like the reference: pages not
     in the pool (and lanes past ``end``) get ``m = s = 0``, ``cap = +inf``, ``w = 0``."""
     inside = offs < end
-    m = tl.load(m_row + offs, mask=inside, other=float("-inf")).to(tl.float64)
-    s = tl.load(s_row + offs, mask=inside, other=0.0).to(tl.float64)
-    n = tl.load(n_row + offs, mask=inside, other=0).to(tl.float64)
+    m = tl.load(m_row + offs, mask=inside, other=float("-inf")).to(DTYPE)
+    s = tl.load(s_row + offs, mask=inside, other=0.0).to(DTYPE)
+    n = tl.load(n_row + offs, mask=inside, other=0).to(DTYPE)
     live = inside & (n > 0.0) & (m > float("-inf"))
     m0 = tl.where(live, m, 0.0)
     s0 = tl.where(live, s, 0.0)
     if HAS_CAP:
-        c = tl.load(c_row + offs, mask=inside, other=float("inf")).to(tl.float64)
+        c = tl.load(c_row + offs, mask=inside, other=float("inf")).to(DTYPE)
         c0 = tl.where(live, c, float("inf"))
     else:
-        c0 = tl.full(offs.shape, float("inf"), tl.float64)
+        c0 = tl.full(offs.shape, float("inf"), DTYPE)
     c0 = tl.maximum(c0, m0)  # a mean is never above the bound (guards float rounding)
     return m0, s0, c0, tl.where(live, n, 0.0), live
 
@@ -186,6 +205,7 @@ def _entmax_threshold_kernel(
     m_ptr, s_ptr, n_ptr, c_ptr, out_ptr, part_ptr, ctr_ptr,
     P, per_program, coarse, fine,
     HAS_CAP: tl.constexpr, BLOCK_P: tl.constexpr, HELD: tl.constexpr, TAIL: tl.constexpr, S_PAD: tl.constexpr,
+    FINE64: tl.constexpr,
 ):
     me = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -196,27 +216,35 @@ def _entmax_threshold_kernel(
     ctr = ctr_ptr + row * 2
     offs = first + tl.arange(0, BLOCK_P)
     neg = tl.full((), float("-inf"), tl.float64)
+    # Without float64 steps (``FINE64`` false) the pages are float32 from the load on: half the
+    # registers of the held slice, and no float64 instruction anywhere but on the row's few scalars.
+    DT: tl.constexpr = tl.float64 if FINE64 else tl.float32
 
     # The bracket and the start: maxima over the row's live pages.
     if HELD:  # the slice is one block (and a tail), kept in registers with its τ-independent terms
-        m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP)
+        m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, offs, end, HAS_CAP, DT)
         lo_p, hi_p, top_p = _bracket(m0, s0, c0, live)
-        b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
+        if FINE64:
+            b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
         b32, sq_b32, lin_b32 = _cap_terms(m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), True)
         if TAIL > 0:
             t_m0, t_s0, t_c0, t_w, t_live = _load_block(m_row, s_row, n_row, c_row, first + BLOCK_P + tl.arange(0, TAIL),
-                                                        end, HAS_CAP)
+                                                        end, HAS_CAP, DT)
             lo_t, hi_t, top_t = _bracket(t_m0, t_s0, t_c0, t_live)
             lo_p, hi_p, top_p = tl.maximum(lo_p, lo_t), tl.maximum(hi_p, hi_t), tl.maximum(top_p, top_t)
-            t_b, t_sq_b, t_lin_b = _cap_terms(t_m0, t_s0, t_c0, False)
+            if FINE64:
+                t_b, t_sq_b, t_lin_b = _cap_terms(t_m0, t_s0, t_c0, False)
             t_b32, t_sq_b32, t_lin_b32 = _cap_terms(t_m0.to(tl.float32), t_s0.to(tl.float32), t_c0.to(tl.float32), True)
     else:
         lo_p, hi_p, top_p = neg, neg, neg
         for p0 in range(first, end, BLOCK_P):
-            m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP)
+            m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP, DT)
             lo_b, hi_b, top_b = _bracket(m0, s0, c0, live)
-            lo_p, hi_p, top_p = tl.maximum(lo_p, lo_b), tl.maximum(hi_p, hi_b), tl.maximum(top_p, top_b)
-    los, his, tops, mine = _exchange(parts, ctr, lo_p, hi_p, top_p, 0, S_PAD)
+            lo_p = tl.maximum(lo_p, lo_b.to(tl.float64))
+            hi_p = tl.maximum(hi_p, hi_b.to(tl.float64))
+            top_p = tl.maximum(top_p, top_b.to(tl.float64))
+    los, his, tops, mine = _exchange(parts, ctr, lo_p.to(tl.float64), hi_p.to(tl.float64), top_p.to(tl.float64), 0,
+                                     S_PAD)
     lo = tl.max(tl.where(mine, los, float("-inf")), 0)
     empty = lo == float("-inf")
     lo = tl.where(empty, 0.0, lo - 1.0)
@@ -242,7 +270,8 @@ def _entmax_threshold_kernel(
         else:
             f_p, l_p = tl.zeros((), tl.float32), tl.zeros((), tl.float32)
             for p0 in range(first, end, BLOCK_P):
-                m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP)
+                m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP,
+                                                  DT)
                 m32, s32, c32, w32 = m0.to(tl.float32), s0.to(tl.float32), c0.to(tl.float32), w.to(tl.float32)
                 b32, sq_b32, lin_b32 = _cap_terms(m32, s32, c32, True)
                 f_b, l_b = _step_sums(m32, s32, c32, w32, b32, sq_b32, lin_b32, tau32, True)
@@ -255,26 +284,28 @@ def _entmax_threshold_kernel(
         tau32 = step32
     if coarse > 0:
         tau = tl.minimum(tl.maximum(tau32.to(tl.float64), lo), hi)
-    fine_end = k + fine
-    moving = fine > 0
-    while moving:
-        if HELD:
-            f_p, l_p = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
-            if TAIL > 0:
-                f_t, l_t = _step_sums(t_m0, t_s0, t_c0, t_w, t_b, t_sq_b, t_lin_b, tau, False)
-                f_p, l_p = f_p + f_t, l_p + l_t
-        else:
-            f_p, l_p = tl.zeros((), tl.float64), tl.zeros((), tl.float64)
-            for p0 in range(first, end, BLOCK_P):
-                m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end, HAS_CAP)
-                b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
-                f_b, l_b = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
-                f_p, l_p = f_p + f_b, l_p + l_b
-        k += 1
-        fs, ls, _, _ = _exchange(parts, ctr, f_p, l_p, neg, k, S_PAD)
-        step, lo, hi = _newton(tau, lo, hi, tl.sum(fs, 0), tl.sum(ls, 0), _f64(1e-300))
-        moving = (k < fine_end) & (tl.abs(step - tau) > _f64(STOP_FLOAT64) * (1.0 + tl.abs(tau)))
-        tau = step
+    if FINE64:
+        fine_end = k + fine
+        moving = fine > 0
+        while moving:
+            if HELD:
+                f_p, l_p = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
+                if TAIL > 0:
+                    f_t, l_t = _step_sums(t_m0, t_s0, t_c0, t_w, t_b, t_sq_b, t_lin_b, tau, False)
+                    f_p, l_p = f_p + f_t, l_p + l_t
+            else:
+                f_p, l_p = tl.zeros((), tl.float64), tl.zeros((), tl.float64)
+                for p0 in range(first, end, BLOCK_P):
+                    m0, s0, c0, w, live = _load_block(m_row, s_row, n_row, c_row, p0 + tl.arange(0, BLOCK_P), end,
+                                                      HAS_CAP, DT)
+                    b, sq_b, lin_b = _cap_terms(m0, s0, c0, False)
+                    f_b, l_b = _step_sums(m0, s0, c0, w, b, sq_b, lin_b, tau, False)
+                    f_p, l_p = f_p + f_b, l_p + l_b
+            k += 1
+            fs, ls, _, _ = _exchange(parts, ctr, f_p, l_p, neg, k, S_PAD)
+            step, lo, hi = _newton(tau, lo, hi, tl.sum(fs, 0), tl.sum(ls, 0), _f64(1e-300))
+            moving = (k < fine_end) & (tl.abs(step - tau) > _f64(STOP_FLOAT64) * (1.0 + tl.abs(tau)))
+            tau = step
     if me == 0:
         tl.store(out_ptr + row, tl.where(empty, float("-inf"), tau))
     # The last program of the row out zeroes its counters (every program has passed every barrier).
@@ -283,16 +314,19 @@ def _entmax_threshold_kernel(
         tl.store(ctr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
 
-def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int, counters: Tensor,
-                              plan_for) -> Tensor:
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None, iters: int, float64_steps: int,
+                              counters: Tensor, plan_for) -> Tensor:
     """``float64[..., 1]``: `reference.gaussian_entmax_threshold` of ``m, s, n, cap [..., P]`` (broadcast
-    together; any float dtype, ``n`` also integer), ``-inf`` for rows without a live page.
+    together; any float dtype, ``n`` also integer) with ``iters`` steps, at most ``float64_steps`` of
+    them in float64, ``-inf`` for rows without a live page.
     ``counters``: ``COUNTERS`` zeroed int32 per row, left zero. ``plan_for(P, rows, device)``: the
     `EntmaxThresholdConfig` for rows of ``P`` pages (its ``split`` settled) and the pages of the tail
     block that holds a slice past ``block_p`` (0: none needed; None: the slice is walked instead)."""
     route.check_device(m)
     if iters < 0:
         raise ValueError(f"iters must be >= 0, got {iters}")
+    if float64_steps < 0:
+        raise ValueError(f"float64_steps must be >= 0, got {float64_steps}")
     tensors = (m, s, n) if cap is None else (m, s, n, cap)
     shape = torch.broadcast_shapes(*(t.shape for t in tensors))
     if len(shape) == 0:
@@ -309,10 +343,10 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     per_program = triton.cdiv(p, cfg.split)
     s_pad = max(16, triton.next_power_of_2(cfg.split))
     parts = _alloc(r * 2 * s_pad * 4, dtype=torch.float64, device=m.device)
-    fine = min(iters, FINE_STEPS)
+    fine = min(iters, float64_steps)
     _entmax_threshold_kernel[(cfg.split, r)](
         m, s, n, c, out, parts, counters, p, per_program, iters - fine, fine,
         HAS_CAP=cap is not None, BLOCK_P=cfg.block_p, HELD=tail is not None, TAIL=tail or 0, S_PAD=s_pad,
-        num_warps=cfg.num_warps,
+        FINE64=fine > 0, num_warps=cfg.num_warps,
     )
     return out

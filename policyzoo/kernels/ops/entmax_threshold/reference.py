@@ -11,17 +11,31 @@ from torch import Tensor
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 
 
+def normal_cdf(a: Tensor) -> Tensor:
+    """``Φ(a)`` in ``a``'s dtype, to that dtype's relative precision in the lower tail too.
+
+    torch's float32 ``ndtr`` on the CPU is ``(1 + erf)/2``, which keeps only absolute precision:
+    ``Φ(−5.5)`` comes out 57% high and ``Φ(−8)`` as 0. The moments below multiply ``Φ`` by
+    ``c² + s²`` and subtract a term of the same size, so a page deep in the tail would add ±1e-4 of
+    noise to the pooled sums and float32 Newton steps would miss the root by 1e-3 relative. Below
+    float64, ``Φ`` is therefore the float64 value rounded (the kernel's float32 ``Φ`` is a formula
+    of 1.2e-7 relative error, ``kernel._normal_cdf32``)."""
+    if a.dtype == torch.float64:
+        return torch.special.ndtr(a)
+    return torch.special.ndtr(a.double()).to(a.dtype)
+
+
 def gaussian_relu_sq(c: Tensor, s: Tensor) -> Tensor:
     """``E[(X)_+²]`` for ``X ~ N(c, s²)`` (``s = 0`` gives ``max(c, 0)²``)."""
     a = c / s.clamp(min=1e-30)
     phi = torch.exp(-0.5 * a * a) / _SQRT_2PI
-    return (c * c + s * s) * torch.special.ndtr(a) + c * s * phi
+    return (c * c + s * s) * normal_cdf(a) + c * s * phi
 
 
 def gaussian_relu(c: Tensor, s: Tensor) -> Tensor:
     """``E[(X)_+]`` for ``X ~ N(c, s²)``."""
     a = c / s.clamp(min=1e-30)
-    return c * torch.special.ndtr(a) + s * torch.exp(-0.5 * a * a) / _SQRT_2PI
+    return c * normal_cdf(a) + s * torch.exp(-0.5 * a * a) / _SQRT_2PI
 
 
 def censored_relu_sq(m: Tensor, s: Tensor, cap: Tensor, tau: Tensor) -> Tensor:
@@ -47,8 +61,8 @@ def _censored_moments(m: Tensor, s: Tensor, cap: Tensor, tau: Tensor) -> tuple[T
     )
 
 
-# Newton steps of `gaussian_entmax_threshold` taken in float64, after the others in float32: three
-# from the float32 iterate (within ~1e-3 of the root on pools of logits spread over ±60, where
+# Newton steps of `gaussian_entmax_threshold` taken in float64 by default, after the others in
+# float32: three from the float32 iterate (within ~1e-5 of the pool's scale of the root, where
 # float32's moments cancel) bring it to float64 precision.
 FINE_STEPS = 3
 # A row stops stepping in a precision once a step moved τ by at most this times ``1 + |τ|``. In
@@ -77,7 +91,8 @@ def newton_step(m0: Tensor, s0: Tensor, c0: Tensor, w: Tensor, tau: Tensor, lo: 
     return torch.minimum(torch.maximum(step, lo), hi), lo, hi
 
 
-def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12) -> Tensor:
+def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | None = None, iters: int = 12,
+                              float64_steps: int = FINE_STEPS) -> Tensor:
     """Solve ``F(τ) = Σ_p n_p·E[(min(x_p, cap_p) − τ)_+²] = 1`` for ``x_p ~ N(m_p, s_p²)`` along the
     last dim.
 
@@ -95,14 +110,16 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     page alone holds a unit of mass), which every evaluation narrows; steps are clamped into the
     bracket.
 
-    At most ``iters`` steps, each one pass over the pages: up to ``iters − FINE_STEPS`` in float32,
-    then up to `FINE_STEPS` (or all, if fewer) in float64 from the float32 iterate, inside the
-    float64 bracket (the float32 steps' own bracket may be off by their rounding). Near the root
-    each step squares the error, so the float64 steps remove the float32 steps' rounding (and a
-    float32 pass costs a fraction of a float64 one on a GPU). A row leaves a precision's steps after
-    one that moved τ by at most `STOP_FLOAT32` (float32) or `STOP_FLOAT64` (float64) times
-    ``1 + |τ|``; the float64 steps always take one. 12 steps reach ~1e-11 on pools of up to 8K pages
-    with logits spread over ±60, and are exact on point masses (``s = 0``).
+    At most ``iters`` steps, each one pass over the pages: up to ``iters − float64_steps`` in
+    float32, then up to ``float64_steps`` (or all, if fewer) in float64 from the float32 iterate,
+    inside the float64 bracket (the float32 steps' own bracket may be off by their rounding). Near
+    the root each step squares the error, so the float64 steps remove the float32 steps' rounding
+    (and a float32 pass costs a fraction of a float64 one on a GPU). A row leaves a precision's
+    steps after one that moved τ by at most `STOP_FLOAT32` (float32) or `STOP_FLOAT64` (float64)
+    times ``1 + |τ|``; the float64 steps always take one. With the default `FINE_STEPS`, 12 steps
+    reach ~1e-11 on pools of up to 8K pages with logits spread over ±60, and are exact on point
+    masses (``s = 0``); with ``float64_steps=0`` every step is float32 and τ̂ is within about
+    ``1e-5·(1 + max_p (|m_p| + s_p))`` of that root (the float32 steps' early stop and rounding).
 
     The pooled threshold of `kv.EntmaxKV`; the Triton kernel is ``kernel.py``, beside this file.
     """
@@ -121,7 +138,9 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     # Start at the largest mean: a start right of the root is fine too (the tangent of a convex
     # decreasing function crosses zero left of its root), and this one is usually close.
     tau = torch.where(empty, 0.0, torch.where(live, m0, -torch.inf).amax(-1, keepdim=True)).clamp(lo, hi)
-    fine = min(iters, FINE_STEPS)
+    if float64_steps < 0:
+        raise ValueError(f"float64_steps must be >= 0, got {float64_steps}")
+    fine = min(iters, float64_steps)
     if iters > fine:
         pool = tuple(t.float() for t in (m0, s0, c0, w))
         tau32, lo32, hi32 = tau.float(), lo.float(), hi.float()
