@@ -53,7 +53,8 @@ class SketchScoreConfig(LaunchConfig):
     token_step: int = 16
     """``"half2"``: a page's tokens a step of the kernel's token loop, unrolled within the step; a
     whole page of 16 is one unrolled step. Triton's compile time grows with the unrolled body (on
-    the Llama shape, offline: 43 s for steps of 16, 26 s for 8, 18 s for 4)."""
+    the Llama shape, offline: 43 s for steps of 16, 26 s for 8, 18 s for 4), but the shorter steps
+    run 8-10% slower (an H100 at 128K), so the default unrolls the page whole."""
     max_registers: int = 0
     """``"half2"``: the registers a thread may use (ptxas' ``maxnreg``), so that more programs share
     an SM; 0: as many as the compiler takes (255 at the Llama shape, eight warps an SM)."""
