@@ -19,7 +19,9 @@ is the library as it is. CommunityKV's communities are runs of 10 tokens split a
 from random queries. Then:
 
 - ``threshold``: the Gaussian threshold alone (`kernels.gaussian_entmax_threshold` over ``[1, 32,
-  P]`` pages: EntmaxKV's call), one program per row against the split rows;
+  P]`` pages), with float64 steps in one program per row against the split rows, then EntmaxKV's
+  call (float32 steps, split) against those float64 steps, its distance from their root in units
+  of the pool's scale;
 - ``attention``: decode attention over the policy's selection, with its bandwidth on the bytes it
   selects (the kept tokens' keys and values), beside dense attention's.
 
@@ -255,6 +257,20 @@ def bench_context(n: int, names: list[str], rows: list[dict], copies: int | None
         row.update({"old_select_us": one_us, "new_select_us": split_us, "speedup": one_us / split_us, "rel_diff": err})
         print(f"n={n:>7} gaussian threshold [1, {H}, {cache.num_pages}]: one program a row {one_us:7.1f} us, "
               f"split {split_us:7.1f} us (x{one_us / split_us:4.2f}), results within {err:.1e}", flush=True)
+    rows.append(row)
+
+    # EntmaxKV's own call: every Newton step in float32 (`EntmaxKV.float64_steps`), against the float64 steps.
+    row = {"context": n, "setting": "gaussian threshold, float32 steps"}
+    with common.recorded(row, f"select_bench threshold-f32@{n}"):
+        steps = EntmaxKV().float64_steps
+        fast, fast_us = call_and_time_us(
+            lambda: kernels.gaussian_entmax_threshold(m, s, counts, cap, 12, steps, workspace=state.workspace))
+        scale = 1 + (m.abs() + s).amax(-1, keepdim=True).double()
+        err = float(((fast - split).abs() / scale).max())
+        row.update({"old_select_us": split_us, "new_select_us": fast_us, "speedup": split_us / fast_us,
+                    "float64_steps": steps, "scaled_diff": err})
+        print(f"n={n:>7} gaussian threshold, float64_steps={steps}: {fast_us:7.1f} us against the float64 steps' "
+              f"{split_us:7.1f} us (x{split_us / fast_us:4.2f}), within {err:.1e} of their root (pool scale)", flush=True)
     rows.append(row)
 
 
