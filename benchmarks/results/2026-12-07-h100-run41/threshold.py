@@ -4,8 +4,12 @@ steps in float64 (``float64_steps=3``, the default before this run) and with eve
 and 32K (2,052), time in a CUDA graph, and each result's distance from the float64 reference's root
 in units of the pool's scale (``1 + max |m| + s``). From the repository root on a CUDA machine:
 
-    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-h100-run41/threshold.py
+    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-h100-run41/threshold.py [pages,...]
+
+(16,388 pages, a 256K cache, takes the walked path: slices too long to hold in registers.)
 """
+import sys
+
 import torch
 import triton
 
@@ -17,7 +21,7 @@ from policyzoo.kernels.ops.entmax_threshold import reference as R
 dev = "cuda"
 ws = Workspace(torch.device(dev))
 print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-for P in (8196, 2052):
+for P in [int(p) for p in (sys.argv[1] if len(sys.argv) > 1 else "8196,2052").split(",")]:
     g = torch.Generator(device=dev).manual_seed(2)
     m0 = torch.randn(1, 32, P, device=dev, generator=g)
     s0 = torch.rand(1, 32, P, device=dev, generator=g)
