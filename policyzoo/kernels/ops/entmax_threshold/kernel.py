@@ -3,8 +3,8 @@ this file.
 
 `EntmaxKV` (``mode="gaussian"``) solves, per row of ``[B, H]`` pages, ``F(τ) = Σ_p n_p·E[(min(x_p,
 cap_p) − τ)_+²] = 1``, ``x_p ~ N(m_p, s_p²)``, by safeguarded Newton steps on ``√F − 1``, each a full
-pass over the row's pages: the first ones in float32, at most `reference.FINE_STEPS` in float64, each
-precision's steps stopping early as the reference's do. The torch reference is a chain of
+pass over the row's pages: the first ones in float32, at most ``float64_steps`` in float64 (`EntmaxKV`
+takes none by default), each precision's steps stopping early as the reference's do. The torch reference is a chain of
 elementwise ops and last-dim sums; under `torch.compile` Inductor fuses it into one persistent
 reduction over all pages, which Triton 3.6 fails to compile for 8192 pages (``PassManager::run
 failed`` in make_ttgir), so this is one opaque custom op.
@@ -25,7 +25,8 @@ idle and ran 13 float64 passes over 8,192 pages back to back. Here:
   row must run at once: the op never makes more programs than SMs when it splits (one program fits
   any SM), and under the interpreter, which runs programs one after another, it never splits;
 - the passes far from the root are float32 (where float32 is the cheaper unit), and only the last
-  (at most `reference.FINE_STEPS`) float64.
+  (at most ``float64_steps``) float64; without them (``FINE64`` false) the kernel is float32 but for
+  the row's scalars, and its float32 ``Φ`` is accurate in the lower tail (`_normal_cdf32`).
 
 Everything float64 is as the reference's float64 steps: inputs of any float or integer dtype are
 converted on load, ``Φ(a)`` is ``0.5·(1 + erf(a/√2))`` (`tl.erf`; torch's ``ndtr`` uses ``erfc`` in
