@@ -211,8 +211,7 @@ FLOAT32_ROOT_TOL = 2e-5
 def near_root(tau: torch.Tensor, root: torch.Tensor, m: torch.Tensor, s: torch.Tensor) -> bool:
     """Whether ``tau`` is within `FLOAT32_ROOT_TOL` of the pool's scale of ``root`` on every live row
     (rows of ``m, s [..., P]``; -inf pages are out of the pool), and -inf exactly where it is."""
-    live = m > -torch.inf
-    scale = 1 + torch.where(live, m.abs() + s, 0.0).amax(-1, keepdim=True)
+    scale = reference.pool_scale(m, s)
     finite = root > -torch.inf
     if not torch.equal(tau > -torch.inf, finite):
         return False

@@ -22,6 +22,7 @@ from .ops.entmax_threshold.reference import (
     gaussian_entmax_threshold,
     gaussian_relu,
     gaussian_relu_sq,
+    pool_scale,
 )
 from .ops.gathered_logits.reference import gathered_logits
 from .ops.page_fetch.reference import page_fetch
@@ -74,6 +75,7 @@ __all__ = [
     "page_fetch",
     "page_gaussians",
     "page_summaries",
+    "pool_scale",
     "quest_page_bound",
     "quest_page_bound_grouped",
     "round_for_ranking",

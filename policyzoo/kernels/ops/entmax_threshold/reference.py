@@ -75,6 +75,13 @@ STOP_FLOAT32 = 1e-5
 STOP_FLOAT64 = 1e-6
 
 
+def pool_scale(m: Tensor, s: Tensor) -> Tensor:
+    """``float64[..., 1]``: ``1 + max_p (|m_p| + s_p)`` over the pool's pages (``m = -inf``: not in
+    it), the unit in which the float32 steps' distance from the root is stated (about 1e-5)."""
+    m, s = m.double(), s.double()
+    return 1 + torch.where(m > -torch.inf, m.abs() + s, 0.0).amax(-1, keepdim=True)
+
+
 def newton_step(m0: Tensor, s0: Tensor, c0: Tensor, w: Tensor, tau: Tensor, lo: Tensor, hi: Tensor,
                 tiny: float) -> tuple[Tensor, Tensor, Tensor]:
     """One safeguarded Newton step of ``g(τ) = √F(τ) − 1``, ``F(τ) = Σ_p w_p·E[(min(x_p, c_p) − τ)_+²]``,
@@ -118,8 +125,8 @@ def gaussian_entmax_threshold(m: Tensor, s: Tensor, n: Tensor, cap: Tensor | Non
     steps after one that moved τ by at most `STOP_FLOAT32` (float32) or `STOP_FLOAT64` (float64)
     times ``1 + |τ|``; the float64 steps always take one. With the default `FINE_STEPS`, 12 steps
     reach ~1e-11 on pools of up to 8K pages with logits spread over ±60, and are exact on point
-    masses (``s = 0``); with ``float64_steps=0`` every step is float32 and τ̂ is within about
-    ``1e-5·(1 + max_p (|m_p| + s_p))`` of that root (the float32 steps' early stop and rounding).
+    masses (``s = 0``); with ``float64_steps=0`` every step is float32 and τ̂ is within about 1e-5
+    of the pool's scale (`pool_scale`) of that root (the float32 steps' early stop and rounding).
 
     The pooled threshold of `kv.EntmaxKV`; the Triton kernel is ``kernel.py``, beside this file.
     """
