@@ -40,6 +40,7 @@ from policyzoo.kernels import (  # noqa: E402
 )
 from policyzoo.kernels import reference as ref  # noqa: E402
 from policyzoo.kernels.ops.sketch_page_bound import sketch_score_config  # noqa: E402
+from policyzoo.kernels.ops.decode_attention import LOADS  # noqa: E402
 from policyzoo.kernels.config import override  # noqa: E402
 from policyzoo.kernels.ops import select_top as select_op  # noqa: E402
 from policyzoo.selection import Selection  # noqa: E402
@@ -163,11 +164,11 @@ def run_attention(case, mode, cfg=None):
 
 @here
 @ATTENTION_SETTINGS
-@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]))
-def test_decode_attention_softmax(case, merge):
+@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]), loads=st.sampled_from(LOADS))
+def test_decode_attention_softmax(case, merge, loads):
     """``merge``: the merge's (block_c, max_block_c): every chunk in one step, in steps of at most
-    16 (with > 16 chunks), or in fixed steps of 32."""
-    cfg = AttentionConfig(chunk=case["chunk"], block_c=merge[0], max_block_c=merge[1])
+    16 (with > 16 chunks), or in fixed steps of 32. ``loads``: when a tile's keys and values are read."""
+    cfg = AttentionConfig(chunk=case["chunk"], block_c=merge[0], max_block_c=merge[1], loads=loads)
     out, lse, ref_out, ref_lse = run_attention(case, "softmax", cfg)
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape

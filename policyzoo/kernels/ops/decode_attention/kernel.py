@@ -82,16 +82,18 @@ def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOC
 
 
 @triton.jit
+def _tile_rows(base, stride, row, visible, offs_d, D: tl.constexpr):
+    """``[BLOCK_T, D_PAD]`` cache rows ``row`` of one KV head's keys or values (0 where not visible)."""
+    return tl.load(base + row[:, None] * stride + offs_d[None, :], mask=visible[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _tile_logits(
-    q, k_row, lw_row, s_kn, s_lw, entry, row, in_chunk, visible, offs_d, scale,
-    HAS_LW: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q, k, lw_row, s_lw, entry, in_chunk, visible, scale,
+    HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``[G_PAD, BLOCK_T]`` logits ``scale·q·k (+ log_weight)``, ``-inf`` where not visible."""
-    k = tl.load(
-        k_row + row[:, None] * s_kn + offs_d[None, :],
-        mask=visible[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    )
+    """``[G_PAD, BLOCK_T]`` logits ``scale·q·k (+ log_weight)`` of a tile's keys ``k``, ``-inf`` where
+    not visible."""
     s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale
     if HAS_LW:
         s += tl.load(lw_row + entry * s_lw, mask=in_chunk, other=0.0).to(tl.float32)[None, :]
@@ -120,6 +122,7 @@ def _softmax_chunk_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    LOADS: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -145,11 +148,24 @@ def _softmax_chunk_kernel(
     m_i = tl.full([G_PAD], -float("inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    if LOADS == "ahead":  # the first tile's loads; each step then issues the next tile's
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
+        v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
     # Chunks past `count` skip the loop and still write (m=-inf, l=0, o=0): the merge reads every chunk.
     for f0 in range(f_begin, f_end, BLOCK_T):
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
-        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, row, in_chunk, visible, offs_d, scale,
-                         HAS_LW, D, UPCAST, PRECISION)
+        if LOADS == "ahead":
+            # A program walks a few tiles: issuing tile i+1's reads before tile i's sums keeps a
+            # tile's reads in flight instead of a round trip to memory per step.
+            entry_n, row_n, in_chunk_n, visible_n = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + BLOCK_T + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+            k_n = _tile_rows(k_row, s_kn, row_n, visible_n, offs_d, D)
+            v_n = _tile_rows(v_row, s_vn, row_n, visible_n, offs_d, D)
+        else:
+            entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+            k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
+            if LOADS == "with":
+                v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
+        s = _tile_logits(q, k, lw_row, s_lk, entry, in_chunk, visible, scale, HAS_LW, UPCAST, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # While a head has seen nothing visible its max is -inf; exponentiate against 0 instead so
         # that exp(-inf - -inf) = NaN never appears (every term is then exp(-inf) = 0).
@@ -157,13 +173,12 @@ def _softmax_chunk_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_row + row[:, None] * s_vn + offs_d[None, :],
-            mask=visible[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-        )
+        if LOADS == "after":
+            v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
+        if LOADS == "ahead":
+            entry, row, in_chunk, visible, k, v = entry_n, row_n, in_chunk_n, visible_n, k_n, v_n
 
     # Partials are [B, H, n_chunks(, D)], contiguous.
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
@@ -253,8 +268,8 @@ def _entmax_logits_kernel(
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
         entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
-        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, row, in_chunk, visible, offs_d, scale,
-                         HAS_LW, D, UPCAST, PRECISION)
+        k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
+        s = _tile_logits(q, k, lw_row, s_lk, entry, in_chunk, visible, scale, HAS_LW, UPCAST, PRECISION)
         # Scratch entries past count·block are never written; the later kernels never read them.
         tl.store(x_ptr + head[:, None] * m_tok + f[None, :], s * 0.5,
                  mask=(offs_g[:, None] < G) & in_chunk[None, :])
@@ -362,11 +377,7 @@ def _entmax_out_kernel(
         p = tl.where(d > 0.0, d * d, 0.0)
         # Entmax is sparse: read a value row only if some head of the group gives it weight.
         needed = visible & (tl.max(p, 0) > 0.0)
-        v = tl.load(
-            v_row + row[:, None] * s_vn + offs_d[None, :],
-            mask=needed[:, None] & (offs_d[None, :] < D),
-            other=0.0,
-        )
+        v = _tile_rows(v_row, s_vn, row, needed, offs_d, D)
         acc += _dot(p.to(v.dtype), v, UPCAST, PRECISION)
 
     tl.store(
@@ -449,7 +460,7 @@ def _softmax(q, keys, values, scale, has_lw, s, common, cfg, out, lse) -> None:
         *_strides(q, 2), *_strides(keys, 3), *_strides(values, 3), *_strides(s["indices"], 3), *_strides(s["slot"], 3),
         *_strides(s["count"], 2), *_strides(s["lw"], 3),
         s["n"], s["k_max"], s["chunk"], s["n_chunks"], scale,
-        HAS_LW=has_lw, **common,
+        HAS_LW=has_lw, LOADS=cfg.loads, **common,
     )
     _merge_kernel[(h, b)](
         m_part, l_part, o_part, out, lse,
