@@ -189,6 +189,25 @@ def test_decode_attention_entmax15(case):
 
 
 @here
+@pytest.mark.parametrize("loads", LOADS)
+def test_decode_attention_reads_ahead_over_many_tiles(loads):
+    """Chunks of 7 pages walked in tiles of 16 tokens (7 steps a program, the last chunk shorter, left
+    padding and an unfilled last page): every ``loads`` schedule gives the reference's output."""
+    g_rand = gen(1)
+    b, h_kv, group, n, d = 2, 2, 4, 16 * 24, 64
+    q = randn(g_rand, b, h_kv * group, d)
+    keys, values = randn(g_rand, b, h_kv, n, d), randn(g_rand, b, h_kv, n, d)
+    indices = torch.stack([torch.randperm(24, generator=g_rand)[:17].sort().values for _ in range(b * h_kv)])
+    sel = Selection(indices.view(b, h_kv, 17).int().to(DEVICE), torch.tensor([[17, 12], [17, 5]], dtype=torch.int32, device=DEVICE),
+                    randn(g_rand, b, h_kv, 17), 16)
+    start, length = torch.tensor([0, 37], device=DEVICE), torch.tensor(n - 9, device=DEVICE)
+    case = dict(q=q, keys=keys, values=values, sel=sel, start=start, length=length, scale=d**-0.5)
+    out, lse, ref_out, ref_lse = run_attention(case, "softmax", AttentionConfig(chunk=7, block_t=16, loads=loads))
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32)
+
+
+@here
 @pytest.mark.parametrize("mode", ["softmax", "entmax15"])
 @pytest.mark.parametrize("block", [1, 16])
 def test_decode_attention_empty(mode, block):

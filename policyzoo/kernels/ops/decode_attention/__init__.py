@@ -44,7 +44,8 @@ class AttentionConfig(LaunchConfig):
     loads: str = "after"
     """When the softmax chunk kernel reads a tile's keys and values: ``"after"``, the values after the
     tile's logits and softmax; ``"with"``, the values beside the keys; ``"ahead"``, the next tile's
-    keys and values (and its selection entries) before this tile's sums, a double buffer in registers."""
+    keys and values and the selection entries of the one after before this tile's sums (registers
+    hold two tiles)."""
     chunk: int = 0
     """Selection entries per split-K program; 0: from the shapes (`target_programs`, `min_chunk_tokens`)."""
     target_programs: int = 512

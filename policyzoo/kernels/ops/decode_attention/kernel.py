@@ -148,18 +148,21 @@ def _softmax_chunk_kernel(
     m_i = tl.full([G_PAD], -float("inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    if LOADS == "ahead":  # the first tile's loads; each step then issues the next tile's
+    if LOADS == "ahead":  # the first tile's reads, and the next tile's selection entries
         entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
         k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
         v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
+        entry_1, row_1, in_chunk_1, visible_1 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + BLOCK_T + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
     # Chunks past `count` skip the loop and still write (m=-inf, l=0, o=0): the merge reads every chunk.
     for f0 in range(f_begin, f_end, BLOCK_T):
         if LOADS == "ahead":
-            # A program walks a few tiles: issuing tile i+1's reads before tile i's sums keeps a
-            # tile's reads in flight instead of a round trip to memory per step.
-            entry_n, row_n, in_chunk_n, visible_n = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + BLOCK_T + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
-            k_n = _tile_rows(k_row, s_kn, row_n, visible_n, offs_d, D)
-            v_n = _tile_rows(v_row, s_vn, row_n, visible_n, offs_d, D)
+            # A program walks a few tiles, each a round trip to memory when read as it is summed.
+            # Here the reads run ahead: tile i+1's keys and values (its rows known since the last
+            # step) and tile i+2's selection entries are issued before tile i's sums, and no
+            # instruction waits on a read issued in the same step.
+            entry_2, row_2, in_chunk_2, visible_2 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + 2 * BLOCK_T + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+            k_1 = _tile_rows(k_row, s_kn, row_1, visible_1, offs_d, D)
+            v_1 = _tile_rows(v_row, s_vn, row_1, visible_1, offs_d, D)
         else:
             entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
             k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
@@ -178,7 +181,8 @@ def _softmax_chunk_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
         if LOADS == "ahead":
-            entry, row, in_chunk, visible, k, v = entry_n, row_n, in_chunk_n, visible_n, k_n, v_n
+            entry, in_chunk, visible, k, v = entry_1, in_chunk_1, visible_1, k_1, v_1
+            entry_1, row_1, in_chunk_1, visible_1 = entry_2, row_2, in_chunk_2, visible_2
 
     # Partials are [B, H, n_chunks(, D)], contiguous.
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
