@@ -63,18 +63,21 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
+def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_read, start, length, n, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Entry, cache position, row to read and visibility of the selection tokens ``f`` (a tile).
 
+    Tokens at or past ``f_end`` are not in the chunk; ``f_read >= f_end`` bounds the entries whose
+    index is read (past ``count`` an index is garbage, read but never dereferenced: a bound that does
+    not depend on ``count`` lets the read start before ``count`` arrives).
     The row is the position, or with ``slots`` the same offset in the entry's slot of a page cache
     (`offload.PageCache`): visibility always follows the token's position in the sequence."""
     in_chunk = f < f_end
     entry = f // BLOCK
-    page = tl.load(idx_row + entry * s_ik, mask=in_chunk, other=0).to(tl.int64)
+    page = tl.load(idx_row + entry * s_ik, mask=f < f_read, other=0).to(tl.int64)
     pos = page * BLOCK + f % BLOCK
     visible = in_chunk & (pos >= start) & (pos < length) & (pos < n)
     if HAS_SLOTS:
-        slot = tl.load(slot_row + entry * s_sk, mask=in_chunk, other=0).to(tl.int64)
+        slot = tl.load(slot_row + entry * s_sk, mask=f < f_read, other=0).to(tl.int64)
         row = slot * BLOCK + f % BLOCK
     else:
         row = pos
@@ -137,6 +140,7 @@ def _softmax_chunk_kernel(
     # This chunk's tokens: entries [c·chunk, min((c+1)·chunk, count)), expanded to pages.
     f_begin = c * chunk * BLOCK
     f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
+    f_read = tl.minimum((c + 1) * chunk, k_max) * BLOCK  # "ahead": the entries' reads need not wait for count
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
@@ -149,10 +153,10 @@ def _softmax_chunk_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     if LOADS == "ahead":  # the first tile's reads, and the next tile's selection entries
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + offs_t, f_end, f_read, start, length, n, BLOCK, HAS_SLOTS)
         k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
         v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
-        entry_1, row_1, in_chunk_1, visible_1 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + BLOCK_T + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        entry_1, row_1, in_chunk_1, visible_1 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + BLOCK_T + offs_t, f_end, f_read, start, length, n, BLOCK, HAS_SLOTS)
     # Chunks past `count` skip the loop and still write (m=-inf, l=0, o=0): the merge reads every chunk.
     for f0 in range(f_begin, f_end, BLOCK_T):
         if LOADS == "ahead":
@@ -160,11 +164,11 @@ def _softmax_chunk_kernel(
             # Here the reads run ahead: tile i+1's keys and values (its rows known since the last
             # step) and tile i+2's selection entries are issued before tile i's sums, and no
             # instruction waits on a read issued in the same step.
-            entry_2, row_2, in_chunk_2, visible_2 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + 2 * BLOCK_T + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+            entry_2, row_2, in_chunk_2, visible_2 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + 2 * BLOCK_T + offs_t, f_end, f_read, start, length, n, BLOCK, HAS_SLOTS)
             k_1 = _tile_rows(k_row, s_kn, row_1, visible_1, offs_d, D)
             v_1 = _tile_rows(v_row, s_vn, row_1, visible_1, offs_d, D)
         else:
-            entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+            entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, f_end, start, length, n, BLOCK, HAS_SLOTS)
             k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
             if LOADS == "with":
                 v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
@@ -271,7 +275,7 @@ def _entmax_logits_kernel(
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_end, start, length, n, BLOCK, HAS_SLOTS)
         k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
         s = _tile_logits(q, k, lw_row, s_lk, entry, in_chunk, visible, scale, HAS_LW, UPCAST, PRECISION)
         # Scratch entries past count·block are never written; the later kernels never read them.
@@ -374,7 +378,7 @@ def _entmax_out_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_end, start, length, n, BLOCK, HAS_SLOTS)
         x = tl.load(x_ptr + head[:, None] * m_tok + f[None, :],
                     mask=g_mask[:, None] & in_chunk[None, :], other=-float("inf"))
         d = x - tau[:, None]
