@@ -9,10 +9,14 @@ a tile's reads are issued: ``"after"`` (as before), ``"with"`` (the values besid
 CUDA graphs over three copies of the layer, median of `do_bench`. From the repository root on a
 CUDA machine:
 
-    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-run42/attn_variants.py
+    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-run42/attn_variants.py [rows.json]
+    PYTHONPATH=$PWD python benchmarks/results/2026-12-07-run42/attn_variants.py --best rows.json  # ab's variants
 """
 import dataclasses
+import json
 import math
+import pathlib
+import sys
 
 import torch
 import triton
@@ -76,7 +80,8 @@ def launch(kernel, cfg, q, keys, values, sel, start, length, parts="both"):
     return run
 
 
-def main():
+def main(out_json: str | None = None):
+    rows = []
     print(f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}  torch {torch.__version__}  "
           f"triton {triton.__version__}", flush=True)
     g = torch.Generator(device=dev).manual_seed(3)
@@ -120,12 +125,32 @@ def main():
                           f"both over an empty selection {parts['both']:.1f} µs", flush=True)
                 ok = torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2)
                 print(f"  {name:<28} {us / 3:7.1f} µs  {mb / (us / 3):5.2f} TB/s{'' if ok else '  DIFFERS'}", flush=True)
+                rows.append(dict(case=kind, context=n, variant=name, change=change, us=us / 3, MB=mb, same=ok))
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:<28} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         del layers
         if dev == "cuda":
             torch.cuda.empty_cache()
+        if out_json:
+            pathlib.Path(out_json).write_text(json.dumps(rows, indent=1))
+
+
+def best(rows, loads: str) -> dict:
+    """The fastest change of one ``loads`` value: lowest geometric mean over the cases, against the default."""
+    cases = {(r["case"], r["context"]) for r in rows}
+    default = {(r["case"], r["context"]): r["us"] for r in rows if not r["change"]}
+    scores = {}
+    for r in rows:
+        if r["change"].get("loads") == loads and r["same"]:
+            scores.setdefault(r["variant"], []).append(math.log(r["us"] / default[(r["case"], r["context"])]))
+    name = min((v for v in scores if len(scores[v]) == len(cases)), key=lambda v: sum(scores[v]))
+    return next(r["change"] for r in rows if r["variant"] == name)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--best":  # the ab variants for a rows file: NAME=attention.f=v,...
+        rows = json.loads(pathlib.Path(sys.argv[2]).read_text())
+        print(" ".join(f"--variant {loads}=" + ",".join(f"attention.{k}={v}" for k, v in best(rows, loads).items())
+                       for loads in ("with", "ahead")))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else None)
