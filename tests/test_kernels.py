@@ -40,7 +40,6 @@ from policyzoo.kernels import (  # noqa: E402
 )
 from policyzoo.kernels import reference as ref  # noqa: E402
 from policyzoo.kernels.ops.sketch_page_bound import sketch_score_config  # noqa: E402
-from policyzoo.kernels.ops.decode_attention import LOADS  # noqa: E402
 from policyzoo.kernels.config import override  # noqa: E402
 from policyzoo.kernels.ops import select_top as select_op  # noqa: E402
 from policyzoo.selection import Selection  # noqa: E402
@@ -164,11 +163,11 @@ def run_attention(case, mode, cfg=None):
 
 @here
 @ATTENTION_SETTINGS
-@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]), loads=st.sampled_from(LOADS))
-def test_decode_attention_softmax(case, merge, loads):
+@given(case=attention_cases(), merge=st.sampled_from([(0, 128), (0, 16), (32, 128)]))
+def test_decode_attention_softmax(case, merge):
     """``merge``: the merge's (block_c, max_block_c): every chunk in one step, in steps of at most
-    16 (with > 16 chunks), or in fixed steps of 32. ``loads``: when a tile's keys and values are read."""
-    cfg = AttentionConfig(chunk=case["chunk"], block_c=merge[0], max_block_c=merge[1], loads=loads)
+    16 (with > 16 chunks), or in fixed steps of 32."""
+    cfg = AttentionConfig(chunk=case["chunk"], block_c=merge[0], max_block_c=merge[1])
     out, lse, ref_out, ref_lse = run_attention(case, "softmax", cfg)
     assert out.dtype == case["q"].dtype and out.shape == ref_out.shape
     assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
@@ -189,10 +188,9 @@ def test_decode_attention_entmax15(case):
 
 
 @here
-@pytest.mark.parametrize("loads", LOADS)
-def test_decode_attention_reads_ahead_over_many_tiles(loads):
-    """Chunks of 7 pages walked in tiles of 16 tokens (7 steps a program, the last chunk shorter, left
-    padding and an unfilled last page): every ``loads`` schedule gives the reference's output."""
+def test_decode_attention_walks_many_tiles():
+    """Chunks of 7 pages walked in tiles of 16 tokens (7 steps a program, the last chunk shorter),
+    with log-weights, left padding and an unfilled last page: the reference's output."""
     g_rand = gen(1)
     b, h_kv, group, n, d = 2, 2, 4, 16 * 24, 64
     q = randn(g_rand, b, h_kv * group, d)
@@ -202,7 +200,7 @@ def test_decode_attention_reads_ahead_over_many_tiles(loads):
                     randn(g_rand, b, h_kv, 17), 16)
     start, length = torch.tensor([0, 37], device=DEVICE), torch.tensor(n - 9, device=DEVICE)
     case = dict(q=q, keys=keys, values=values, sel=sel, start=start, length=length, scale=d**-0.5)
-    out, lse, ref_out, ref_lse = run_attention(case, "softmax", AttentionConfig(chunk=7, block_t=16, loads=loads))
+    out, lse, ref_out, ref_lse = run_attention(case, "softmax", AttentionConfig(chunk=7, block_t=16))
     assert_close(out, ref_out, torch.float32)
     assert_close(lse, ref_lse, torch.float32)
 

@@ -41,11 +41,6 @@ class AttentionConfig(LaunchConfig):
     """Warps of the kernels that read keys or values."""
     num_stages: int = 2
     """Software pipelining of their tile loop."""
-    loads: str = "after"
-    """When the softmax chunk kernel reads a tile's keys and values: ``"after"``, the values after the
-    tile's logits and softmax; ``"with"``, the values beside the keys; ``"ahead"``, the next tile's
-    keys and values and the selection entries of the one after before this tile's sums (registers
-    hold two tiles)."""
     chunk: int = 0
     """Selection entries per split-K program; 0: from the shapes (`target_programs`, `min_chunk_tokens`)."""
     target_programs: int = 512
@@ -75,13 +70,9 @@ class AttentionConfig(LaunchConfig):
         powers_of_two(self, "block_c", "block_t", zero=True)
         positive(self, "num_stages", "target_programs", "min_chunk_tokens", "n_bisect")
         non_negative(self, "chunk")
-        if self.loads not in LOADS:
-            raise ValueError(f"loads must be one of {LOADS}, got {self.loads!r}")
         if self.block_t:
             at_least(self, 16, "tl.dot's minimum", "block_t")
 
-
-LOADS = ("after", "with", "ahead")  # `AttentionConfig.loads`
 
 # Chunks of up to this many tokens are walked in tiles of `SHORT_CHUNK_TILE` (less masked work in a
 # chunk of a short context), longer ones in tiles of 64.

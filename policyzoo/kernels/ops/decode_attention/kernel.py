@@ -63,21 +63,18 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_read, start, length, n, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
+def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Entry, cache position, row to read and visibility of the selection tokens ``f`` (a tile).
 
-    Tokens at or past ``f_end`` are not in the chunk; ``f_read >= f_end`` bounds the entries whose
-    index is read (past ``count`` an index is garbage, read but never dereferenced: a bound that does
-    not depend on ``count`` lets the read start before ``count`` arrives).
     The row is the position, or with ``slots`` the same offset in the entry's slot of a page cache
     (`offload.PageCache`): visibility always follows the token's position in the sequence."""
     in_chunk = f < f_end
     entry = f // BLOCK
-    page = tl.load(idx_row + entry * s_ik, mask=f < f_read, other=0).to(tl.int64)
+    page = tl.load(idx_row + entry * s_ik, mask=in_chunk, other=0).to(tl.int64)
     pos = page * BLOCK + f % BLOCK
     visible = in_chunk & (pos >= start) & (pos < length) & (pos < n)
     if HAS_SLOTS:
-        slot = tl.load(slot_row + entry * s_sk, mask=f < f_read, other=0).to(tl.int64)
+        slot = tl.load(slot_row + entry * s_sk, mask=in_chunk, other=0).to(tl.int64)
         row = slot * BLOCK + f % BLOCK
     else:
         row = pos
@@ -85,18 +82,16 @@ def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_read, start, length,
 
 
 @triton.jit
-def _tile_rows(base, stride, row, visible, offs_d, D: tl.constexpr):
-    """``[BLOCK_T, D_PAD]`` cache rows ``row`` of one KV head's keys or values (0 where not visible)."""
-    return tl.load(base + row[:, None] * stride + offs_d[None, :], mask=visible[:, None] & (offs_d[None, :] < D), other=0.0)
-
-
-@triton.jit
 def _tile_logits(
-    q, k, lw_row, s_lw, entry, in_chunk, visible, scale,
-    HAS_LW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q, k_row, lw_row, s_kn, s_lw, entry, row, in_chunk, visible, offs_d, scale,
+    HAS_LW: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``[G_PAD, BLOCK_T]`` logits ``scale·q·k (+ log_weight)`` of a tile's keys ``k``, ``-inf`` where
-    not visible."""
+    """``[G_PAD, BLOCK_T]`` logits ``scale·q·k (+ log_weight)``, ``-inf`` where not visible."""
+    k = tl.load(
+        k_row + row[:, None] * s_kn + offs_d[None, :],
+        mask=visible[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
     s = _dot(q, tl.trans(k), UPCAST, PRECISION) * scale
     if HAS_LW:
         s += tl.load(lw_row + entry * s_lw, mask=in_chunk, other=0.0).to(tl.float32)[None, :]
@@ -125,7 +120,6 @@ def _softmax_chunk_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_LW: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    LOADS: tl.constexpr,
 ):
     c = tl.program_id(0)
     kv = tl.program_id(1)
@@ -140,7 +134,6 @@ def _softmax_chunk_kernel(
     # This chunk's tokens: entries [c·chunk, min((c+1)·chunk, count)), expanded to pages.
     f_begin = c * chunk * BLOCK
     f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
-    f_read = tl.minimum((c + 1) * chunk, k_max) * BLOCK  # "ahead": the entries' reads need not wait for count
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
@@ -152,27 +145,11 @@ def _softmax_chunk_kernel(
     m_i = tl.full([G_PAD], -float("inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    if LOADS == "ahead":  # the first tile's reads, and the next tile's selection entries
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + offs_t, f_end, f_read, start, length, n, BLOCK, HAS_SLOTS)
-        k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
-        v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
-        entry_1, row_1, in_chunk_1, visible_1 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f_begin + BLOCK_T + offs_t, f_end, f_read, start, length, n, BLOCK, HAS_SLOTS)
     # Chunks past `count` skip the loop and still write (m=-inf, l=0, o=0): the merge reads every chunk.
     for f0 in range(f_begin, f_end, BLOCK_T):
-        if LOADS == "ahead":
-            # A program walks a few tiles, each a round trip to memory when read as it is summed.
-            # Here the reads run ahead: tile i+1's keys and values (its rows known since the last
-            # step) and tile i+2's selection entries are issued before tile i's sums, and no
-            # instruction waits on a read issued in the same step.
-            entry_2, row_2, in_chunk_2, visible_2 = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + 2 * BLOCK_T + offs_t, f_end, f_read, start, length, n, BLOCK, HAS_SLOTS)
-            k_1 = _tile_rows(k_row, s_kn, row_1, visible_1, offs_d, D)
-            v_1 = _tile_rows(v_row, s_vn, row_1, visible_1, offs_d, D)
-        else:
-            entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, f_end, start, length, n, BLOCK, HAS_SLOTS)
-            k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
-            if LOADS == "with":
-                v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
-        s = _tile_logits(q, k, lw_row, s_lk, entry, in_chunk, visible, scale, HAS_LW, UPCAST, PRECISION)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f0 + offs_t, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, row, in_chunk, visible, offs_d, scale,
+                         HAS_LW, D, UPCAST, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # While a head has seen nothing visible its max is -inf; exponentiate against 0 instead so
         # that exp(-inf - -inf) = NaN never appears (every term is then exp(-inf) = 0).
@@ -180,13 +157,13 @@ def _softmax_chunk_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if LOADS == "after":
-            v = _tile_rows(v_row, s_vn, row, visible, offs_d, D)
+        v = tl.load(
+            v_row + row[:, None] * s_vn + offs_d[None, :],
+            mask=visible[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
-        if LOADS == "ahead":
-            entry, in_chunk, visible, k, v = entry_1, in_chunk_1, visible_1, k_1, v_1
-            entry_1, row_1, in_chunk_1, visible_1 = entry_2, row_2, in_chunk_2, visible_2
 
     # Partials are [B, H, n_chunks(, D)], contiguous.
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
@@ -275,9 +252,9 @@ def _entmax_logits_kernel(
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_end, start, length, n, BLOCK, HAS_SLOTS)
-        k = _tile_rows(k_row, s_kn, row, visible, offs_d, D)
-        s = _tile_logits(q, k, lw_row, s_lk, entry, in_chunk, visible, scale, HAS_LW, UPCAST, PRECISION)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        s = _tile_logits(q, k_row, lw_row, s_kn, s_lk, entry, row, in_chunk, visible, offs_d, scale,
+                         HAS_LW, D, UPCAST, PRECISION)
         # Scratch entries past count·block are never written; the later kernels never read them.
         tl.store(x_ptr + head[:, None] * m_tok + f[None, :], s * 0.5,
                  mask=(offs_g[:, None] < G) & in_chunk[None, :])
@@ -378,14 +355,18 @@ def _entmax_out_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for f0 in range(f_begin, f_end, BLOCK_T):
         f = f0 + offs_t
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, f_end, start, length, n, BLOCK, HAS_SLOTS)
+        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
         x = tl.load(x_ptr + head[:, None] * m_tok + f[None, :],
                     mask=g_mask[:, None] & in_chunk[None, :], other=-float("inf"))
         d = x - tau[:, None]
         p = tl.where(d > 0.0, d * d, 0.0)
         # Entmax is sparse: read a value row only if some head of the group gives it weight.
         needed = visible & (tl.max(p, 0) > 0.0)
-        v = _tile_rows(v_row, s_vn, row, needed, offs_d, D)
+        v = tl.load(
+            v_row + row[:, None] * s_vn + offs_d[None, :],
+            mask=needed[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
         acc += _dot(p.to(v.dtype), v, UPCAST, PRECISION)
 
     tl.store(
@@ -468,7 +449,7 @@ def _softmax(q, keys, values, scale, has_lw, s, common, cfg, out, lse) -> None:
         *_strides(q, 2), *_strides(keys, 3), *_strides(values, 3), *_strides(s["indices"], 3), *_strides(s["slot"], 3),
         *_strides(s["count"], 2), *_strides(s["lw"], 3),
         s["n"], s["k_max"], s["chunk"], s["n_chunks"], scale,
-        HAS_LW=has_lw, LOADS=cfg.loads, **common,
+        HAS_LW=has_lw, **common,
     )
     _merge_kernel[(h, b)](
         m_part, l_part, o_part, out, lse,
