@@ -4,7 +4,7 @@ machine, from the repository root:
 
     ncu --kernel-name regex:'_softmax_chunk|_merge' --launch-skip 2 --section SpeedOfLight \\
         --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \\
-        --section MemoryWorkloadAnalysis python benchmarks/results/2026-12-07-run42/ncu_attention.py
+        --section MemoryWorkloadAnalysis python benchmarks/results/2026-12-07-h100-run42/ncu_attention.py
 """
 import pathlib
 import sys
