@@ -204,8 +204,8 @@ def _selection_ratio_of(policy, r_kv: float) -> float:
     if policy is None or not policy.summaries:
         exact = isinstance(policy, AttentionTopK) or (isinstance(policy, SSA) and policy.proxy == "exact")
         return selection_overhead(None, rescore=1 / r_kv, r_kv=r_kv) if exact else 0.0
-    # fp32 mean and std (EntmaxKV's Gaussian) weigh twice the bf16 min and max
-    wide = 1.0 + (2.0 if "page_mean" in policy.summaries else 0.0)
+    # mean and std (EntmaxKV's Gaussian) weigh as much as min and max
+    wide = 1.0 + (1.0 if "page_mean" in policy.summaries else 0.0)
     sketch = "key_sketch" in policy.summaries
     return selection_overhead(policy.page_size, getattr(policy, "rescore", 0.0), r_kv, summary_bytes=wide, sketch=sketch,
                               nominate=getattr(policy, "nominate", 0.0))

@@ -10,7 +10,9 @@ summaries stay on the device, and so does each one's `offload.PageCache` when ``
 for one (``prefetch``: the layer below may fill it ahead, `offload.PageCache.prefetch`).
 Min and max are stored in the cache's dtype: they are key values, so they are exact there, and a
 page policy reads them every step (in fp32 they would be 12.5% of the KV bytes at page 16 in bf16;
-in bf16 they are 6.25%). Mean and std are fp32 (they are averages, not key values). A cache keeps
+in bf16 they are 6.25%). Mean and std are stored in the cache's dtype too, rounded from their fp32
+sums: `EntmaxKV`'s Gaussian page model, their only reader, is far coarser than bf16's 3 significant
+digits, and in fp32 they were as many bytes as min and max twice over. A cache keeps
 only the summaries its policies read (``summaries``, from `KVSelector.summaries`; min and max go
 together, and so do mean and std): a dense decode keeps none and refreshes none.
 
@@ -123,8 +125,7 @@ class PagedKVCache:
             if name not in self.summaries:
                 setattr(self, name, NotKept(name))
                 continue
-            kind = dtype if name in PAIRS[0] else torch.float32
-            setattr(self, name, [None if layer in self.windows else torch.zeros(page_shape, dtype=kind, device=device)
+            setattr(self, name, [None if layer in self.windows else torch.zeros(page_shape, dtype=dtype, device=device)
                                  for layer in range(num_layers)])
         if self.keeps(SKETCH):
             code_shape = (batch, num_kv_heads, num_pages * page_size, -(-head_dim // 2))

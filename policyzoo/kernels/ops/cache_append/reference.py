@@ -24,7 +24,7 @@ def cache_append(
         summaries: ``(min, max, mean, std)``, each ``[B, H_kv, N / page_size, D]`` or ``None`` (not
             kept). The page holding the slot gets `page_summaries` over its visible slots
             (``start[b] <= t < length``); min and max are stored in their tensor's dtype (exact:
-            they are key values), mean and std in theirs (fp32 in the cache).
+            they are key values), mean and std rounded to theirs from fp32.
         start, length: ``int64[B]`` first visible slot per row, 0-dim ``int64`` slots written.
     """
     slot = (length - 1).reshape(1)
