@@ -173,3 +173,84 @@ def _merge_split_kernel(
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out)
     if d0 == 0:
         tl.store(lse_ptr + head, tl.where(empty, -float("inf"), m_run + tl.log(tl.where(empty, 1.0, l_run))))
+
+
+@triton.jit
+def _softmax_streams_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, slot_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
+    m_ptr, l_ptr, o_ptr,
+    s_qb, s_qh,
+    s_kb, s_kh, s_kn,
+    s_vb, s_vh, s_vn,
+    s_ib, s_ih, s_ik,
+    s_sb, s_sh, s_sk,
+    s_cb, s_ch,
+    s_lb, s_lh, s_lk,
+    n, k_max, chunk, n_chunks, scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_LW: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    STREAMS: tl.constexpr,
+):
+    """The chunk kernel as ``STREAMS`` independent online softmaxes, each over its own ``BLOCK_T``
+    tokens of a step (batched ``tl.dot``s over a leading stream axis), merged once at the end. The
+    library's kernel shares one softmax between its warps, so every tile's max and sum cross warps
+    through shared memory (nine barriers a tile in its SASS); with a stream a warp they need not."""
+    c = tl.program_id(0)
+    kv = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_w = tl.arange(0, STREAMS)
+    offs_t = tl.arange(0, BLOCK_T)
+    STEP: tl.constexpr = STREAMS * BLOCK_T
+
+    start = tl.load(start_ptr + b)
+    length = tl.load(len_ptr)
+    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
+    f_begin = c * chunk * BLOCK
+    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
+
+    q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
+    q3 = tl.broadcast_to(q[None, :, :], (STREAMS, G_PAD, D_PAD))
+    idx_row = idx_ptr + b * s_ib + kv * s_ih
+    lw_row = lw_ptr + b * s_lb + kv * s_lh
+    k_row = k_ptr + b * s_kb + kv * s_kh
+    v_row = v_ptr + b * s_vb + kv * s_vh
+
+    m_i = tl.full([STREAMS, G_PAD], -float("inf"), tl.float32)
+    l_i = tl.zeros([STREAMS, G_PAD], tl.float32)
+    acc = tl.zeros([STREAMS, G_PAD, D_PAD], tl.float32)
+    for f0 in range(f_begin, f_end, STEP):
+        f = f0 + offs_w[:, None] * BLOCK_T + offs_t[None, :]  # [STREAMS, BLOCK_T]: stream w's tokens
+        in_chunk = f < f_end
+        entry = f // BLOCK
+        page = tl.load(idx_row + entry * s_ik, mask=in_chunk, other=0).to(tl.int64)
+        pos = page * BLOCK + f % BLOCK
+        visible = in_chunk & (pos >= start) & (pos < length) & (pos < n)
+        k = tl.load(k_row + pos[:, :, None] * s_kn + offs_d[None, None, :], mask=visible[:, :, None], other=0.0)
+        s = _dot(q3, tl.permute(k, (0, 2, 1)), UPCAST, PRECISION) * scale  # [STREAMS, G_PAD, BLOCK_T]
+        if HAS_LW:
+            s += tl.load(lw_row + entry * s_lk, mask=in_chunk, other=0.0).to(tl.float32)[:, None, :]
+        s = tl.where(visible[:, None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        v = tl.load(v_row + pos[:, :, None] * s_vn + offs_d[None, None, :], mask=visible[:, :, None], other=0.0)
+        acc = acc * alpha[:, :, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
+        m_i = m_new
+
+    # The streams' partials merged by log-sum-exp (a stream that saw nothing has m = -inf, l = 0).
+    m_c = tl.max(m_i, 0)
+    m_c_safe = tl.where(m_c == -float("inf"), 0.0, m_c)
+    w = tl.exp(m_i - m_c_safe[None, :])
+    l_c = tl.sum(w * l_i, 0)
+    acc_c = tl.sum(w[:, :, None] * acc, 0)
+
+    head = b * (G * tl.num_programs(1)) + kv * G + offs_g
+    g_mask = offs_g < G
+    tl.store(m_ptr + head * n_chunks + c, m_c, mask=g_mask)
+    tl.store(l_ptr + head * n_chunks + c, l_c, mask=g_mask)
+    tl.store(o_ptr + (head * n_chunks + c)[:, None] * D + offs_d[None, :], acc_c, mask=g_mask[:, None] & (offs_d[None, :] < D))
