@@ -152,7 +152,9 @@ def test_attention_config_by_shape():
     assert rule(576, 16, 8).chunk == 9 and rule(576, 16, 8).block_t == 64
     # 512 chunks (one row, 128K tokens): merged in steps of 128 (`max_block_c`); no entry: one chunk.
     assert rule(1024, 128, 1).block_c == 128 and rule(0, 16, 8).chunk == 1
-    assert dataclasses.replace(rule(2048, 1, 8), chunk=0, block_c=0, block_t=0) == AttentionConfig()
+    # The merge: a warp per 32 partials of a step, 2 at least (64 partials: 2; 128: 4).
+    assert rule(8192, 16, 8).merge_warps == 2 and rule(1024, 128, 1).merge_warps == 4 and rule(0, 16, 8).merge_warps == 2
+    assert dataclasses.replace(rule(2048, 1, 8), chunk=0, block_c=0, block_t=0, merge_warps=0) == AttentionConfig()
 
 
 def test_select_top_config_by_shape():

@@ -52,8 +52,10 @@ class AttentionConfig(LaunchConfig):
     """Chunk partials per step of the softmax merge; 0: all of them in one step, up to `max_block_c`."""
     max_block_c: int = 128
     """The widest merge step that ``block_c = 0`` takes."""
-    merge_warps: int = 2
-    """Warps of the merge launch."""
+    # A merge step holds ``block_c x D`` partial outputs in registers: 128 x 128 in 2 warps spills
+    # (255 registers and 120 bytes of stack a thread, Triton 3.6, sm_90), in 4 it takes 166.
+    merge_warps: int = 0
+    """Warps of the merge launch; 0: one per 32 partials of a merge step, 2 at least."""
     # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2K-token
     # selection is one step per pass).
     block_m: int = 4096
@@ -66,8 +68,8 @@ class AttentionConfig(LaunchConfig):
     """Bisection steps of the threshold search (they only have to find the support)."""
 
     def __post_init__(self) -> None:
-        powers_of_two(self, "num_warps", "max_block_c", "merge_warps", "block_m", "tau_warps")
-        powers_of_two(self, "block_c", "block_t", zero=True)
+        powers_of_two(self, "num_warps", "max_block_c", "block_m", "tau_warps")
+        powers_of_two(self, "block_c", "block_t", "merge_warps", zero=True)
         positive(self, "num_stages", "target_programs", "min_chunk_tokens", "n_bisect")
         non_negative(self, "chunk")
         if self.block_t:
@@ -82,10 +84,11 @@ SHORT_CHUNK_TILE = 32
 
 def attention_config(k_max: int, block: int, rows: int) -> AttentionConfig:
     """The launch parameters of a call over ``k_max`` selection entries of ``block`` tokens for
-    ``rows`` (batch rows x KV heads): the config in force (`config.current`) with `chunk`, `block_c`
-    and `block_t` chosen where it leaves them 0. Chunks: enough programs to fill a GPU
+    ``rows`` (batch rows x KV heads): the config in force (`config.current`) with `chunk`, `block_c`,
+    `block_t` and `merge_warps` chosen where it leaves them 0. Chunks: enough programs to fill a GPU
     (`target_programs`), `min_chunk_tokens` tokens per program at least. Merge steps: every chunk
-    partial in one step, up to `max_block_c`. Tiles: by the chunk's tokens (`SHORT_CHUNK_TOKENS`).
+    partial in one step, up to `max_block_c`, a warp per 32 partials (2 at least). Tiles: by the
+    chunk's tokens (`SHORT_CHUNK_TOKENS`).
 
     Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
     """
@@ -101,7 +104,8 @@ def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int) -> Attentio
     n_chunks = max(1, cdiv(k_max, chunk))
     block_c = cfg.block_c or min(cfg.max_block_c, max(16, next_power_of_2(n_chunks)))
     block_t = cfg.block_t or (SHORT_CHUNK_TILE if chunk * block <= SHORT_CHUNK_TOKENS else 64)
-    return dataclasses.replace(cfg, chunk=chunk, block_c=block_c, block_t=block_t)
+    merge_warps = cfg.merge_warps or max(2, block_c // 32)
+    return dataclasses.replace(cfg, chunk=chunk, block_c=block_c, block_t=block_t, merge_warps=merge_warps)
 
 
 @torch.library.custom_op("policyzoo::decode_attention", mutates_args=())
