@@ -52,10 +52,8 @@ class AttentionConfig(LaunchConfig):
     """Chunk partials per step of the softmax merge; 0: all of them in one step, up to `max_block_c`."""
     max_block_c: int = 128
     """The widest merge step that ``block_c = 0`` takes."""
-    # A merge step holds ``block_c x D`` partial outputs in registers: 128 x 128 in 2 warps spills
-    # (255 registers and 120 bytes of stack a thread, Triton 3.6, sm_90), in 4 it takes 166.
     merge_warps: int = 0
-    """Warps of the merge launch; 0: one per 32 partials of a merge step, 2 at least."""
+    """Warps of the merge launch; 0: from the merge step's partial outputs (`MERGE_VALUES_PER_WARP`)."""
     # The threshold search is a sequential loop per (row, head): wide steps keep it short (a 2K-token
     # selection is one step per pass).
     block_m: int = 4096
@@ -76,35 +74,45 @@ class AttentionConfig(LaunchConfig):
             at_least(self, 16, "tl.dot's minimum", "block_t")
 
 
+# A merge step holds ``block_c x head_dim`` fp32 partial outputs in registers. 128 values a thread
+# fit (64 x 128 in 2 warps: 166 registers); 256 spill (128 x 128 in 2 warps, or 64 x 256: 255
+# registers and 112-144 bytes of stack a thread, Triton 3.6, sm_90), and so do 128 x 256 in 8 warps
+# with Triton 3.9: a step holds 128 x 128 values at most.
+MERGE_VALUES_PER_WARP = 32 * 128
+MERGE_STEP_VALUES = 128 * 128
+
 # Chunks of up to this many tokens are walked in tiles of `SHORT_CHUNK_TILE` (less masked work in a
 # chunk of a short context), longer ones in tiles of 64.
 SHORT_CHUNK_TOKENS = 128
 SHORT_CHUNK_TILE = 32
 
 
-def attention_config(k_max: int, block: int, rows: int) -> AttentionConfig:
+def attention_config(k_max: int, block: int, rows: int, head_dim: int = 128) -> AttentionConfig:
     """The launch parameters of a call over ``k_max`` selection entries of ``block`` tokens for
-    ``rows`` (batch rows x KV heads): the config in force (`config.current`) with `chunk`, `block_c`,
-    `block_t` and `merge_warps` chosen where it leaves them 0. Chunks: enough programs to fill a GPU
-    (`target_programs`), `min_chunk_tokens` tokens per program at least. Merge steps: every chunk
-    partial in one step, up to `max_block_c`, a warp per 32 partials (2 at least). Tiles: by the
+    ``rows`` (batch rows x KV heads) and heads of ``head_dim``: the config in force
+    (`config.current`) with `chunk`, `block_c`, `block_t` and `merge_warps` chosen where it leaves
+    them 0. Chunks: enough programs to fill a GPU (`target_programs`), `min_chunk_tokens` tokens per
+    program at least. Merge steps: every chunk partial in one step, up to `max_block_c` and
+    `MERGE_STEP_VALUES` partial output values, with a warp per `MERGE_VALUES_PER_WARP` of them
+    (2 warps at least). Tiles: by the
     chunk's tokens (`SHORT_CHUNK_TOKENS`).
 
     Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
     """
-    return _choose(current(AttentionConfig), k_max, block, rows)
+    return _choose(current(AttentionConfig), k_max, block, rows, head_dim)
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int) -> AttentionConfig:
+def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int, head_dim: int = 128) -> AttentionConfig:
     chunk = cfg.chunk
     if chunk == 0:
         splits = min(cdiv(k_max * block, cfg.min_chunk_tokens), cdiv(cfg.target_programs, max(rows, 1)))
         chunk = max(1, cdiv(k_max, max(1, splits)))
     n_chunks = max(1, cdiv(k_max, chunk))
-    block_c = cfg.block_c or min(cfg.max_block_c, max(16, next_power_of_2(n_chunks)))
+    d = next_power_of_2(head_dim)
+    block_c = cfg.block_c or min(cfg.max_block_c, max(16, MERGE_STEP_VALUES // d), max(16, next_power_of_2(n_chunks)))
     block_t = cfg.block_t or (SHORT_CHUNK_TILE if chunk * block <= SHORT_CHUNK_TOKENS else 64)
-    merge_warps = cfg.merge_warps or max(2, block_c // 32)
+    merge_warps = cfg.merge_warps or max(2, block_c * d // MERGE_VALUES_PER_WARP)
     return dataclasses.replace(cfg, chunk=chunk, block_c=block_c, block_t=block_t, merge_warps=merge_warps)
 
 
@@ -124,7 +132,7 @@ def _decode_attention_op(
     slots: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     need_triton()
-    cfg = attention_config(indices.shape[-1], block, q.shape[0] * keys.shape[1])
+    cfg = attention_config(indices.shape[-1], block, q.shape[0] * keys.shape[1], q.shape[-1])
     return kernel.decode_attention(q, keys, values, indices, count, log_weight, block, start, length, scale, mode, slots,
                                    cfg)
 
