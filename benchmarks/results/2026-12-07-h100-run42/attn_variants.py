@@ -16,7 +16,7 @@ Call 2 (``python attn_variants.py --merge``): the merge with the head dim split 
 (`variant._merge_split_kernel`) against the library's, alone and after the chunk kernel.
 
 Not run yet (``python attn_variants.py --streams``): the chunk kernel as independent softmax streams
-(`variant._softmax_streams_kernel`), against the library's.
+(`AttentionConfig.streams`, opt-in), against the default.
 
 Timed as in run 40's `locality.py`: CUDA graphs over three copies of the layer, median of
 `do_bench`. From the repository root on a CUDA machine (``PYTHONPATH=$PWD``); on a CPU the calls
@@ -64,10 +64,9 @@ def graph_us(calls) -> tuple[float, torch.Tensor]:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=300, return_mode="median") * 1e3, out
 
 
-def launch(cfg, q, keys, values, sel, start, length, parts="both", loads=None, block_d=0, merge_warps=None, streams=0):
-    """`kernel._softmax` with the library's chunk kernel (``loads=None``, ``streams=0``) or one of
-    `variant`'s, and the library's merge (``block_d=0``) or the split one; ``parts``: "both",
-    "chunk" or "merge"."""
+def launch(cfg, q, keys, values, sel, start, length, parts="both", loads=None, block_d=0, merge_warps=None):
+    """`kernel._softmax` with the library's chunk kernel (``loads=None``) or `variant`'s, and the
+    library's merge (``block_d=0``) or the split one; ``parts``: "both", "chunk" or "merge"."""
     b, h, d = q.shape
     k_max = sel.indices.shape[-1]
     n_chunks = max(1, triton.cdiv(k_max, cfg.chunk))
@@ -78,8 +77,6 @@ def launch(cfg, q, keys, values, sel, start, length, parts="both", loads=None, b
     lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
     interp = dev == "cpu"
     chunk_kernel, extra = (K._softmax_chunk_kernel, {}) if loads is None else (V._softmax_chunk_kernel, {"LOADS": loads})
-    if streams:
-        chunk_kernel, extra = V._softmax_streams_kernel, {"STREAMS": streams}
 
     def run():
         if parts in ("both", "chunk"):
@@ -191,8 +188,8 @@ def merge_variants():
 
 
 def streams_variants():
-    """Not yet run on a GPU: the chunk kernel as independent softmax streams (`variant._softmax_streams_kernel`),
-    against the library's, both with the library's merge."""
+    """Not yet run on a GPU: the chunk kernel as independent softmax streams (`AttentionConfig.streams`,
+    opt-in), against the default, through the library's op."""
     variants = [(f"streams {w} x {bt} tokens, {warps} warps, {st} stages", w, bt, warps, st)
                 for w, bt, warps, st in ((4, 16, 4, 2), (4, 16, 4, 1), (2, 16, 2, 2), (4, 32, 4, 2), (8, 16, 8, 2))]
     cases = CASES if dev == "cuda" else [("tenth", 1024)]
@@ -201,14 +198,18 @@ def streams_variants():
     g = torch.Generator(device=dev).manual_seed(3)
     for kind, n in cases:
         layers, sel, k, mb = case_inputs(kind, n, g)
-        base = _choose(AttentionConfig(), k, PAGE, H_KV)
-        want = kernels.decode_attention(*layers[-1][:3], sel, *layers[-1][3:5], D**-0.5)[0].float()
-        us = timed(layers, [launch(base, *l[:3], sel, *l[3:5]) for l in layers])[0]
-        print(f"\n{kind} {n}: {mb:.1f} MB a layer; library {us:.1f} µs ({mb / us:.2f} TB/s)", flush=True)
+        def op():
+            return [kernels.decode_attention(*l[:3], sel, *l[3:5], D**-0.5)[0] for l in layers][-1]
+
+        want = op().float()
+        us = graph_us(op)[0] / len(layers)
+        print(f"\n{kind} {n}: {mb:.1f} MB a layer; default {us:.1f} µs ({mb / us:.2f} TB/s)", flush=True)
         for name, w, bt, warps, st in variants:
-            cfg = _choose(dataclasses.replace(AttentionConfig(), block_t=bt, num_warps=warps, num_stages=st), k, PAGE, H_KV)
+            cfg = AttentionConfig(streams=w, block_t=bt, num_warps=warps, num_stages=st)
             try:
-                us, out = timed(layers, [launch(cfg, *l[:3], sel, *l[3:5], streams=w) for l in layers])
+                with override(attention=cfg):
+                    us, out = graph_us(op)
+                us /= len(layers)
                 same = torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2)
                 print(f"  {name:<36} {us:7.1f} µs  {mb / us:5.2f} TB/s{'' if same else '  DIFFERS'}", flush=True)
             except Exception as e:  # noqa: BLE001

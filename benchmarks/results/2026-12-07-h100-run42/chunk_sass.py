@@ -1,7 +1,7 @@
 """Run 42 (offline): the decode-attention chunk kernel's loop, compiled for sm_90 with Triton 3.6
 (the GPU image's), disassembled and counted: instructions a warp a step of the loop, by opcode, and
 the registers and shared memory a program. The library's `_softmax_chunk_kernel`, or with
-``KFN=_softmax_streams_kernel STREAMS=W`` run 42's stream variant (`variant.py`). Shapes: the
+``KFN=_softmax_streams_kernel STREAMS=W`` its opt-in stream variant (`AttentionConfig.streams`). Shapes: the
 Llama-3.1-8B layer's (4 query heads a KV head padded to 16 rows, head dim 128, pages of 16, bf16);
 pointers and the caches' strides marked divisible by 16, as the JIT marks them. From the
 repository root (``DUMP=1`` prints the loop's SASS):
@@ -27,7 +27,6 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "2026-12-06-h100-run33"))
 import sass_count as S  # noqa: E402
-import variant as V  # noqa: E402
 
 from policyzoo.kernels.ops.decode_attention import kernel as K  # noqa: E402
 
@@ -56,7 +55,7 @@ def registers(kernel) -> str:
 if __name__ == "__main__":
     bt, warps, stages = (int(a) for a in (sys.argv[1:4] if len(sys.argv) > 3 else (32, 4, 2)))
     name = os.environ.get("KFN", "_softmax_chunk_kernel")
-    fn = getattr(V if name == "_softmax_streams_kernel" else K, name)
+    fn = getattr(K, name)
     const = dict(G=4, G_PAD=16, D=128, D_PAD=128, BLOCK=16, BLOCK_T=bt, HAS_LW=False, HAS_SLOTS=False, UPCAST=False,
                  PRECISION="tf32")
     streams = int(os.environ.get("STREAMS", "1"))
