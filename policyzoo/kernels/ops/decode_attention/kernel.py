@@ -65,6 +65,17 @@ def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _chunk_span(start_ptr, len_ptr, cnt_ptr, s_cb, s_ch, b, kv, c, k_max, chunk, BLOCK: tl.constexpr):
+    """``(start, length, f_begin, f_end)`` of chunk ``c`` of row ``b``'s selection for KV head ``kv``:
+    the row's visible span, and the chunk's tokens ``f_begin <= f < f_end``, i.e. its entries
+    ``[c·chunk, min((c+1)·chunk, count))`` expanded to ``BLOCK`` tokens each."""
+    start = tl.load(start_ptr + b)
+    length = tl.load(len_ptr)
+    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
+    return start, length, c * chunk * BLOCK, tl.minimum((c + 1) * chunk, count) * BLOCK
+
+
+@triton.jit
 def _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Entry, cache position, row to read and visibility of the selection tokens ``f`` (a tile).
 
@@ -130,12 +141,7 @@ def _softmax_chunk_kernel(
     offs_d = tl.arange(0, D_PAD)
     offs_t = tl.arange(0, BLOCK_T)
 
-    start = tl.load(start_ptr + b)
-    length = tl.load(len_ptr)
-    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    # This chunk's tokens: entries [c·chunk, min((c+1)·chunk, count)), expanded to pages.
-    f_begin = c * chunk * BLOCK
-    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
+    start, length, f_begin, f_end = _chunk_span(start_ptr, len_ptr, cnt_ptr, s_cb, s_ch, b, kv, c, k_max, chunk, BLOCK)
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
@@ -208,11 +214,7 @@ def _softmax_streams_kernel(
     offs_w = tl.arange(0, STREAMS)
     offs_t = tl.arange(0, BLOCK_T)
 
-    start = tl.load(start_ptr + b)
-    length = tl.load(len_ptr)
-    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    f_begin = c * chunk * BLOCK
-    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
+    start, length, f_begin, f_end = _chunk_span(start_ptr, len_ptr, cnt_ptr, s_cb, s_ch, b, kv, c, k_max, chunk, BLOCK)
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     q = tl.broadcast_to(q[None, :, :], (STREAMS, G_PAD, D_PAD))
@@ -318,11 +320,7 @@ def _entmax_logits_kernel(
     offs_d = tl.arange(0, D_PAD)
     offs_t = tl.arange(0, BLOCK_T)
 
-    start = tl.load(start_ptr + b)
-    length = tl.load(len_ptr)
-    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    f_begin = c * chunk * BLOCK
-    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
+    start, length, f_begin, f_end = _chunk_span(start_ptr, len_ptr, cnt_ptr, s_cb, s_ch, b, kv, c, k_max, chunk, BLOCK)
 
     q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
     idx_row = idx_ptr + b * s_ib + kv * s_ih
@@ -417,11 +415,7 @@ def _entmax_out_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     g_mask = offs_g < G
 
-    start = tl.load(start_ptr + b)
-    length = tl.load(len_ptr)
-    count = tl.minimum(tl.load(cnt_ptr + b * s_cb + kv * s_ch), k_max)
-    f_begin = c * chunk * BLOCK
-    f_end = tl.minimum((c + 1) * chunk, count) * BLOCK
+    start, length, f_begin, f_end = _chunk_span(start_ptr, len_ptr, cnt_ptr, s_cb, s_ch, b, kv, c, k_max, chunk, BLOCK)
 
     head = b * (G * tl.num_programs(1)) + kv * G + offs_g
     # A head without visible tokens has tau = -inf and only x = -inf: use tau = 0 there (and for the
