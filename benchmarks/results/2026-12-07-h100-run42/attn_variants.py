@@ -139,7 +139,7 @@ def loads_variants(out_json: str | None = None):
         print(f"\n{kind} {n}: {k} pages a KV head, {mb:.1f} MB a layer", flush=True)
         want = kernels.decode_attention(*layers[-1][:3], sel, *layers[-1][3:5], D**-0.5)[0].float()
         for name, loads, change in variants:
-            cfg = _choose(dataclasses.replace(base, **change), k, PAGE, H_KV)
+            cfg = _choose(dataclasses.replace(base, **change), k, PAGE, H_KV, D)
             try:
                 if loads is None:
                     with override(attention=base):
@@ -175,7 +175,7 @@ def merge_variants():
     g = torch.Generator(device=dev).manual_seed(3)
     for kind, n in cases:
         layers, sel, k, mb = case_inputs(kind, n, g)
-        cfg = _choose(AttentionConfig(), k, PAGE, H_KV)
+        cfg = _choose(AttentionConfig(), k, PAGE, H_KV, D)
         print(f"\n{kind} {n}: {k} pages a KV head, {mb:.1f} MB a layer, {triton.cdiv(k, cfg.chunk)} chunks", flush=True)
         want = None
         for name, bd, w in variants:

@@ -101,8 +101,8 @@ def attention_config(k_max: int, block: int, rows: int, head_dim: int = 128) -> 
     them 0. Chunks: enough programs to fill a GPU (`target_programs`), `min_chunk_tokens` tokens per
     program at least. Merge steps: every chunk partial in one step, up to `max_block_c` and
     `MERGE_STEP_VALUES` partial output values, with a warp per `MERGE_VALUES_PER_WARP` of them
-    (2 warps at least). Tiles: by the
-    chunk's tokens (`SHORT_CHUNK_TOKENS`), or `STREAM_TILE` a stream with `streams`.
+    (2 warps at least). Tiles: by the chunk's tokens (`SHORT_CHUNK_TOKENS`), or `STREAM_TILE` a
+    stream with `streams`.
 
     Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
     """
@@ -110,7 +110,7 @@ def attention_config(k_max: int, block: int, rows: int, head_dim: int = 128) -> 
 
 
 @functools.lru_cache(maxsize=1024)  # a launch's Python time: the same few shapes at every decode step
-def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int, head_dim: int = 128) -> AttentionConfig:
+def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int, head_dim: int) -> AttentionConfig:
     chunk = cfg.chunk
     if chunk == 0:
         splits = min(cdiv(k_max * block, cfg.min_chunk_tokens), cdiv(cfg.target_programs, max(rows, 1)))
