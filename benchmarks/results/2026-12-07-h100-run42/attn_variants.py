@@ -15,8 +15,9 @@ both over an empty selection. ``--best rows.json`` prints each ``LOADS`` value's
 Call 2 (``python attn_variants.py --merge``): the merge with the head dim split over programs
 (`variant._merge_split_kernel`) against the library's, alone and after the chunk kernel.
 
-Not run yet (``python attn_variants.py --streams``): the chunk kernel as independent softmax streams
-(`AttentionConfig.streams`, opt-in), against the default.
+``--streams``: the chunk kernel as independent softmax streams (`AttentionConfig.streams`, opt-in at
+75df9c8, removed since: run it in that tree) against the default. Run 43 ran it on an H200
+(``../2026-12-07-h200-run43``): slower in every setting.
 
 Timed as in run 40's `locality.py`: CUDA graphs over three copies of the layer, median of
 `do_bench`. From the repository root on a CUDA machine (``PYTHONPATH=$PWD``); on a CPU the calls
@@ -188,8 +189,8 @@ def merge_variants():
 
 
 def streams_variants():
-    """Not yet run on a GPU: the chunk kernel as independent softmax streams (`AttentionConfig.streams`,
-    opt-in), against the default, through the library's op."""
+    """The chunk kernel as independent softmax streams (`AttentionConfig.streams`, in the tree of
+    75df9c8 only), against the default, through the library's op."""
     variants = [(f"streams {w} x {bt} tokens, {warps} warps, {st} stages", w, bt, warps, st)
                 for w, bt, warps, st in ((4, 16, 4, 2), (4, 16, 4, 1), (2, 16, 2, 2), (4, 32, 4, 2), (8, 16, 8, 2))]
     cases = CASES if dev == "cuda" else [("tenth", 1024)]

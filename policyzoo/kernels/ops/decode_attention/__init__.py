@@ -41,12 +41,6 @@ class AttentionConfig(LaunchConfig):
     """Warps of the kernels that read keys or values."""
     num_stages: int = 2
     """Software pipelining of their tile loop."""
-    # Opt-in until timed: offline (sm_90, Triton 3.6) 4 streams of 16 tokens issue 2 barriers a
-    # 64-token step against 9 a 32-token tile, and about 20% fewer instructions a token.
-    streams: int = 0
-    """Softmax chunk kernel: 0, one online softmax shared by the program's warps (every tile's row
-    max and sum cross the warps); ``W`` (a power of two, as many as ``num_warps`` is the layout it is
-    for), ``W`` independent softmaxes over ``block_t`` tokens each a step, merged once a program."""
     chunk: int = 0
     """Selection entries per split-K program; 0: from the shapes (`target_programs`, `min_chunk_tokens`)."""
     target_programs: int = 512
@@ -73,7 +67,7 @@ class AttentionConfig(LaunchConfig):
 
     def __post_init__(self) -> None:
         powers_of_two(self, "num_warps", "max_block_c", "block_m", "tau_warps")
-        powers_of_two(self, "block_c", "block_t", "merge_warps", "streams", zero=True)
+        powers_of_two(self, "block_c", "block_t", "merge_warps", zero=True)
         positive(self, "num_stages", "target_programs", "min_chunk_tokens", "n_bisect")
         non_negative(self, "chunk")
         if self.block_t:
@@ -91,7 +85,6 @@ MERGE_STEP_VALUES = 128 * 128
 # chunk of a short context), longer ones in tiles of 64.
 SHORT_CHUNK_TOKENS = 128
 SHORT_CHUNK_TILE = 32
-STREAM_TILE = 16  # a stream's tokens a step with `streams` (tl.dot's minimum; 32 spills with 4 streams)
 
 
 def attention_config(k_max: int, block: int, rows: int, head_dim: int = 128) -> AttentionConfig:
@@ -101,8 +94,7 @@ def attention_config(k_max: int, block: int, rows: int, head_dim: int = 128) -> 
     them 0. Chunks: enough programs to fill a GPU (`target_programs`), `min_chunk_tokens` tokens per
     program at least. Merge steps: every chunk partial in one step, up to `max_block_c` and
     `MERGE_STEP_VALUES` partial output values, with a warp per `MERGE_VALUES_PER_WARP` of them
-    (2 warps at least). Tiles: by the chunk's tokens (`SHORT_CHUNK_TOKENS`), or `STREAM_TILE` a
-    stream with `streams`.
+    (2 warps at least). Tiles: by the chunk's tokens (`SHORT_CHUNK_TOKENS`).
 
     Depends on shapes only, so the grid is static under torch.compile and CUDA graphs.
     """
@@ -118,7 +110,7 @@ def _choose(cfg: AttentionConfig, k_max: int, block: int, rows: int, head_dim: i
     n_chunks = max(1, cdiv(k_max, chunk))
     d = next_power_of_2(head_dim)
     block_c = cfg.block_c or min(cfg.max_block_c, max(16, MERGE_STEP_VALUES // d), max(16, next_power_of_2(n_chunks)))
-    block_t = cfg.block_t or (STREAM_TILE if cfg.streams else SHORT_CHUNK_TILE if chunk * block <= SHORT_CHUNK_TOKENS else 64)
+    block_t = cfg.block_t or (SHORT_CHUNK_TILE if chunk * block <= SHORT_CHUNK_TOKENS else 64)
     merge_warps = cfg.merge_warps or max(2, block_c * d // MERGE_VALUES_PER_WARP)
     return dataclasses.replace(cfg, chunk=chunk, block_c=block_c, block_t=block_t, merge_warps=merge_warps)
 

@@ -9,9 +9,7 @@ Softmax, two launches:
    of the selection of one (row, KV head) — tokens when ``block == 1``, pages of ``block`` tokens
    otherwise — and all G query heads of the GQA group, so each selected key and value is read once
    per group. It walks the chunk's tokens in tiles of ``block_t`` (online softmax) and writes the
-   chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``. With ``streams`` (opt-in),
-   `_softmax_streams_kernel` does the same as that many independent softmaxes of ``block_t`` tokens
-   a step each, merged at the program's end.
+   chunk's partial max ``m``, sum ``l`` and unnormalised output ``o``.
 2. `_merge_kernel`, grid ``(H, B)``, merges the chunks of each (row, query head) by log-sum-exp into
    ``out`` and ``lse``, ``block_c`` partials per step. (Merging in the last chunk program of each
    KV head instead, after an arrival counter, measured slower than this second launch.)
@@ -181,81 +179,6 @@ def _softmax_chunk_kernel(
     tl.store(
         o_ptr + (head * n_chunks + c)[:, None] * D + offs_d[None, :],
         acc,
-        mask=g_mask[:, None] & (offs_d[None, :] < D),
-    )
-
-
-@triton.jit
-def _softmax_streams_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, slot_ptr, cnt_ptr, lw_ptr, start_ptr, len_ptr,
-    m_ptr, l_ptr, o_ptr,
-    s_qb, s_qh,
-    s_kb, s_kh, s_kn,
-    s_vb, s_vh, s_vn,
-    s_ib, s_ih, s_ik,
-    s_sb, s_sh, s_sk,
-    s_cb, s_ch,
-    s_lb, s_lh, s_lk,
-    n, k_max, chunk, n_chunks, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_LW: tl.constexpr, HAS_SLOTS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    STREAMS: tl.constexpr,
-):
-    """`_softmax_chunk_kernel` as ``STREAMS`` independent online softmaxes, each over its own
-    ``BLOCK_T`` tokens of a step (the ``tl.dot``s batched over a leading stream axis, which Triton
-    lays across the warps), merged once after the loop. With one softmax shared by the warps, every
-    tile's row max and sum cross the warps through shared memory; here they stay within a stream."""
-    c = tl.program_id(0)
-    kv = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    offs_w = tl.arange(0, STREAMS)
-    offs_t = tl.arange(0, BLOCK_T)
-
-    start, length, f_begin, f_end = _chunk_span(start_ptr, len_ptr, cnt_ptr, s_cb, s_ch, b, kv, c, k_max, chunk, BLOCK)
-
-    q = _load_group_q(q_ptr, b, kv, s_qb, s_qh, offs_g, offs_d, G, D)
-    q = tl.broadcast_to(q[None, :, :], (STREAMS, G_PAD, D_PAD))
-    idx_row = idx_ptr + b * s_ib + kv * s_ih
-    slot_row = slot_ptr + b * s_sb + kv * s_sh
-    lw_row = lw_ptr + b * s_lb + kv * s_lh
-    k_row = k_ptr + b * s_kb + kv * s_kh
-    v_row = v_ptr + b * s_vb + kv * s_vh
-
-    m_i = tl.full([STREAMS, G_PAD], -float("inf"), tl.float32)
-    l_i = tl.zeros([STREAMS, G_PAD], tl.float32)
-    acc = tl.zeros([STREAMS, G_PAD, D_PAD], tl.float32)
-    for f0 in range(f_begin, f_end, STREAMS * BLOCK_T):
-        f = f0 + offs_w[:, None] * BLOCK_T + offs_t[None, :]  # stream w's tokens: [w·BLOCK_T, (w+1)·BLOCK_T) of the step
-        entry, row, in_chunk, visible = _tile_tokens(idx_row, s_ik, slot_row, s_sk, f, f_end, start, length, n, BLOCK, HAS_SLOTS)
-        d_mask = offs_d[None, None, :] < D
-        k = tl.load(k_row + row[:, :, None] * s_kn + offs_d[None, None, :], mask=visible[:, :, None] & d_mask, other=0.0)
-        s = _dot(q, tl.permute(k, (0, 2, 1)), UPCAST, PRECISION) * scale  # [STREAMS, G_PAD, BLOCK_T]
-        if HAS_LW:
-            s += tl.load(lw_row + entry * s_lk, mask=in_chunk, other=0.0).to(tl.float32)[:, None, :]
-        s = tl.where(visible[:, None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # the same -inf guard as the chunk kernel
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, 2)
-        v = tl.load(v_row + row[:, :, None] * s_vn + offs_d[None, None, :], mask=visible[:, :, None] & d_mask, other=0.0)
-        acc = acc * alpha[:, :, None] + _dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m_i = m_new
-
-    # The streams merged by log-sum-exp; a stream that saw nothing has m = -inf and l = 0.
-    m_c = tl.max(m_i, 0)
-    m_c_safe = tl.where(m_c == -float("inf"), 0.0, m_c)
-    w = tl.exp(m_i - m_c_safe[None, :])
-    head = b * (G * tl.num_programs(1)) + kv * G + offs_g
-    g_mask = offs_g < G
-    tl.store(m_ptr + head * n_chunks + c, m_c, mask=g_mask)
-    tl.store(l_ptr + head * n_chunks + c, tl.sum(w * l_i, 0), mask=g_mask)
-    tl.store(
-        o_ptr + (head * n_chunks + c)[:, None] * D + offs_d[None, :],
-        tl.sum(w[:, :, None] * acc, 0),
         mask=g_mask[:, None] & (offs_d[None, :] < D),
     )
 
@@ -518,14 +441,13 @@ def _softmax(q, keys, values, scale, has_lw, s, common, cfg, out, lse) -> None:
     o_part = _alloc(b, h, s["n_chunks"], d, dtype=torch.float32, device=q.device)
     m_part = _alloc(b, h, s["n_chunks"], dtype=torch.float32, device=q.device)
     l_part = _alloc(b, h, s["n_chunks"], dtype=torch.float32, device=q.device)
-    chunk_kernel, streams = (_softmax_streams_kernel, {"STREAMS": cfg.streams}) if cfg.streams else (_softmax_chunk_kernel, {})
-    chunk_kernel[(s["n_chunks"], keys.shape[1], b)](
+    _softmax_chunk_kernel[(s["n_chunks"], keys.shape[1], b)](
         q, keys, values, s["indices"], s["slot"], s["count"], s["lw"], s["start"], s["length"],
         m_part, l_part, o_part,
         *_strides(q, 2), *_strides(keys, 3), *_strides(values, 3), *_strides(s["indices"], 3), *_strides(s["slot"], 3),
         *_strides(s["count"], 2), *_strides(s["lw"], 3),
         s["n"], s["k_max"], s["chunk"], s["n_chunks"], scale,
-        HAS_LW=has_lw, **common, **streams,
+        HAS_LW=has_lw, **common,
     )
     _merge_kernel[(h, b)](
         m_part, l_part, o_part, out, lse,
