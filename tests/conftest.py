@@ -26,6 +26,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite compiles many small graphs with Inductor's CPU backend, whose vectorised C++ doubles their
+# compile time (a symbolic SSA step: 56 s cold against 30 s scalar). What the tests check (one graph,
+# no recompiles, the eager tokens) does not depend on the loops' vector width, so they compile scalar
+# loops (Inductor keeps IEEE order within an op either way: no fp contraction).
+import torch._inductor.config  # noqa: E402
+
+torch._inductor.config.cpp.simdlen = 0
+
 # Under pytest-xdist (`scripts/test` runs a worker per core) each worker takes its share of the cores:
 # two workers of two threads each on two cores would fight over them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
