@@ -8,6 +8,7 @@ before triton is first imported on machines without a GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 import threading
@@ -138,7 +139,7 @@ def test_replace_validates_too():
 
 
 def test_attention_config_by_shape():
-    rule = attention_op.attention_config
+    rule = functools.partial(attention_op.attention_config, head_dim=128)  # the 8B shape's heads
     # 2K tokens, 8 KV heads x 1 row: 512 programs over 8 heads, 64 chunks of 32 tokens (the token
     # floor), merged in one step, walked in tiles of 32.
     assert (rule(2048, 1, 8).chunk, rule(2048, 1, 8).block_c, rule(2048, 1, 8).block_t) == (32, 64, 32)
@@ -246,7 +247,7 @@ def test_override_applies_inside_the_scope_only():
     assert config.current(AttentionConfig) == AttentionConfig() and config.active() == {}
     with override(attention=wide, select_top=SelectTopConfig(method="program")):
         assert config.current(AttentionConfig) is wide
-        assert attention_op.attention_config(2048, 1, 8).block_t == 128
+        assert attention_op.attention_config(2048, 1, 8, 128).block_t == 128
         assert select_op.select_top_config(14336, torch.bfloat16).method == "program"
         assert set(config.active()) == {"attention", "select_top"}
     assert config.current(AttentionConfig) == AttentionConfig() and config.active() == {}
@@ -328,7 +329,7 @@ def test_attention_under_an_override_matches_the_reference(mode):
     cfg = AttentionConfig(block_t=16, num_warps=2, num_stages=2, chunk=3, block_c=16, merge_warps=1,
                           block_m=32, tau_warps=1, n_bisect=20)
     with override(attention=cfg):
-        assert attention_op.attention_config(10, 4, 4) == cfg
+        assert attention_op.attention_config(10, 4, 4, 128) == cfg
         attend = kernels.decode_attention if mode == "softmax" else kernels.decode_attention_entmax15
         out, second = attend.triton(*args)
     want = reference.decode_attention if mode == "softmax" else reference.decode_attention_entmax15

@@ -87,7 +87,7 @@ SHORT_CHUNK_TOKENS = 128
 SHORT_CHUNK_TILE = 32
 
 
-def attention_config(k_max: int, block: int, rows: int, head_dim: int = 128) -> AttentionConfig:
+def attention_config(k_max: int, block: int, rows: int, head_dim: int) -> AttentionConfig:
     """The launch parameters of a call over ``k_max`` selection entries of ``block`` tokens for
     ``rows`` (batch rows x KV heads) and heads of ``head_dim``: the config in force
     (`config.current`) with `chunk`, `block_c`, `block_t` and `merge_warps` chosen where it leaves
