@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick check (floors use the shape's)")
     p.add_argument("--tiny", action="store_true", help="a toy model of the same structure (CPU smoke test)")
+    p.add_argument("--backend", default="inductor", help="torch.compile's backend (the CPU smoke test: aot_eager)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tp"))
     args = p.parse_args()
 
@@ -82,7 +83,7 @@ def main() -> None:
             kv_f, proj_f, r_p, r_kv = common.settings()[name]
             if proj_f is not None:
                 raise ValueError(f"{name}: projection settings need calibration on the whole model; time KV settings here")
-            dec = common.decoder(model, name).compile()
+            dec = common.decoder(model, name).compile(backend=args.backend)
             got = e2e.measure(dec, 1, args.context, args.new_tokens)
             floor = acct.floor_ms(args.context, bw, r_p, r_kv, r_select=common.selection_ratio(name))
             row = {"section": "tp", "setting": name, "shape": args.shape, "context": args.context, "world": world, **got,
