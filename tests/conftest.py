@@ -28,11 +28,14 @@ if not torch.cuda.is_available():
 
 # The suite compiles many small graphs with Inductor's CPU backend, whose vectorised C++ doubles their
 # compile time (a symbolic SSA step: 56 s cold against 30 s scalar). What the tests check (one graph,
-# no recompiles, the eager tokens) does not depend on the loops' vector width, so they compile scalar
-# loops (Inductor keeps IEEE order within an op either way: no fp contraction).
+# no recompiles, the eager tokens) does not depend on the loops' vector width, so Inductor is told
+# that no vector ISA works and emits scalar loops (it keeps IEEE order within an op either way: no fp
+# contraction). The environment variable reaches the tests' own processes (the two-rank tests) too,
+# and spares each process the probe builds of the vector ISAs.
+os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
 import torch._inductor.config  # noqa: E402
 
-torch._inductor.config.cpp.simdlen = 0
+torch._inductor.config.cpp.vec_isa_ok = False
 
 # Under pytest-xdist (`scripts/test` runs a worker per core) each worker takes its share of the cores:
 # two workers of two threads each on two cores would fight over them.
