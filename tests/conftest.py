@@ -37,8 +37,8 @@ import torch._inductor.config  # noqa: E402
 
 torch._inductor.config.cpp.vec_isa_ok = False
 
-# Under pytest-xdist (`scripts/test` runs a worker per core) each worker takes its share of the cores:
-# two workers of two threads each on two cores would fight over them.
+# Under pytest-xdist (`scripts/test` runs a worker per core and one more) each worker takes its share
+# of the cores: two workers of two threads each on two cores would fight over them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
