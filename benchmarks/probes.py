@@ -189,26 +189,24 @@ GROUP_SHAPES = {"q|k|v": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate
                 "down": (14336, (4096,))}
 
 
-def gemv_grid(batch: int, grid: str = "full") -> list[dict]:
+def gemv_grid(batch: int, full: bool = True) -> list[dict]:
     """Tile shapes the fused-threshold probe tries first. At batch 1: the scanning loop with 8 to
-    64 fp32 accumulators per thread (``block_k x block_n`` products over the warps' threads), the
-    same tiles over compacted slices (`GemvConfig.compact`), and the row-block kernel through tl.dot
-    with the one row in a block (`GemvConfig.dot_from_rows` 1), whose weight tiles Triton pipelines
-    as dot operands. (TEAL's layout, `tile_sum` and `atomic_sum`, was 13-20% slower than the loop at
-    best on every 8B group: no longer tried.) The tl.dot tiles at batch > 1. ``grid`` at batch 1:
-    ``full`` (all of them), ``dot`` (the tl.dot tiles) or ``compact`` (the compacted loop; the plain
-    loop's tiles were measured in H200 run 10: `GemvConfig`'s shape rule follows them)."""
-    if grid not in ("full", "dot", "compact"):
-        raise ValueError(f"grid must be full, dot or compact, got {grid!r}")
+    64 fp32 accumulators per thread (``block_k x block_n`` products over the warps' threads), and the
+    row-block kernel through tl.dot with the one row in a block (`GemvConfig.dot_from_rows` 1),
+    whose weight tiles Triton pipelines as dot operands. (TEAL's layout, `tile_sum` and
+    `atomic_sum`, was 13-20% slower than the loop at best on every 8B group: no longer tried.)
+    The tl.dot tiles at batch > 1. Without ``full``, batch 1 tries the tl.dot tiles alone (the loop's
+    tiles were measured in H200 run 10: `GemvConfig`'s shape rule follows them)."""
     dot = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256) for bk in (16, 32, 64) for w in (4, 8)
            if bn * bk // (32 * w) <= 64]
-    if batch > 1:
-        return dot
-    one_row_dot = [dict(c, dot_from_rows=1, num_stages=st) for c in dot for st in (3, 5)]
-    loop = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
-            for w in (2, 4, 8) if 8 <= bn * bk // (32 * w) <= 64]
-    compact = [dict(c, compact=True) for c in loop if c["block_k"] >= 32]
-    return {"dot": one_row_dot, "compact": compact, "full": one_row_dot + loop + compact}[grid]
+    if batch == 1:
+        one_row_dot = [dict(c, dot_from_rows=1, num_stages=st) for c in dot for st in (3, 5)]
+        if not full:
+            return one_row_dot
+        loop = [dict(block_n=bn, block_k=bk, num_warps=w) for bn in (64, 128, 256, 512) for bk in (8, 16, 32, 64, 128)
+                for w in (2, 4, 8) if 8 <= bn * bk // (32 * w) <= 64]
+        return one_row_dot + loop
+    return dot
 
 
 def gemv_refinements(best: dict) -> list[dict]:
@@ -219,7 +217,7 @@ def gemv_refinements(best: dict) -> list[dict]:
 
 
 def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 16), tune: bool = True,
-                       grid: str = "full"):
+                       full_grid: bool = True):
     """Per projection group and batch: cuBLAS ``x @ W^T`` and the threshold GEMV (per-column
     thresholds where the group has several members), each member keeping about ``keep`` of every
     row's inputs. ``union`` is the fraction of weight rows some row keeps, what the kernel reads;
@@ -279,7 +277,7 @@ def section_gemv_fused(rows, deadline: float, keep: float = 0.5, batches=(1, 4, 
             run_config("default", {})
             if tune:
                 first = len(rows)
-                for c in gemv_grid(b, grid)[: 1 if dev == "cpu" else None]:
+                for c in gemv_grid(b, full_grid)[: 1 if dev == "cpu" else None]:
                     run_config(" ".join(f"{k}={v}" for k, v in c.items()), c)
                 timed = [r for r in rows[first:] if "us" in r]
                 if timed:

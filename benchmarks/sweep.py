@@ -462,9 +462,8 @@ def main(argv=None) -> None:
     p.add_argument("--profile-layers", type=int, default=4, help="layers of the profiled model")
     p.add_argument("--variants", default="select_top,merge,page_bound,attention_pages", help="groups of the variants section")
     p.add_argument("--gemv-batches", default="1,4,16", help="batch sizes of the gemvfused section")
-    p.add_argument("--gemv-grid", choices=("full", "dot", "compact"), default="full",
-                   help="gemvfused at batch 1: every tile grid, only the tl.dot row-block tiles, or only the "
-                        "scanning loop over compacted slices")
+    p.add_argument("--gemv-dot-only", action="store_true",
+                   help="gemvfused at batch 1: try only the tl.dot row-block tiles, not the scanning loop's grid")
     p.add_argument("--tune-contexts", default="4096,32768,131072", help="contexts of the tune section")
     p.add_argument("--select-contexts", default="32768,65536,131072", help="contexts of the select section")
     p.add_argument("--select-policies", default="", help="select section: these policies only (names up to the first space; default all)")
@@ -553,7 +552,7 @@ def main(argv=None) -> None:
         "gemv": lambda: probes.section_gemv(rows),
         "gemvtune": lambda: probes.section_gemv_tune(rows),
         "gemvfused": lambda: probes.section_gemv_fused(rows, deadline, batches=[int(b) for b in args.gemv_batches.split(",")],
-                                                       grid=args.gemv_grid),
+                                                       full_grid=not args.gemv_dot_only),
         "select": lambda: probes.section_select([int(c) for c in args.select_contexts.split(",")], rows, deadline,
                                                 names=[x for x in args.select_policies.split(",") if x]),
         "profile": run_profile,

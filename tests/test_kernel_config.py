@@ -99,7 +99,6 @@ def test_configs_are_frozen_values(kind):
         (GemvConfig, dict(prefetch="yes"), "prefetch must be a bool"),
         (GemvConfig, dict(tile_sum=0), "tile_sum must be a bool"),
         (GemvConfig, dict(atomic_sum=1), "atomic_sum must be a bool"),
-        (GemvConfig, dict(compact="no"), "compact must be a bool"),
         (GemvConfig, dict(dot_from_rows=0), "dot_from_rows must be a positive int"),
         (PageScoreConfig, dict(method="broadcast"), "method must be one of"),
         (PageScoreConfig, dict(block_p=2.0), "block_p must be a power of two"),
@@ -373,25 +372,20 @@ def test_gemv_tiles_follow_the_shapes_unless_set(d_out, dot, gather, tiles):
     assert gemv_op.gemv_config(4096, d_out, 1, align=48, dot=dot).block_n == 16
 
 
-@pytest.mark.parametrize("fuse, prefetch, tile_sum, atomic_sum, dot_from_rows, compact",
-                         [(True, False, False, False, 2, False), (False, False, False, False, 2, False),
-                          (True, True, True, False, 2, False), (True, False, True, True, 2, False),
-                          (True, False, False, False, 1, False), (True, False, False, False, 2, True),
-                          (True, False, False, True, 2, True)])
-def test_sparse_gemv_under_an_override_matches_the_reference(fuse, prefetch, tile_sum, atomic_sum, dot_from_rows,
-                                                             compact):
+@pytest.mark.parametrize("fuse, prefetch, tile_sum, atomic_sum, dot_from_rows",
+                         [(True, False, False, False, 2), (False, False, False, False, 2), (True, True, True, False, 2),
+                          (True, False, True, True, 2), (True, False, False, False, 1)])
+def test_sparse_gemv_under_an_override_matches_the_reference(fuse, prefetch, tile_sum, atomic_sum, dot_from_rows):
     """Blocks of 16 outputs, tiles of 16 features, 3 slices (48 kept features, or all 90 scanned):
     the epilogue in the last program or launched (in blocks of 32); the scan with its activations
     loaded a tile ahead or not, at one row with each tile summed at once or not, with the slices
-    added atomically into one sum, one row in a tl.dot row block, and one row's slices compacted
-    into full tiles of kept features (the row blocks at batch 2 ignore it)."""
+    added atomically into one sum, and one row in a tl.dot row block."""
     g = torch.Generator().manual_seed(2)
     x, w_t, bias = torch.randn(2, 90, generator=g), torch.randn(90, 40, generator=g), torch.randn(40, generator=g)
     idx = torch.stack([torch.randperm(90, generator=g)[:48] for _ in range(2)]).int()
     x, w_t, bias, idx = (t.to(DEVICE) for t in (x, w_t, bias, idx))
     cfg = GemvConfig(block_n=16, block_k=16, num_warps=2, split=3, sum_block=32, fuse_epilogue=fuse, min_fused_split=2,
-                     prefetch=prefetch, tile_sum=tile_sum, atomic_sum=atomic_sum, dot_from_rows=dot_from_rows,
-                     compact=compact)
+                     prefetch=prefetch, tile_sum=tile_sum, atomic_sum=atomic_sum, dot_from_rows=dot_from_rows)
     with override(gemv=cfg):
         assert gemv_op.gemv_config(48, 40, 2) == cfg and gemv_op.gemv_config(90, 40, 2).split == 3
         got = kernels.sparse_gemv_index.triton(x, idx, w_t, bias, workspace=WORKSPACE)

@@ -71,11 +71,6 @@ class GemvConfig(LaunchConfig):
     with atomic adds (the last program to arrive casts it), rather than each writing its partial.
     The order of the adds varies between launches, so the outputs are not bitwise reproducible.
     Uses the workspace's zeroed sums (`Workspace`)."""
-    # Off until a GPU times it against the plain scan.
-    compact: bool = False
-    """Scanning kernels at one row: each program first lists its slice's kept features, then reads
-    their weight rows in full tiles of `block_k` (the plain scan fetches only the kept rows of each
-    tile of `block_k` features, its loads waiting on the tile's activations)."""
     split: int = 0
     """Slices of the kept features per output block (split-K); 0: from the shapes (`target_programs`,
     `min_tiles_per_split`)."""
@@ -108,7 +103,7 @@ class GemvConfig(LaunchConfig):
         at_least(self, 16, "tl.dot's size", "block_b")
         positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split", "dot_from_rows")
         non_negative(self, "split")
-        booleans(self, "fuse_epilogue", "prefetch", "tile_sum", "atomic_sum", "compact")
+        booleans(self, "fuse_epilogue", "prefetch", "tile_sum", "atomic_sum")
 
 
 def slice_len(k: int, split: int, block_k: int) -> int:

@@ -16,8 +16,7 @@ That sum is ``split x block_n`` floats, so nothing long runs serially. Unfused, 
 launch of its own (`_sum_slices_kernel`; the torch sum and cast were two launches). The index kernel
 gathers ``block_k`` weight rows per tile; the scanning kernel walks all of ``d_in`` but predicates the
 weight loads on the keep decision, so rows of dropped features are never fetched (a masked-off load
-issues no memory transaction); with `GemvConfig.compact`, a one-row program lists its slice's kept
-features first and then reads full tiles of their rows. ``w_t`` may be any strided view (``weight.t()`` of an ``nn.Linear``
+issues no memory transaction). ``w_t`` may be any strided view (``weight.t()`` of an ``nn.Linear``
 works, though reading it is only coalesced when ``w_t`` is contiguous).
 """
 
@@ -123,44 +122,13 @@ def _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0, k_end, s_xb, s_kb,
 
 
 @triton.jit
-def _compacted_slice(x_ptr, keep_ptr, w_ptr, kept_ptr, rows, r_mask, t, s, k_end, k_per, s_xb, s_kb, s_wk, s_wn,
-                     offs_n, n_mask, FROM_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[1, BLOCK_N]``: one row's sum over the kept features of slice ``s``, in two passes. The first
-    writes the indices of the slice's kept features, in order, to this program's run of
-    ``kept_ptr`` (``k_per`` int32); the second reads their weight rows in full tiles of ``BLOCK_K``.
-    In the plain scan a tile's weight loads wait on its activations, and at keep 1/2 only half the
-    tile's rows are fetched; here every iteration's loads fetch ``BLOCK_K`` rows, and their
-    addresses come from indices the first pass left in the cache."""
-    prog = (tl.program_id(2) * tl.num_programs(1) + s) * tl.num_programs(0) + tl.program_id(0)
-    kept_at = kept_ptr + prog.to(tl.int64) * k_per
-    n_kept = 0
-    for k0 in range(s * k_per, k_end, BLOCK_K):
-        offs_k, x_raw, kept = _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0, k_end, s_xb, s_kb, FROM_MASK, BLOCK_K)
-        flags = tl.max(kept.to(tl.int32), 0)
-        tl.store(kept_at + n_kept + tl.cumsum(flags, 0) - 1, offs_k, mask=flags != 0)
-        n_kept += tl.sum(flags, 0)
-    tl.debug_barrier()  # the indices, stored by every thread of the program, before any thread reads them
-    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)  # reduced over K once, after the loop
-    row = tl.max(rows, 0)
-    for p0 in range(0, n_kept, BLOCK_K):
-        offs_p = p0 + tl.arange(0, BLOCK_K)
-        p_mask = offs_p < n_kept
-        feat = tl.load(kept_at + offs_p, mask=p_mask, other=0)
-        xv = tl.load(x_ptr + row * s_xb + feat, mask=p_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + feat[:, None].to(tl.int64) * s_wk + offs_n[None, :] * s_wn,
-                    mask=p_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += xv[:, None] * w.to(tl.float32)
-    return tl.sum(acc, 0)[None, :]
-
-
-@triton.jit
 def _gemv_scan_kernel(
-    x_ptr, keep_ptr, t_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, done_ptr, kept_ptr,
+    x_ptr, keep_ptr, t_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, done_ptr,
     n_rows, d_in, d_out, k_per,
     s_xb, s_kb, s_tb, s_tn, s_wk, s_wn, s_yb,
     FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr, TILE_SUM: tl.constexpr, ATOMIC: tl.constexpr, COMPACT: tl.constexpr,
+    PREFETCH: tl.constexpr, TILE_SUM: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -175,12 +143,6 @@ def _gemv_scan_kernel(
         # launcher makes every block lie inside one run of equal column thresholds).
         t = tl.load(t_ptr + rows * s_tb + (pid_n * BLOCK_N) * s_tn, mask=r_mask, other=float("inf"))
     k_end = tl.minimum((s + 1) * k_per, d_in)
-    if COMPACT:  # one row: the slice's kept features first, then full tiles of their weight rows
-        out = _compacted_slice(x_ptr, keep_ptr, w_ptr, kept_ptr, rows, r_mask, t, s, k_end, k_per, s_xb, s_kb, s_wk,
-                               s_wn, offs_n, n_mask, FROM_MASK, BLOCK_N, BLOCK_K)
-        _store_tile(out, rows, r_mask, y_ptr, part_ptr, bias_ptr, done_ptr + pid_b * tl.num_programs(0) + pid_n, s,
-                    tl.num_programs(1), d_out, s_yb, offs_n, n_mask, HAS_BIAS, SPLIT, FUSE, ATOMIC)
-        return
     if BLOCK_B == 1 and TILE_SUM:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif BLOCK_B == 1:
@@ -252,19 +214,14 @@ def _launch(kernel, x: Tensor, w_t: Tensor, bias: Tensor | None, plan, args_befo
     part = plan.sums
     if split > 1 and part is None:  # each slice's fp32 partial
         part = _alloc(b, split, d_out, dtype=torch.float32, device=x.device)
-    scan = ()
     if plan.block_b:
         # fp32 operands take the exact fp32 dot (not tf32), and so does the interpreter (`route.INTERPRET`).
         ieee = route.INTERPRET or x.dtype == torch.float32 or w_t.dtype == torch.float32
-        compact = cfg.compact and plan.block_b == 1
         meta = dict(meta, BLOCK_B=plan.block_b, IEEE=ieee, PREFETCH=cfg.prefetch, TILE_SUM=cfg.tile_sum,
-                    ATOMIC=cfg.atomic_sum, COMPACT=compact)
-        # Each program's kept features (`_compacted_slice`), else an unread placeholder.
-        scan = (_alloc(n_blocks * split * plan.row_programs * plan.k_per, dtype=torch.int32, device=x.device)
-                if compact else y,)
+                    ATOMIC=cfg.atomic_sum)
     kernel[(n_blocks, split, plan.row_programs)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
-        plan.counters if plan.counters is not None else y, *scan,
+        plan.counters if plan.counters is not None else y,
         *((b,) if plan.block_b else ()), plan.k, d_out, plan.k_per,
         x.stride(0), *strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, FUSE=plan.counters is not None, BLOCK_N=cfg.block_n,
