@@ -71,6 +71,11 @@ class GemvConfig(LaunchConfig):
     with atomic adds (the last program to arrive casts it), rather than each writing its partial.
     The order of the adds varies between launches, so the outputs are not bitwise reproducible.
     Uses the workspace's zeroed sums (`Workspace`)."""
+    # Off until a GPU times it.
+    warm_x: bool = False
+    """Scanning kernels: before its loop, a program asks for every activation line of its slice in
+    its SM's L1 (a prefetch hint), and reads the weights past L1 (``.cg``) so that they do not evict
+    them: the loop's activation loads, on which its weight loads wait, then hit L1."""
     split: int = 0
     """Slices of the kept features per output block (split-K); 0: from the shapes (`target_programs`,
     `min_tiles_per_split`)."""
@@ -103,7 +108,7 @@ class GemvConfig(LaunchConfig):
         at_least(self, 16, "tl.dot's size", "block_b")
         positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split", "dot_from_rows")
         non_negative(self, "split")
-        booleans(self, "fuse_epilogue", "prefetch", "tile_sum", "atomic_sum")
+        booleans(self, "fuse_epilogue", "prefetch", "tile_sum", "atomic_sum", "warm_x")
 
 
 def slice_len(k: int, split: int, block_k: int) -> int:

@@ -107,6 +107,13 @@ def _gemv_index_kernel(
 
 
 @triton.jit
+def _prefetch_l1(ptrs):
+    """A hint: fetch the lines at ``ptrs`` into this SM's L1 (nothing waits for them)."""
+    tl.inline_asm_elementwise(asm="prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", constraints="=r,l", args=[ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _kept_tile(x_ptr, keep_ptr, rows, r_mask, t, k0, k_end, s_xb, s_kb,
                FROM_MASK: tl.constexpr, BLOCK_K: tl.constexpr):
     """One tile of the scan: ``(offs_k, x [rows, BLOCK_K], kept [rows, BLOCK_K])``, the activations
@@ -129,6 +136,7 @@ def _gemv_scan_kernel(
     FROM_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr, TILE_SUM: tl.constexpr, ATOMIC: tl.constexpr,
+    WARM_X: tl.constexpr = 0, X_LINE: tl.constexpr = 64, W_CACHE: tl.constexpr = "",
 ):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
@@ -143,6 +151,12 @@ def _gemv_scan_kernel(
         # launcher makes every block lie inside one run of equal column thresholds).
         t = tl.load(t_ptr + rows * s_tb + (pid_n * BLOCK_N) * s_tn, mask=r_mask, other=float("inf"))
     k_end = tl.minimum((s + 1) * k_per, d_in)
+    if WARM_X:
+        # Each tile's weight loads wait on its activations (their mask). Asking for all of the
+        # slice's activation lines at once, before the loop, turns those waits into L1 hits.
+        lines = tl.minimum(s * k_per + tl.arange(0, WARM_X) * X_LINE, k_end - 1)
+        for r in tl.static_range(BLOCK_B):
+            _prefetch_l1(x_ptr + tl.minimum(pid_b * BLOCK_B + r, n_rows - 1) * s_xb + lines)
     if BLOCK_B == 1 and TILE_SUM:
         acc = tl.zeros([BLOCK_N], tl.float32)
     elif BLOCK_B == 1:
@@ -164,6 +178,7 @@ def _gemv_scan_kernel(
             w_ptr + offs_k[:, None].to(tl.int64) * s_wk + offs_n[None, :] * s_wn,
             mask=union[:, None] & n_mask[None, :],
             other=0.0,
+            cache_modifier=W_CACHE,
         )
         xv = tl.where(kept, x_raw.to(tl.float32), 0.0)
         if PREFETCH:
@@ -219,6 +234,9 @@ def _launch(kernel, x: Tensor, w_t: Tensor, bias: Tensor | None, plan, args_befo
         ieee = route.INTERPRET or x.dtype == torch.float32 or w_t.dtype == torch.float32
         meta = dict(meta, BLOCK_B=plan.block_b, IEEE=ieee, PREFETCH=cfg.prefetch, TILE_SUM=cfg.tile_sum,
                     ATOMIC=cfg.atomic_sum)
+        if cfg.warm_x and not route.INTERPRET:  # a hardware hint: the interpreter has no L1 to warm
+            line = 128 // x.element_size()  # activations a cache line
+            meta.update(WARM_X=triton.next_power_of_2(triton.cdiv(plan.k_per, line)), X_LINE=line, W_CACHE=".cg")
     kernel[(n_blocks, split, plan.row_programs)](
         *args_before, w_t, bias if bias is not None else x, y, part if part is not None else y,
         plan.counters if plan.counters is not None else y,
