@@ -970,6 +970,43 @@ def test_sparse_gemv_threshold(case, quantile, per):
         torch.testing.assert_close(expected[r, c], alone)
 
 
+_SM90_WARM_X = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from policyzoo.kernels.ops.sparse_gemv import kernel as K
+fn = K._gemv_scan_kernel
+ptr = {"t_ptr": "*fp32", "part_ptr": "*fp32", "done_ptr": "*i32"}
+for block_b, warm_x in ((1, 0), (1, 32), (16, 32)):  # one row (the loop), a row block (tl.dot)
+    const = dict(FROM_MASK=False, HAS_BIAS=False, SPLIT=True, FUSE=True, BLOCK_B=block_b, BLOCK_N=64,
+                 BLOCK_K=128 if block_b == 1 else 32, IEEE=False, PREFETCH=False, TILE_SUM=False, ATOMIC=False,
+                 WARM_X=warm_x, X_LINE=64, W_CACHE=".cg" if warm_x else "")
+    sig = {n: (ptr.get(n, "*bf16") if n.endswith("_ptr") else "constexpr" if n in const else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    print(block_b, warm_x, ptx.count("prefetch.global.L1"), ptx.count("ld.global.cg"))
+"""
+
+
+def test_sparse_gemv_warm_x_compiles_to_l1_prefetches():
+    """`GemvConfig.warm_x` is a hardware hint the interpreter cannot run (it takes the plain scan
+    there): compiled for an H100/H200 (sm_90) with the toolchain Triton ships, the scanning kernel
+    asks for its slice's activation lines in L1 and reads its weights past L1 (``ld.global.cg``),
+    at one row and in row blocks, and without it does neither (the epilogue's reads are ``.cg``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SM90_WARM_X], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    counts = {(int(b), int(w)): (int(p), int(cg)) for b, w, p, cg in (line.split() for line in res.stdout.splitlines())}
+    assert counts[(1, 0)][0] == 0 and counts[(1, 32)][0] >= 1 and counts[(16, 32)][0] >= 16, counts
+    assert counts[(1, 32)][1] > counts[(1, 0)][1], counts  # the weight loads join the epilogue's .cg reads
+
+
 def test_per_column_thresholds_need_aligned_runs():
     x, w_t = torch.randn(1, 8, device=DEVICE), torch.randn(8, 48, device=DEVICE)
     t = torch.ones(1, 48, device=DEVICE)
