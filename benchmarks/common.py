@@ -8,6 +8,7 @@ import functools
 import gc
 import hashlib
 import itertools
+import re
 import time
 import traceback
 from contextlib import contextmanager
@@ -344,6 +345,13 @@ def rotated_copies(nbytes: int, calls: int = 20) -> int:
     if DEVICE == "cpu":
         return 1
     return max(1, min(calls, -(-ROTATED_BYTES // max(nbytes, 1))))
+
+
+def file_stem(text: str) -> str:
+    """``text`` (a setting such as ``threshold0.5+quest0.2``) as a file name's stem: every character
+    but letters, digits, ``.``, ``_`` and ``-`` becomes ``_``. Tools that copy results back from a
+    machine leave out names with other characters."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
 def weight_copies(nbytes: int) -> int:

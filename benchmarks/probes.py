@@ -722,7 +722,7 @@ def _profile_one(model, name, n, rows, out, steps):
     for e in sorted(events, key=lambda e: -e.device_time_total)[:40]:
         per = e.device_time_total / steps
         lines.append(f"| `{e.key[:90]}` | {per:.1f} | {e.count / steps:.0f} | {per / total_us:.1%} |")
-    (out / f"profile-{name}-{n}.md").write_text("\n".join(lines) + "\n")
+    (out / f"profile-{common.file_stem(name)}-{n}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:25]), flush=True)
     rows.append({"section": "profile", "setting": name, "context": n, "layers": layers,
                  "kernel_us_per_step": total_us, "kernels_per_step": launches})

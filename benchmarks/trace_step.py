@@ -128,7 +128,7 @@ def trace(model, name: str, n: int, steps: int, out: Path) -> dict:
     lines += ["", "largest gaps: " + "; ".join(f"{g['us']} us after `{g['after']}`" for g in row["largest_gaps"])]
     text = "\n".join(lines)
     print(text, flush=True)
-    (out / f"trace-{name}-{n}.md").write_text(text + "\n")
+    (out / f"trace-{common.file_stem(name)}-{n}.md").write_text(text + "\n")
     return row
 
 
