@@ -211,9 +211,10 @@ def gemv_grid(batch: int, full: bool = True) -> list[dict]:
 
 def gemv_refinements(best: dict) -> list[dict]:
     """Second pass around the best tile shape: activations loaded a tile ahead, or the slice's
-    activations asked for in L1 before the loop (`GemvConfig.warm_x`), pipelining depth and the
-    split of the features."""
+    activations asked for in L1 before the loop (`GemvConfig.warm_x`), a register cap for more
+    programs an SM (`GemvConfig.max_registers`), pipelining depth and the split of the features."""
     return [dict(best, prefetch=True, num_stages=st) for st in (1, 2, 3)] + [dict(best, warm_x=True)] + [
+        dict(best, max_registers=r) for r in (128, 168)] + [
         dict(best, num_stages=st) for st in (1, 2, 4, 5)] + [
         dict(best, target_programs=tp, min_tiles_per_split=mt) for tp in (256, 1024, 2048) for mt in (1, 4)]
 

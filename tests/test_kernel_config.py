@@ -100,6 +100,7 @@ def test_configs_are_frozen_values(kind):
         (GemvConfig, dict(tile_sum=0), "tile_sum must be a bool"),
         (GemvConfig, dict(atomic_sum=1), "atomic_sum must be a bool"),
         (GemvConfig, dict(warm_x="on"), "warm_x must be a bool"),
+        (GemvConfig, dict(max_registers=-1), "max_registers"),
         (GemvConfig, dict(dot_from_rows=0), "dot_from_rows must be a positive int"),
         (PageScoreConfig, dict(method="broadcast"), "method must be one of"),
         (PageScoreConfig, dict(block_p=2.0), "block_p must be a power of two"),

@@ -902,17 +902,19 @@ def gemv_cases(draw):
     prefetch = draw(st.booleans())  # scanning kernels: activations loaded a tile ahead
     tile_sum = draw(st.booleans())  # scanning kernels at one row: each tile summed at once
     atomic_sum = draw(st.booleans())  # scanning kernels: slices added atomically into one fp32 sum
+    max_registers = draw(st.sampled_from([0, 128]))  # ptxas' maxnreg (the interpreter takes and ignores it)
     return dict(x=x, w_t=w_t, bias=bias, dtype=dtype, g=g_rand, d_in=d_in, split=split, fuse=fuse, segment=segment,
-                prefetch=prefetch, tile_sum=tile_sum, atomic_sum=atomic_sum)
+                prefetch=prefetch, tile_sum=tile_sum, atomic_sum=atomic_sum, max_registers=max_registers)
 
 
 @contextmanager
 def epilogue(case):
     """Run with the case's split, split-K epilogue (fused from 2 slices up, so small cases reach it
-    too), prefetch, tile sums and atomic sums; the arrival counters and sums must be back to zero
-    after."""
+    too), prefetch, tile sums, atomic sums and a register cap; the arrival counters and sums must be
+    back to zero after."""
     with override(gemv=GemvConfig(split=case["split"], fuse_epilogue=case["fuse"], min_fused_split=2,
-                                  prefetch=case["prefetch"], tile_sum=case["tile_sum"], atomic_sum=case["atomic_sum"])):
+                                  prefetch=case["prefetch"], tile_sum=case["tile_sum"], atomic_sum=case["atomic_sum"],
+                                  max_registers=case["max_registers"])):
         yield
     for name, buf in WORKSPACE.buffers.items():
         assert int(buf.abs().sum()) == 0, f"{name} was left set"

@@ -76,6 +76,10 @@ class GemvConfig(LaunchConfig):
     """Scanning kernels: before its loop, a program asks for every activation line of its slice in
     its SM's L1 (a prefetch hint), and reads the weights past L1 (``.cg``) so that they do not evict
     them: the loop's activation loads, on which its weight loads wait, then hit L1."""
+    max_registers: int = 0
+    """The registers a thread may use (ptxas' ``maxnreg``), so that more programs share an SM; 0: as
+    many as the compiler takes (Triton 3.6 for sm_90: 255 at the one-row 64x128 tile in 4 warps, two
+    programs an SM)."""
     split: int = 0
     """Slices of the kept features per output block (split-K); 0: from the shapes (`target_programs`,
     `min_tiles_per_split`)."""
@@ -107,7 +111,7 @@ class GemvConfig(LaunchConfig):
         positive(self, "wide_d_out")
         at_least(self, 16, "tl.dot's size", "block_b")
         positive(self, "num_stages", "target_programs", "min_tiles_per_split", "min_fused_split", "dot_from_rows")
-        non_negative(self, "split")
+        non_negative(self, "split", "max_registers")
         booleans(self, "fuse_epilogue", "prefetch", "tile_sum", "atomic_sum", "warm_x")
 
 

@@ -243,7 +243,8 @@ def _launch(kernel, x: Tensor, w_t: Tensor, bias: Tensor | None, plan, args_befo
         *((b,) if plan.block_b else ()), plan.k, d_out, plan.k_per,
         x.stride(0), *strides_mid, w_t.stride(0), w_t.stride(1), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split > 1, FUSE=plan.counters is not None, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}), **meta,
     )
     if part is None or plan.counters is not None:
         return y
