@@ -13,7 +13,7 @@ Every example draws fresh random inputs (seeded by hypothesis), and every buffer
 scratch element it reads without having written it, fails the test.
 """
 
-from triton_mode import MODE, examples, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, examples, poisoned as poisoned_buffers, run_for_sm90, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
@@ -188,10 +188,7 @@ def test_decode_attention_entmax15(case):
 
 
 _SM90_MERGE = """
-import re, subprocess, sys, tempfile, pathlib
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import re, subprocess, tempfile, pathlib
 from policyzoo.kernels import AttentionConfig
 from policyzoo.kernels.ops.decode_attention import _choose
 from policyzoo.kernels.ops.decode_attention import kernel as K
@@ -201,10 +198,8 @@ for d in (64, 128, 256):
   for k_max in (16, 64, 128, 512):  # 16 to 128 partials a merge step (one row of one KV head)
     cfg = _choose(AttentionConfig(min_chunk_tokens=1), k_max, 1, 1, d)
     const = dict(D=d, D_PAD=d, BLOCK_C=cfg.block_c)
-    sig = {n: ("*bf16" if n == "out_ptr" else "*fp32" if n.endswith("_ptr") else "constexpr" if n in const else "i32")
-           for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=cfg.merge_warps)).asm["cubin"]
+    types = {n: "*bf16" if n == "out_ptr" else "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
+    cubin = compile_sm90(fn, const, types, warp_size=128, num_warps=cfg.merge_warps).asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -217,16 +212,7 @@ def test_decode_attention_merge_keeps_its_partials_in_registers():
     """The merge holds a step's ``block_c x D`` partial outputs in registers: with the warps the
     config chooses, compiled for an H100/H200 (sm_90) with the toolchain Triton ships, no step of
     16 to 128 partials of head dims 64 to 256 spills to local memory (128 x 128 in 2 warps did)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SM90_MERGE], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [line.split() for line in res.stdout.splitlines()]
+    steps = [line.split() for line in run_for_sm90(_SM90_MERGE).splitlines()]
     assert [int(s[1]) for s in steps] == [16, 64, 128, 128] * 2 + [16, 64, 64, 64], steps
     assert all(int(stack) == 0 for *_, stack in steps), steps
 
@@ -973,19 +959,15 @@ def test_sparse_gemv_threshold(case, quantile, per):
 
 
 _SM90_WARM_X = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from policyzoo.kernels.ops.sparse_gemv import kernel as K
 fn = K._gemv_scan_kernel
-ptr = {"t_ptr": "*fp32", "part_ptr": "*fp32", "done_ptr": "*i32"}
+types = {n: {"t_ptr": "*fp32", "part_ptr": "*fp32", "done_ptr": "*i32"}.get(n, "*bf16") for n in fn.arg_names
+         if n.endswith("_ptr")}
 for block_b, warm_x in ((1, 0), (1, 32), (16, 32)):  # one row (the loop), a row block (tl.dot)
     const = dict(FROM_MASK=False, HAS_BIAS=False, SPLIT=True, FUSE=True, BLOCK_B=block_b, BLOCK_N=64,
                  BLOCK_K=128 if block_b == 1 else 32, IEEE=False, PREFETCH=False, TILE_SUM=False, ATOMIC=False,
                  WARM_X=warm_x, X_LINE=64, W_CACHE=".cg" if warm_x else "")
-    sig = {n: (ptr.get(n, "*bf16") if n.endswith("_ptr") else "constexpr" if n in const else "i32") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    ptx = compile_sm90(fn, const, types, num_warps=4).asm["ptx"]
     print(block_b, warm_x, ptx.count("prefetch.global.L1"), ptx.count("ld.global.cg"))
 """
 
@@ -995,16 +977,8 @@ def test_sparse_gemv_warm_x_compiles_to_l1_prefetches():
     there): compiled for an H100/H200 (sm_90) with the toolchain Triton ships, the scanning kernel
     asks for its slice's activation lines in L1 and reads its weights past L1 (``ld.global.cg``),
     at one row and in row blocks, and without it does neither (the epilogue's reads are ``.cg``)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SM90_WARM_X], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    counts = {(int(b), int(w)): (int(p), int(cg)) for b, w, p, cg in (line.split() for line in res.stdout.splitlines())}
+    lines = run_for_sm90(_SM90_WARM_X).splitlines()
+    counts = {(int(b), int(w)): (int(p), int(cg)) for b, w, p, cg in (line.split() for line in lines)}
     assert counts[(1, 0)][0] == 0 and counts[(1, 32)][0] >= 1 and counts[(16, 32)][0] >= 16, counts
     assert counts[(1, 32)][1] > counts[(1, 0)][1], counts  # the weight loads join the epilogue's .cg reads
 

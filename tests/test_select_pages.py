@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 
-from triton_mode import MODE, examples, poisoned as poisoned_buffers, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
+from triton_mode import MODE, examples, poisoned as poisoned_buffers, run_for_sm90, run_in_fresh_interpreter  # first: it may set TRITON_INTERPRET before triton loads
 
 import torch  # noqa: E402
 
@@ -409,13 +409,11 @@ def test_select_ops_trace_through_torch_compile(monkeypatch):
 
 
 _SM90_SELECT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from policyzoo.kernels.ops.select_pages import kernel as K
 from policyzoo.kernels.ops.select_top import tiles
 pointers = dict(s_ptr="*fp32", f_ptr="*u8", cnt_ptr="*i64", start_ptr="*i64", len_ptr="*i64", keys_ptr="*i16",
-                ws_ptr="*i32", idx_ptr="*i32", kept_ptr="*i32", q_ptr="*bf16", mn_ptr="*bf16", mx_ptr="*bf16")
+                ws_ptr="*i32", idx_ptr="*i32", kept_ptr="*i32", q_ptr="*bf16", mn_ptr="*bf16", mx_ptr="*bf16",
+                scale="fp32", ratio_bits="i64")
 block, tail = tiles(300)
 rows = dict(GROUP=32, NB=K.HIST_BINS, LOW=K.LOW_BITS, ROW_BLOCK=block, ROW_TAIL=tail)
 variants = [(K._select_scores_kernel, dict(FLAGS=f, COUNT=c, BLOCK=512, **rows), {"f_ptr": "*i32"} if f == 2 else {})
@@ -423,10 +421,7 @@ variants = [(K._select_scores_kernel, dict(FLAGS=f, COUNT=c, BLOCK=512, **rows),
 variants.append((K._select_pages_kernel, dict(G=4, G_PAD=16, D=128, D_PAD=128, BLOCK_P=64, DOT=True, IEEE=False,
                                               COUNT=2, **rows), {}))
 for fn, const, types in variants:
-    sig = {n: types.get(n, pointers.get(n, "constexpr" if n in const else "i32")) for n in fn.arg_names}
-    sig.update({n: "fp32" for n in ("scale",) if n in sig}, ratio_bits="i64")
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["cubin"]
+    assert compile_sm90(fn, const, {**pointers, **types}, num_warps=4).asm["cubin"]
 print("compiled")
 """
 
@@ -435,15 +430,7 @@ def test_select_kernels_compile_for_sm90():
     """The interpreter runs code the compiler refuses: the selection kernels, for given scores with
     flags, page spans or listed page ids, and for the box's own bound, compile for an H100/H200
     (sm_90) with the toolchain Triton ships, no GPU needed."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SM90_SELECT], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    assert "compiled" in run_for_sm90(_SM90_SELECT)
 
 
 # ----------------------------------------------------------------------------- the policies

@@ -15,6 +15,10 @@ interpreter, where one example takes seconds and the CPU suite has a time budget
 
 `poisoned` makes the buffers a kernel module allocates (through its ``_alloc``) start as garbage, so
 that a test sees every entry the kernel fails to write.
+
+`run_for_sm90` runs a snippet that compiles kernels for an H100/H200 (sm_90) with the toolchain
+Triton ships (no GPU needed), in a fresh process where the interpreter is off; the snippet calls
+``compile_sm90``, defined for it.
 """
 
 import os
@@ -44,6 +48,32 @@ def run_in_fresh_interpreter(test_file: str) -> None:
     cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
     res = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-20000:] + res.stderr[-5000:]
+
+
+_SM90_PRELUDE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_sm90(fn, const, types, warp_size=32, **options):
+    # ``fn`` compiled for sm_90: ``const`` its constexprs, ``types`` the Triton types of its other
+    # arguments (i32 where not named).
+    sig = {n: types.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, warp_size), options=options)
+"""
+
+
+def run_for_sm90(snippet: str) -> str:
+    """Run ``snippet`` (which calls ``compile_sm90(fn, const, types, **options)``) in a fresh process
+    without ``TRITON_INTERPRET``, from the repository's root; fail with its errors unless it exits
+    cleanly, and return what it printed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SM90_PRELUDE + snippet], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
 
 
 def examples(on_gpu: int) -> int:
